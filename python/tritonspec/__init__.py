@@ -1,0 +1,36 @@
+"""tritonspec: FlagTree-style backend specialization hooks installed into stock Triton.
+
+Importing tritonspec (or any ``import triton`` once it is installed) installs the hooks unless
+``TRITONSPEC_DISABLE=1``. Nothing here creates a device driver.
+"""
+from .hooks import HOOKS, Hook, Kind, SpecError, get_hook
+from .launch import launch_config
+from .registry import REGISTRY, register_spec
+from .resolve import (SpecHookError, backend_for_device, current_backend, lookup, spec, spec_func,
+                      use_backend)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HOOKS", "Hook", "Kind", "SpecError", "SpecHookError", "get_hook", "launch_config", "REGISTRY",
+    "register_spec", "backend_for_device", "current_backend", "lookup", "spec", "spec_func", "use_backend",
+    "activate", "deactivate",
+]
+
+
+def activate():
+    """Install the hook points into the imported (or later imported) stock Triton; idempotent."""
+    from .install import activate as _activate
+    _activate()
+
+
+def deactivate():
+    """Remove every hook point and injection, restoring Triton's original objects."""
+    from .install import deactivate as _deactivate
+    _deactivate()
+
+
+import os as _os
+
+if _os.environ.get("TRITONSPEC_DISABLE", "0") != "1":
+    activate()

@@ -1,0 +1,485 @@
+"""Hook points: where the declared hooks are installed into the stock ``triton`` package.
+
+Each ``InstallPoint`` names the Triton module it patches, the Triton versions it applies to, and an
+install function that records every original it replaces, so ``deactivate()`` restores stock
+Triton exactly. Points are installed when their module finishes importing (a post-import hook),
+which makes activation safe from inside ``import triton`` (our backends' entry points run during
+Triton's backend discovery). Upgrading Triton means re-validating this table: ``tritonspec check``
+reports every point that could not apply instead of failing the import.
+
+All hooks act at compile (trace) time or on compile-cache misses; nothing here runs per launch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.abc
+import os
+import sys
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+from . import inject
+from .hooks import SpecError
+from .registry import REGISTRY
+from .resolve import active_provider, compiling_for, current_backend, explicit_backend, lookup, spec
+
+_MISSING = object()
+_lock = threading.RLock()
+_patches: list[tuple[object, str, object]] = []  # (owner, attr, original) in install order
+_active = False
+
+
+def _patch(owner, attr: str, value) -> None:
+    _patches.append((owner, attr, owner.__dict__.get(attr, _MISSING) if isinstance(owner, type)
+                     else getattr(owner, attr, _MISSING)))
+    setattr(owner, attr, value)
+
+
+def _version() -> tuple[int, int]:
+    import triton
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+# --------------------------------------------------------------------------------------------
+# language semantics: TritonSemantic methods (the interpreter uses the same class)
+# --------------------------------------------------------------------------------------------
+
+def _install_atomic_add(semantic):
+    cls = semantic.TritonSemantic
+    orig = cls.atomic_add
+
+    @functools.wraps(orig)
+    def atomic_add(self, ptr, val, mask, sem, scope):
+        fn = lookup("atomic_add_int64")
+        if fn is not None:
+            elt = getattr(getattr(ptr, "type", None), "scalar", None)
+            elt = getattr(elt, "element_ty", None)
+            if elt is not None and elt.is_int() and elt.primitive_bitwidth == 64:
+                return fn(self, ptr, val, mask, sem, scope)
+        return orig(self, ptr, val, mask, sem, scope)
+
+    _patch(cls, "atomic_add", atomic_add)
+
+
+def _install_atomic_bf16(semantic):
+    cls = semantic.TritonSemantic
+    orig = cls.atom_red_typechecking_impl
+
+    @functools.wraps(orig)
+    def atom_red_typechecking_impl(self, ptr, val, mask, op):
+        ptr, val, mask = orig(self, ptr, val, mask, op)
+        if ptr.type.scalar.element_ty.is_bf16() and spec("atomic_disable_bf16"):
+            raise ValueError(f"atomic_{op} on bfloat16 is not supported by backend {current_backend()!r}; "
+                             "accumulate in float32 instead")
+        return ptr, val, mask
+
+    _patch(cls, "atom_red_typechecking_impl", atom_red_typechecking_impl)
+
+
+def _install_arange(semantic):
+    cls = semantic.TritonSemantic
+    orig = cls.arange
+    tl = semantic.tl
+
+    @functools.wraps(orig)
+    def arange(self, start, end, *, ret_ty=None):
+        n = end - start if isinstance(start, int) and isinstance(end, int) else 0
+        if n > 0 and n & (n - 1):
+            if spec("arange_disable_check_power_of_two"):
+                if ret_ty is None:
+                    ret_ty = tl.block_type(tl.int32, [n])
+                # The stock checks (int32 range, end > start) still hold on this path.
+                if (start >> 32) or (end >> 32):
+                    raise ValueError("arange must fit in int32")
+                return self.make_tensor(self.builder.create_make_range(ret_ty.to_ir(self.builder), start, end),
+                                        ret_ty)
+        return orig(self, start, end, ret_ty=ret_ty)
+
+    _patch(cls, "arange", arange)
+
+
+def _install_cache_modifier(semantic):
+    cls = semantic.TritonSemantic
+    orig = cls._str_to_load_cache_modifier
+
+    @functools.wraps(orig)
+    def _str_to_load_cache_modifier(self, cache_modifier):
+        fn = lookup("ext_str_to_load_cache_modifier")
+        if fn is not None and cache_modifier:
+            result = fn(cache_modifier)
+            if result is not None:
+                return result
+        return orig(self, cache_modifier)
+
+    _patch(cls, "_str_to_load_cache_modifier", _str_to_load_cache_modifier)
+
+
+# --------------------------------------------------------------------------------------------
+# compiler: compile() entry, stage pipeline, options
+# --------------------------------------------------------------------------------------------
+
+def _install_compile(compiler_pkg):
+    """Wrap ``triton.compile``: resolve the target's spec, swap tl injections, key the cache by spec."""
+    from triton.compiler import compiler as compiler_mod
+    orig = compiler_mod.compile
+
+    @functools.wraps(orig)
+    def compile(src, target=None, options=None, _env_vars=None):
+        if target is None:
+            from triton.runtime.driver import driver
+            target = driver.active.get_current_target()
+        provider = active_provider(target.backend)
+        if provider is not None:
+            if _env_vars is None:
+                _env_vars = compiler_mod.get_cache_invalidating_env_vars()
+            _env_vars = {**_env_vars, "TRITONSPEC_SPEC": f"{provider.backend}:{provider.fingerprint}"}
+        wanted = provider.module if provider is not None and inject.has_injections(provider.module) else None
+        with compiling_for(target.backend):
+            if inject.applied_spec() is wanted:
+                return orig(src, target=target, options=options, _env_vars=_env_vars)
+            with _lock:  # cross-compiling for a backend with other tl injections: swap them meanwhile
+                previous = inject.applied_spec()
+                inject.apply(wanted)
+                try:
+                    return orig(src, target=target, options=options, _env_vars=_env_vars)
+                finally:
+                    inject.apply(previous)
+
+    _patch(compiler_mod, "compile", compile)
+    _patch(compiler_pkg, "compile", compile)
+    if "triton" in sys.modules and hasattr(sys.modules["triton"], "compile"):
+        _patch(sys.modules["triton"], "compile", compile)
+
+
+def _stages_hook(previous):
+
+    def hook(*args):
+        if not args:  # triton >= 3.7 asks the hook for a cache-key contribution
+            key, digest = previous() if previous is not None else ("", "")
+            provider = active_provider()
+            mine = provider.fingerprint if provider is not None else ""
+            return key + f"-tritonspec:{mine}", digest + mine
+        backend, stages, options, language, capability = args
+        if previous is not None:
+            previous(*args)
+        fn = lookup("pipeline_stages", target_backend=backend.target.backend)
+        if fn is not None:
+            fn(backend, stages, options, language, capability)
+
+    hook.__tritonspec__ = True
+    return hook
+
+
+def _install_stages(knobs):
+    _patch(knobs.runtime, "add_stages_inspection_hook", _stages_hook(knobs.runtime.add_stages_inspection_hook))
+
+
+def _install_parse_options(backends_mod):
+    """Clamp ``num_stages`` to the spec's ``num_stages_cap`` where options are parsed (per compile)."""
+    for backend in backends_mod.backends.values():
+        cls = backend.compiler
+        orig = cls.parse_options
+
+        def parse_options(self, opts, _orig=orig):
+            options = _orig(self, opts)
+            cap = lookup("num_stages_cap", target_backend=self.target.backend)
+            cap = cap() if callable(cap) else cap
+            if cap is not None and getattr(options, "num_stages", 0) > cap:
+                options = dataclasses.replace(options, num_stages=int(cap))
+            return options
+
+        _patch(cls, "parse_options", functools.wraps(orig)(parse_options))
+
+
+# --------------------------------------------------------------------------------------------
+# runtime: autotuner pruning, do_bench, host compiler, JIT cache separation, driver spec API
+# --------------------------------------------------------------------------------------------
+
+def _install_autotuner(autotuner):
+    cls = autotuner.Autotuner
+    orig = cls.prune_configs
+
+    @functools.wraps(orig)
+    def prune_configs(self, kwargs, *args, **kw):
+        configs = orig(self, kwargs, *args, **kw)
+        fn = lookup("get_pruned_configs")
+        if fn is not None:
+            configs = fn(list(configs), {**self.nargs, **kwargs})
+            if not configs:
+                raise SpecError(f"backend {current_backend()!r} get_pruned_configs returned no configs")
+        return configs
+
+    _patch(cls, "prune_configs", prune_configs)
+
+
+def _install_do_bench(testing):
+    orig = testing.do_bench
+
+    @functools.wraps(orig)
+    def do_bench(*args, **kwargs):
+        fn = lookup("do_bench")
+        return (fn or orig)(*args, **kwargs)
+
+    _patch(testing, "do_bench", do_bench)
+
+
+def _install_get_cc(build):
+    if hasattr(build, "_find_compiler"):  # triton >= 3.7
+        orig = build._find_compiler
+
+        @functools.wraps(orig)
+        def _find_compiler(language, *args, **kwargs):
+            fn = lookup("get_cc") if language == "c" and "CC" not in os.environ else None
+            return (fn() if fn is not None else None) or orig(language, *args, **kwargs)
+
+        _patch(build, "_find_compiler", _find_compiler)
+        return
+    orig = build._build  # triton 3.6 picks $CC inside _build
+
+    @functools.wraps(orig)
+    def _build(*args, **kwargs):
+        fn = lookup("get_cc") if "CC" not in os.environ else None
+        cc = fn() if fn is not None else None
+        if cc is None:
+            return orig(*args, **kwargs)
+        with _lock:
+            os.environ["CC"] = cc
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                del os.environ["CC"]
+
+    _patch(build, "_build", _build)
+
+
+_jit_functions: "weakref.WeakSet" = weakref.WeakSet()
+_jit_key = None
+
+
+def _jit_cache_key():
+    return (explicit_backend(), REGISTRY.generation)
+
+
+def _swap_jit_caches():
+    """Give every JIT function the in-memory cache of the current spec selection (zero per-launch cost)."""
+    global _jit_key
+    new = _jit_cache_key()
+    if new == _jit_key:
+        return
+    old, _jit_key = _jit_key, new
+    for fn in list(_jit_functions):
+        stash = fn.__dict__.setdefault("_tritonspec_caches", {})
+        stash[old] = fn.device_caches
+        fn.device_caches = stash.pop(new, None) or type(fn.device_caches)(fn.create_binder)
+
+
+def _install_jit(jit):
+    cls = jit.JITFunction
+    orig = cls.__init__
+
+    @functools.wraps(orig)
+    def __init__(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        _jit_functions.add(self)
+
+    _patch(cls, "__init__", __init__)
+
+
+def _install_driver_api(driver_mod):
+    from .resolve import spec, spec_func
+    _patch(driver_mod, "spec", spec)
+    _patch(driver_mod, "spec_func", spec_func)
+
+
+def _install_injectors(language):
+    """FlagTree's injector names on the stock modules, plus the ambient backend's injections."""
+    from triton.language import core, math, semantic, standard
+    _patch(core, "spec_core_func", inject.spec_core_func)
+    _patch(semantic, "spec_semantic_func", inject.spec_semantic_func)
+    _patch(standard, "spec_standard_func", inject.spec_standard_func)
+    _patch(math, "spec_math_func", inject.spec_math_func)
+    _apply_ambient_injections()
+
+
+def _apply_ambient_injections():
+    if "triton.language" not in sys.modules or not _active:
+        return
+    provider = active_provider()
+    inject.apply(provider.module if provider is not None else None)
+
+
+# --------------------------------------------------------------------------------------------
+# interpreter: libdevice / extern math under TRITON_INTERPRET=1
+# --------------------------------------------------------------------------------------------
+
+_LIBDEVICE_MODULES = ("triton.language.extra.libdevice", "triton.language.extra.cuda.libdevice",
+                      "triton.language.extra.hip.libdevice")
+
+
+def _install_interpreter(interpreter):
+    orig = interpreter._patch_lang
+
+    @functools.wraps(orig)
+    def _patch_lang(fn):
+        scope = orig(fn)
+        lib = lookup("interpreter_libdevice")
+        if lib is not None:
+            for mod_name in _LIBDEVICE_MODULES:
+                mod = sys.modules.get(mod_name)
+                if mod is None:
+                    continue
+                for name in dir(lib):
+                    member = getattr(lib, name)
+                    if not name.startswith("_") and interpreter.tl.core.is_builtin(member):
+                        interpreter._patch_attr(mod, name, member, interpreter.interpreter_builder, scope)
+        return scope
+
+    _patch(interpreter, "_patch_lang", _patch_lang)
+
+
+# --------------------------------------------------------------------------------------------
+# the table
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class InstallPoint:
+    name: str  # matches Hook.point in hooks.py
+    module: str  # the stock Triton module it patches
+    install: Callable
+    min_version: tuple[int, int] = (3, 4)  # TritonSemantic / entry-point backends arrived in 3.4
+    doc: str = ""
+
+
+INSTALL_POINTS: tuple[InstallPoint, ...] = (
+    InstallPoint("semantic.atomic_add", "triton.language.semantic", _install_atomic_add,
+                 doc="TritonSemantic.atomic_add: int64 atomic add lowering"),
+    InstallPoint("semantic.atom_red_typechecking_impl", "triton.language.semantic", _install_atomic_bf16,
+                 doc="TritonSemantic.atom_red_typechecking_impl: bf16 atomics policy"),
+    InstallPoint("semantic.arange", "triton.language.semantic", _install_arange,
+                 doc="TritonSemantic.arange: power-of-two rule"),
+    InstallPoint("semantic._str_to_load_cache_modifier", "triton.language.semantic", _install_cache_modifier,
+                 doc="TritonSemantic._str_to_load_cache_modifier: extra cache modifiers"),
+    InstallPoint("language.injectors", "triton.language", _install_injectors,
+                 doc="spec_core/semantic/standard/math_func and the backend's tl builtins"),
+    InstallPoint("compiler.compile", "triton.compiler", _install_compile,
+                 doc="triton.compile: target spec, tl injections, spec fingerprint in the cache key"),
+    InstallPoint("compiler.add_stages", "triton.knobs", _install_stages, min_version=(3, 6),
+                 doc="knobs.runtime.add_stages_inspection_hook: add or replace stages"),
+    InstallPoint("compiler.parse_options", "triton.runtime.driver", _install_parse_options,
+                 doc="<Backend>.parse_options: num_stages cap"),
+    InstallPoint("autotuner.prune_configs", "triton.runtime.autotuner", _install_autotuner,
+                 doc="Autotuner.prune_configs: backend config pruning"),
+    InstallPoint("testing.do_bench", "triton.testing", _install_do_bench, doc="triton.testing.do_bench"),
+    InstallPoint("runtime.build", "triton.runtime.build", _install_get_cc, doc="host C compiler choice"),
+    InstallPoint("runtime.jit", "triton.runtime.jit", _install_jit,
+                 doc="JITFunction: in-memory caches separated per spec selection"),
+    InstallPoint("runtime.driver", "triton.runtime.driver", _install_driver_api,
+                 doc="from triton.runtime.driver import spec, spec_func"),
+    InstallPoint("interpreter.libdevice", "triton.runtime.interpreter", _install_interpreter,
+                 doc="interpreter: libdevice calls served by the backend's numpy functions"),
+)
+
+# outcome per point: "installed", "pending" (module not imported yet), "n/a: ..." or "failed: ..."
+STATUS: dict[str, str] = {}
+
+
+def _run(point: InstallPoint, module) -> None:
+    with _lock:
+        if not _active or STATUS.get(point.name) == "installed":
+            return
+        try:
+            if _version() < point.min_version:
+                STATUS[point.name] = f"n/a: needs triton >= {'.'.join(map(str, point.min_version))}"
+                return
+            point.install(module)
+            STATUS[point.name] = "installed"
+        except Exception as e:  # never break `import triton`: report through `tritonspec check`
+            STATUS[point.name] = f"failed: {type(e).__name__}: {e}"
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Runs install functions right after their Triton module finishes executing."""
+
+    def find_spec(self, fullname, path, target=None):
+        pending = [p for p in INSTALL_POINTS if p.module == fullname and STATUS.get(p.name) == "pending"]
+        if not pending:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            found = finder.find_spec(fullname, path, target)
+            if found is not None:
+                break
+        else:
+            return None
+        loader = found.loader
+        exec_module = loader.exec_module
+
+        def exec_then_install(module):
+            exec_module(module)
+            for p in pending:
+                _run(p, module)
+
+        loader.exec_module = exec_then_install
+        return found
+
+
+_finder = _PostImportFinder()
+
+
+def _imported(name: str):
+    module = sys.modules.get(name)
+    if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
+        return None
+    return module
+
+
+def activate() -> None:
+    global _active
+    with _lock:
+        if _active:
+            return
+        _active = True
+        for point in INSTALL_POINTS:
+            STATUS[point.name] = "pending"
+        if _finder not in sys.meta_path:
+            sys.meta_path.insert(0, _finder)
+        for point in INSTALL_POINTS:
+            module = _imported(point.module)
+            if module is not None:
+                _run(point, module)
+        global _jit_key
+        _jit_key = _jit_cache_key()
+        REGISTRY.on_change(_on_spec_change)
+
+
+def _on_spec_change():
+    if _active:
+        _swap_jit_caches()
+        _apply_ambient_injections()
+
+
+def deactivate() -> None:
+    global _active
+    with _lock:
+        if not _active:
+            return
+        inject.restore()
+        while _patches:
+            owner, attr, original = _patches.pop()
+            if original is _MISSING:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, original)
+        if _finder in sys.meta_path:
+            sys.meta_path.remove(_finder)
+        STATUS.clear()
+        _active = False
+
+
+def is_active() -> bool:
+    return _active
