@@ -30,5 +30,11 @@ setup(
             "ascend = tritonspec_backends.ascend.backend.spec",
             "cpu = tritonspec_backends.cpu.backend.spec",
         ],
+        # New Triton backends (nvidia and amd stay the stock ones): each names a package with
+        # compiler.py / driver.py, imported during Triton's backend discovery.
+        "triton.backends": [
+            "iluvatar = tritonspec_backends.iluvatar.backend",
+            "ascend = tritonspec_backends.ascend.backend",
+        ],
     },
 )

@@ -49,7 +49,7 @@ HOOKS: dict[str, Hook] = _table(
          "True when the backend has no bf16 atomics: a bf16 atomic op raises a clear error"),
     Hook("arange_disable_check_power_of_two", P, "semantic.arange", "range must be a power of two",
          "True lifts the power-of-two rule on tl.arange's length"),
-    Hook("ext_str_to_load_cache_modifier", F, "semantic._str_to_load_cache_modifier", "'.ca', '.cg', '.cv'",
+    Hook("ext_str_to_load_cache_modifier", F, "semantic.load_cache_modifier", "'.ca', '.cg', '.cv'",
          "(cache_modifier: str) -> ir.CACHE_MODIFIER | None: accept extra load cache modifiers"),
     # -- compiler pipeline (knobs.runtime.add_stages_inspection_hook) --
     Hook("pipeline_stages", F, "compiler.add_stages", "stock stages",
@@ -121,9 +121,9 @@ def validate_spec_module(backend: str, module) -> None:
                                     f"{module.__name__} defines no {attr!r}")
                 listed.add(attr)
     for name in exports:
-        if name in HOOKS or name in LIST_NAMES or name in listed:
-            continue
         if not hasattr(module, name):
             raise SpecError(f"backend {backend!r}: {module.__name__}.__all__ names {name!r}, which it does not define")
+        if name in HOOKS or name in LIST_NAMES or name in listed:
+            continue
         raise SpecError(f"backend {backend!r}: spec module {module.__name__} exports {name!r}, which is not a "
                         f"declared hook{suggest(name, list(HOOKS) + sorted(LIST_NAMES))}")

@@ -80,42 +80,79 @@ def _install_atomic_bf16(semantic):
     _patch(cls, "atom_red_typechecking_impl", atom_red_typechecking_impl)
 
 
-def _install_arange(semantic):
+def _install_arange(language):
+    """The power-of-two rule lives in TritonSemantic.arange and in block-shape validation (core)."""
+    from triton.language import core, semantic
     cls = semantic.TritonSemantic
-    orig = cls.arange
+    orig_arange, orig_validate = cls.arange, core.validate_block_shape
     tl = semantic.tl
 
-    @functools.wraps(orig)
+    def lifted() -> bool:
+        return bool(spec("arange_disable_check_power_of_two"))
+
+    @functools.wraps(orig_arange)
     def arange(self, start, end, *, ret_ty=None):
         n = end - start if isinstance(start, int) and isinstance(end, int) else 0
-        if n > 0 and n & (n - 1):
-            if spec("arange_disable_check_power_of_two"):
-                if ret_ty is None:
-                    ret_ty = tl.block_type(tl.int32, [n])
-                # The stock checks (int32 range, end > start) still hold on this path.
-                if (start >> 32) or (end >> 32):
-                    raise ValueError("arange must fit in int32")
-                return self.make_tensor(self.builder.create_make_range(ret_ty.to_ir(self.builder), start, end),
-                                        ret_ty)
-        return orig(self, start, end, ret_ty=ret_ty)
+        if n > 0 and n & (n - 1) and lifted():
+            if (start >> 32) or (end >> 32):  # the stock checks other than the power of two still hold
+                raise ValueError("arange must fit in int32")
+            ret_ty = ret_ty or tl.block_type(tl.int32, [n])
+            make = getattr(self, "make_tensor", None) or self.tensor  # make_tensor arrived after 3.6
+            return make(self.builder.create_make_range(ret_ty.to_ir(self.builder), start, end), ret_ty)
+        return orig_arange(self, start, end, ret_ty=ret_ty)
+
+    @functools.wraps(orig_validate)
+    def validate_block_shape(shape):
+        if any(isinstance(d, int) and d > 0 and d & (d - 1) for d in shape) and lifted():
+            from triton._utils import TRITON_MAX_TENSOR_NUMEL
+            numel = 1
+            for d in shape:
+                numel *= d
+            if numel > TRITON_MAX_TENSOR_NUMEL:
+                raise ValueError(f"numel ({numel}) exceeds triton maximum tensor numel ({TRITON_MAX_TENSOR_NUMEL})")
+            return numel
+        return orig_validate(shape)
 
     _patch(cls, "arange", arange)
+    _patch(core, "validate_block_shape", validate_block_shape)
 
 
-def _install_cache_modifier(semantic):
-    cls = semantic.TritonSemantic
-    orig = cls._str_to_load_cache_modifier
+def _install_cache_modifier(language):
+    """Extra load cache modifiers, mapped by the spec onto an ``ir.CACHE_MODIFIER``.
 
-    @functools.wraps(orig)
-    def _str_to_load_cache_modifier(self, cache_modifier):
-        fn = lookup("ext_str_to_load_cache_modifier")
-        if fn is not None and cache_modifier:
-            result = fn(cache_modifier)
+    Triton <= 3.8 converts the string in TritonSemantic._str_to_load_cache_modifier; 3.9 validates it
+    in core._CachePolicy and hands the builder a name, so the spec's result is translated to that name.
+    """
+    from triton.language import core, semantic
+    policy = getattr(core, "_CachePolicy", None)
+    if policy is None:
+        cls = semantic.TritonSemantic
+        orig = cls._str_to_load_cache_modifier
+
+        @functools.wraps(orig)
+        def _str_to_load_cache_modifier(self, cache_modifier):
+            fn = lookup("ext_str_to_load_cache_modifier") if cache_modifier else None
+            result = fn(cache_modifier) if fn is not None else None
+            return orig(self, cache_modifier) if result is None else result
+
+        _patch(cls, "_str_to_load_cache_modifier", _str_to_load_cache_modifier)
+        return
+    orig_post_init = policy.__post_init__
+
+    @functools.wraps(orig_post_init)
+    def __post_init__(self):
+        cm = core._unwrap_if_constexpr(self.cache_modifier)
+        if isinstance(cm, str) and cm.removeprefix(".") not in _STOCK_MODIFIERS:
+            fn = lookup("ext_str_to_load_cache_modifier")
+            result = fn("." + cm.removeprefix(".")) if fn is not None else None
             if result is not None:
-                return result
-        return orig(self, cache_modifier)
+                object.__setattr__(self, "cache_modifier", result.name.lower())
+        orig_post_init(self)
 
-    _patch(cls, "_str_to_load_cache_modifier", _str_to_load_cache_modifier)
+    _patch(policy, "__post_init__", __post_init__)
+
+
+_STOCK_MODIFIERS = {"", "none", "ca", "cg", "wb", "cs", "wt", "cv"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,7 +173,7 @@ def _install_compile(compiler_pkg):
         if provider is not None:
             if _env_vars is None:
                 _env_vars = compiler_mod.get_cache_invalidating_env_vars()
-            _env_vars = {**_env_vars, "TRITONSPEC_SPEC": f"{provider.backend}:{provider.fingerprint}"}
+            _env_vars = {**_env_vars, "TRITONSPEC_SPEC": f"{provider.backend}:{provider.fingerprint}:{_self_key()}"}
         wanted = provider.module if provider is not None and inject.has_injections(provider.module) else None
         with compiling_for(target.backend):
             if inject.applied_spec() is wanted:
@@ -153,6 +190,17 @@ def _install_compile(compiler_pkg):
     _patch(compiler_pkg, "compile", compile)
     if "triton" in sys.modules and hasattr(sys.modules["triton"], "compile"):
         _patch(sys.modules["triton"], "compile", compile)
+
+
+@functools.lru_cache(maxsize=None)
+def _self_key() -> str:
+    """Digest of the layer's own code: a changed hook installation must not reuse old binaries."""
+    import hashlib
+    import pathlib
+    h = hashlib.sha256()
+    for name in ("hooks.py", "resolve.py", "inject.py", "install.py"):
+        h.update((pathlib.Path(__file__).parent / name).read_bytes())
+    return h.hexdigest()[:12]
 
 
 def _stages_hook(previous):
@@ -256,7 +304,8 @@ def _install_get_cc(build):
     _patch(build, "_build", _build)
 
 
-_jit_functions: "weakref.WeakSet" = weakref.WeakSet()
+# id -> weakref; not a WeakSet: JITFunction.__hash__ parses the kernel source to compute a cache key.
+_jit_functions: dict[int, weakref.ref] = {}
 _jit_key = None
 
 
@@ -271,10 +320,14 @@ def _swap_jit_caches():
     if new == _jit_key:
         return
     old, _jit_key = _jit_key, new
-    for fn in list(_jit_functions):
+    for ref in list(_jit_functions.values()):
+        fn = ref()
+        if fn is None:
+            continue
         stash = fn.__dict__.setdefault("_tritonspec_caches", {})
         stash[old] = fn.device_caches
-        fn.device_caches = stash.pop(new, None) or type(fn.device_caches)(fn.create_binder)
+        cache = stash.pop(new, None)
+        fn.device_caches = cache if cache is not None else type(fn.device_caches)(fn.create_binder)
 
 
 def _install_jit(jit):
@@ -284,7 +337,8 @@ def _install_jit(jit):
     @functools.wraps(orig)
     def __init__(self, *args, **kwargs):
         orig(self, *args, **kwargs)
-        _jit_functions.add(self)
+        key = id(self)
+        _jit_functions[key] = weakref.ref(self, lambda _, key=key: _jit_functions.pop(key, None))
 
     _patch(cls, "__init__", __init__)
 
@@ -359,10 +413,10 @@ INSTALL_POINTS: tuple[InstallPoint, ...] = (
                  doc="TritonSemantic.atomic_add: int64 atomic add lowering"),
     InstallPoint("semantic.atom_red_typechecking_impl", "triton.language.semantic", _install_atomic_bf16,
                  doc="TritonSemantic.atom_red_typechecking_impl: bf16 atomics policy"),
-    InstallPoint("semantic.arange", "triton.language.semantic", _install_arange,
-                 doc="TritonSemantic.arange: power-of-two rule"),
-    InstallPoint("semantic._str_to_load_cache_modifier", "triton.language.semantic", _install_cache_modifier,
-                 doc="TritonSemantic._str_to_load_cache_modifier: extra cache modifiers"),
+    InstallPoint("semantic.arange", "triton.language", _install_arange,
+                 doc="TritonSemantic.arange + core.validate_block_shape: power-of-two rule"),
+    InstallPoint("semantic.load_cache_modifier", "triton.language", _install_cache_modifier,
+                 doc="load cache modifiers: TritonSemantic (<= 3.8) or core._CachePolicy (3.9)"),
     InstallPoint("language.injectors", "triton.language", _install_injectors,
                  doc="spec_core/semantic/standard/math_func and the backend's tl builtins"),
     InstallPoint("compiler.compile", "triton.compiler", _install_compile,

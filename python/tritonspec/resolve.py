@@ -165,8 +165,8 @@ def use_backend(name: str):
         raise SpecError(f"use_backend: no spec registered for backend {name!r}; "
                         f"known: {', '.join(REGISTRY.names()) or 'none'}")
     _selected.append(name)
-    REGISTRY._changed()
     try:
+        REGISTRY._changed()
         yield REGISTRY.get(name)
     finally:
         _selected.pop()

@@ -1,0 +1,47 @@
+"""tritonspec.nn: put tritonspec's Triton kernels into Hugging Face models, three ways, one engine.
+
+- Registry (LLaMA-Factory style): ``apply_available_kernels(model)`` / ``apply_kernel(model, Kernel)``.
+- kernelize (huggingface/kernels style): ``kernelize(model, mode=Mode.TRAINING)``.
+- YAML rules (KTransformers style): ``apply_rules(model, "rules.yaml")``.
+
+Whichever you use, ``report(model)`` lists what was replaced and ``revert(model)`` restores the
+original forwards. ``attn_implementation="tritonspec"`` selects the Triton attention once
+``register_attention()`` ran (the FLASH_ATTENTION registry kernel does it for you).
+
+``RMSNorm`` and ``SwiGLUMLP`` (stateful modules, :mod:`tritonspec.nn.layers`) are loaded on first use.
+"""
+from .attention import ATTENTION_NAME, register_attention, tritonspec_attention_forward, use_tritonspec_attention
+from .engine import Change, Report, report, revert
+from .kernelize import (CUDAProperties, Device, Mode, ROCMProperties, kernelize, register_kernel_mapping,
+                        replace_kernel_forward_from_hub, use_kernel_forward_from_hub, use_kernel_mapping)
+from .registry import (KERNEL_REGISTRY, AutoRegisterKernelMeta, DeviceType, KernelRegistry, KernelType, MetaKernel,
+                       apply_available_kernels, apply_kernel, discover_kernels)
+from .repository import HubUnavailableError, LayerRepository, LocalLayerRepository, TritonspecRepository
+from .rules import Rule, RuleError, apply_rules, load_rules, register_module_converter
+
+__all__ = [
+    # registry
+    "KernelType", "DeviceType", "KernelRegistry", "KERNEL_REGISTRY", "AutoRegisterKernelMeta", "MetaKernel",
+    "discover_kernels", "apply_kernel", "apply_available_kernels",
+    # kernelize
+    "Mode", "Device", "CUDAProperties", "ROCMProperties", "kernelize", "register_kernel_mapping",
+    "use_kernel_mapping", "use_kernel_forward_from_hub", "replace_kernel_forward_from_hub",
+    "LayerRepository", "LocalLayerRepository", "TritonspecRepository", "HubUnavailableError",
+    # rules
+    "apply_rules", "load_rules", "Rule", "RuleError", "register_module_converter",
+    # engine
+    "revert", "report", "Report", "Change",
+    # attention
+    "ATTENTION_NAME", "register_attention", "tritonspec_attention_forward", "use_tritonspec_attention",
+    # layers (tritonspec.nn.layers, loaded lazily)
+    "RMSNorm", "SwiGLUMLP",
+]
+
+_LAZY = {"RMSNorm": "layers", "SwiGLUMLP": "layers"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        from importlib import import_module
+        return getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

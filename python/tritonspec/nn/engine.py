@@ -1,0 +1,305 @@
+"""The one module-replacement engine under all three front ends (registry, kernelize, YAML rules).
+
+Why one engine: each front end only decides *which* module gets *which* kernel. Installing it (rebinding a
+``forward``, swapping a child module, setting a module-level function or a config attribute), recording
+what changed, and undoing it are the same operation everywhere, so a model patched by several front ends
+still reverts exactly, and ``report(model)`` lists every change whichever front end made it.
+
+Changes are recorded per root model (the object the user passed). A change to an object that is not part
+of the model (a ``modeling_llama.apply_rotary_pos_emb`` global, the shared ``Func`` module transformers
+builds for it) is *shared*: several models may hold it, and the original comes back only when the last
+of them reverts.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from dataclasses import dataclass, field
+from types import MethodType
+from typing import Any, Callable, Iterator
+
+import torch.nn as nn
+
+logger = logging.getLogger("tritonspec.nn")
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Change:
+    """One replacement, as reported to the user.
+
+    ``path``: dotted module path inside the model (``""`` is the root), or the dotted name of a shared
+    object outside it. ``what``: ``"forward"``, ``"module"``, ``"attribute"`` or ``"attn_implementation"``.
+    ``kernel``: qualified name of what was installed. ``source``: ``"registry"``, ``"kernelize"`` or
+    ``"rules"``. ``detail``: front-end specific (kernel type and device, mode, rule index).
+    """
+
+    path: str
+    what: str
+    kernel: str
+    source: str
+    detail: str = ""
+
+    def __str__(self) -> str:
+        where = self.path or "<root>"
+        extra = f" ({self.detail})" if self.detail else ""
+        return f"{where}: {self.what} -> {self.kernel} [{self.source}{extra}]"
+
+
+class Report(list):
+    """A list of :class:`Change` with a readable ``str`` and small summaries."""
+
+    def paths(self, what: str | None = None) -> list[str]:
+        return [c.path for c in self if what is None or c.what == what]
+
+    def counts(self) -> dict[str, int]:
+        """How many modules got each kernel, e.g. ``{"tritonspec...RMSNorm.forward": 5}``."""
+        out: dict[str, int] = {}
+        for c in self:
+            out[c.kernel] = out.get(c.kernel, 0) + 1
+        return out
+
+    def __str__(self) -> str:
+        if not self:
+            return "no replacements"
+        return "\n".join(str(c) for c in self)
+
+
+@dataclass
+class _Entry:
+    change: Change
+    target: Any
+    attr: str
+    original: Any  # _MISSING: the attribute was not in the target's own __dict__ (class attribute in use)
+    shared: bool
+    undo: Callable[[], None] | None = None  # custom undo (attention implementation switch)
+
+
+@dataclass
+class _Ledger:
+    entries: list[_Entry] = field(default_factory=list)
+
+    def find(self, target, attr) -> _Entry | None:
+        for e in self.entries:
+            if e.target is target and e.attr == attr:
+                return e
+        return None
+
+
+# Per root model. Keyed weakly so a dropped model takes its ledger with it.
+_LEDGERS: "weakref.WeakKeyDictionary[nn.Module, _Ledger]" = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _SharedPatch:
+    original: Any
+    owners: "weakref.WeakSet"  # root models that installed (and have not reverted) this patch
+
+
+# (id(target), attr) -> patch state, plus a strong ref to the target so the id stays valid.
+_SHARED: dict[tuple[int, str], tuple[Any, _SharedPatch]] = {}
+
+
+def shared_original(target: Any, attr: str, default: Any = None) -> Any:
+    """What ``target.attr`` was before any front end patched it as a shared object (``default`` if unpatched)."""
+    held = _SHARED.get((id(target), attr))
+    if held is None or held[1].original is _MISSING:
+        return default
+    return held[1].original
+
+
+def _ledger(model: nn.Module) -> _Ledger:
+    led = _LEDGERS.get(model)
+    if led is None:
+        led = _LEDGERS[model] = _Ledger()
+    return led
+
+
+def _own(target, attr):
+    d = getattr(target, "__dict__", None)
+    if d is not None and attr in d:
+        return d[attr]
+    return _MISSING
+
+
+def _write(target, attr, value):
+    if value is _MISSING:
+        # Drop the instance attribute so the class attribute (the original method) shows through again.
+        if attr in getattr(target, "__dict__", {}):
+            delattr(target, attr)
+    else:
+        setattr(target, attr, value)
+
+
+def patch_attr(model: nn.Module, target: Any, attr: str, value: Any, *, path: str, what: str = "attribute",
+               kernel: str, source: str, detail: str = "", shared: bool = False) -> Change:
+    """Set ``target.attr = value`` for ``model`` and record how to undo it.
+
+    Patching the same (target, attr) again keeps the first original, so ``revert`` always restores the
+    state from before any front end touched it. ``shared=True`` marks objects outside the model tree.
+    """
+    led = _ledger(model)
+    change = Change(path, what, kernel, source, detail)
+    entry = led.find(target, attr)
+    if entry is not None:
+        entry.change = change
+        _write(target, attr, value)
+        return change
+    if shared:
+        key = (id(target), attr)
+        held = _SHARED.get(key)
+        if held is None:
+            held = (target, _SharedPatch(_own(target, attr), weakref.WeakSet()))
+            _SHARED[key] = held
+        held[1].owners.add(model)
+        original = held[1].original
+    else:
+        original = _own(target, attr)
+    _write(target, attr, value)
+    led.entries.append(_Entry(change, target, attr, original, shared))
+    return change
+
+
+def replace_forward(model: nn.Module, module: nn.Module, fn: Callable, *, path: str, kernel: str, source: str,
+                    detail: str = "", shared: bool = False) -> Change:
+    """Bind ``fn`` as ``module.forward`` (an instance attribute; the class is untouched)."""
+    return patch_attr(model, module, "forward", MethodType(fn, module), path=path, what="forward",
+                      kernel=kernel, source=source, detail=detail, shared=shared)
+
+
+def replace_module(model: nn.Module, path: str, new: nn.Module, *, kernel: str, source: str,
+                   detail: str = "") -> Change:
+    """Put ``new`` at dotted ``path`` (found in the live tree, so earlier replacements are respected)."""
+    if not path:
+        raise ValueError("cannot replace the root module in place; match one of its submodules")
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    led = _ledger(model)
+    change = Change(path, "module", kernel, source, detail)
+    entry = led.find(parent, name)
+    old = parent._modules[name]
+    setattr(parent, name, new)
+    if entry is not None:
+        entry.change = change
+    else:
+        led.entries.append(_Entry(change, parent, name, old, False,
+                                  undo=lambda p=parent, n=name, o=old: setattr(p, n, o)))
+    return change
+
+
+def record_custom(model: nn.Module, target: Any, key: str, undo: Callable[[], None], *, path: str, what: str,
+                  kernel: str, source: str, detail: str = "") -> Change:
+    """Record a change made by the caller through an API (e.g. ``set_attn_implementation``).
+
+    ``undo`` runs on revert. Recording the same (target, key) twice keeps the first ``undo``.
+    """
+    led = _ledger(model)
+    change = Change(path, what, kernel, source, detail)
+    entry = led.find(target, key)
+    if entry is not None:
+        entry.change = change
+    else:
+        led.entries.append(_Entry(change, target, key, None, False, undo=undo))
+    return change
+
+
+def _undo(model: nn.Module, e: _Entry) -> None:
+    if e.undo is not None:
+        e.undo()
+        return
+    if e.shared:
+        key = (id(e.target), e.attr)
+        held = _SHARED.get(key)
+        if held is None:
+            return
+        held[1].owners.discard(model)
+        if len(held[1].owners) == 0:
+            _write(e.target, e.attr, held[1].original)
+            del _SHARED[key]
+        return
+    _write(e.target, e.attr, e.original)
+
+
+def restore(model: nn.Module, target: Any, attr: str = "forward") -> bool:
+    """Undo one recorded change (e.g. kernelize falling back to the original forward). True if one existed."""
+    led = _LEDGERS.get(model)
+    entry = led.find(target, attr) if led is not None else None
+    if entry is None:
+        return False
+    _undo(model, entry)
+    led.entries.remove(entry)
+    return True
+
+
+def report(model: nn.Module) -> Report:
+    """Every change currently installed on ``model``, in the order it was made."""
+    led = _LEDGERS.get(model)
+    return Report(e.change for e in led.entries) if led is not None else Report()
+
+
+def revert(model: nn.Module) -> Report:
+    """Undo every change on ``model`` (newest first) and return what was undone.
+
+    Parameters are never copied by any front end, so trained weights survive a revert.
+    """
+    led = _LEDGERS.pop(model, None)
+    if led is None:
+        return Report()
+    for e in reversed(led.entries):
+        _undo(model, e)
+    return Report(e.change for e in led.entries)
+
+
+@contextlib.contextmanager
+def transaction(model: nn.Module) -> Iterator[Report]:
+    """All-or-nothing: if the body raises, changes it made to ``model`` are undone before re-raising.
+
+    Yields a report that is filled with the changes made inside the block.
+    """
+    led = _ledger(model)
+    start = len(led.entries)
+    before = {id(e): e.change for e in led.entries}
+    made = Report()
+    try:
+        yield made
+    except BaseException:
+        for e in reversed(led.entries[start:]):
+            _undo(model, e)
+        del led.entries[start:]
+        raise
+    # Entries updated in place (re-patch of a known target) count as made here too.
+    for e in led.entries:
+        if id(e) not in before or before[id(e)] is not e.change:
+            made.append(e.change)
+
+
+def iter_modules(model: nn.Module, prune: Callable[[str, nn.Module], bool] | None = None
+                 ) -> Iterator[tuple[str, nn.Module]]:
+    """Pre-order walk of submodules (not the root) as (dotted path, module).
+
+    ``prune(path, module)`` returning True stops the walk below that module (YAML ``recursive: false``).
+    Shared submodules are visited once, like ``named_modules``.
+    """
+    seen: set[int] = set()
+
+    def walk(prefix: str, mod: nn.Module):
+        for name, child in mod._modules.items():
+            if child is None or id(child) in seen:
+                continue
+            seen.add(id(child))
+            path = f"{prefix}.{name}" if prefix else name
+            yield path, child
+            if prune is None or not prune(path, child):
+                yield from walk(path, child)
+
+    yield from walk("", model)
+
+
+def qualname(obj: Any) -> str:
+    """``module.QualName`` of a function, class or bound method, for reports and logs."""
+    obj = getattr(obj, "__func__", obj)
+    mod = getattr(obj, "__module__", None) or type(obj).__module__
+    name = getattr(obj, "__qualname__", None) or type(obj).__qualname__
+    return f"{mod}.{name}"

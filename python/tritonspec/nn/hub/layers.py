@@ -1,0 +1,109 @@
+"""Hub-style pure layers that put tritonspec's Triton kernels behind Hugging Face layer names.
+
+Why this shape: it is the layer contract of huggingface/kernels (kernel-requirements.md, "Writing
+layers"). Each class subclasses ``nn.Module``, defines no ``__init__``, no members but ``forward`` and the
+``has_backward`` / ``can_torch_compile`` flags, and reads state (``weight``, ``variance_epsilon``,
+``gate_proj`` ...) from the module whose ``forward`` it replaces. The same classes serve our own
+``kernelize``, the registry kernels, the YAML rules, and — copied into a ``build/<variant>/<package>``
+tree by :func:`tritonspec.nn.hub.write_layer_repo` — the real ``kernels`` package.
+
+``can_torch_compile = True``: under torch.compile the ops dispatch to their ``torch.library`` registrations
+(``triton_op`` on GPUs), which Dynamo traces; checked with ``torch.compile`` in tests/test_nn_models.py.
+
+This file must stay self-contained: only the standard library and torch at import time; tritonspec's ops
+are imported when a forward runs (the kernels are installed as the ``tritonspec`` package, which a hub
+kernel directory cannot ship), so copying the file elsewhere keeps it importable.
+
+Cases the Triton op does not cover (an ``unsqueeze_dim`` other than 1, partial rotary) run the
+original Hugging Face formula, so a replaced layer never changes results, only speed.
+"""
+import importlib
+
+import torch
+from torch import nn
+
+__all__ = ["RMSNorm", "SwiGLUMLP", "RotaryPosEmb", "rms_norm", "swiglu_mlp", "rotary_pos_emb"]
+
+
+_OPS: dict = {}
+
+
+def _op(module: str, name: str):
+    """``tritonspec.ops.<module>.<name>``, imported on first call (the ops may be installed after us)."""
+    fn = _OPS.get(name)
+    if fn is None:
+        fn = _OPS[name] = getattr(importlib.import_module(f"tritonspec.ops.{module}"), name)
+    return fn
+
+
+def rms_norm(hidden_states, weight, eps):
+    """RMSNorm with HF Llama semantics (fp32 statistics, output dtype promote(input, weight))."""
+    return _op("rms_norm", "rms_norm")(hidden_states, weight, eps)
+
+
+def swiglu_mlp(module, x):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with the gating done by the Triton kernel.
+
+    gate/up are created here and read only by the kernel, so its backward may reuse their storage.
+    """
+    gate = module.gate_proj(x)
+    up = module.up_proj(x)
+    return module.down_proj(_op("swiglu", "swiglu")(gate, up, in_place_backward=True))
+
+
+def _rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rotary_eager(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    return (q * cos) + (_rotate_half(q) * sin), (k * cos) + (_rotate_half(k) * sin)
+
+
+def rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """HF ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``; q, k are (batch, heads, seq, head_dim)."""
+    if (unsqueeze_dim != 1 or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3
+            or q.shape[-1] != cos.shape[-1] or q.dtype != k.dtype):
+        # Partial rotary (cos narrower than head_dim) and other layouts stay on the reference formula.
+        return _rotary_eager(q, k, cos, sin, unsqueeze_dim)
+    return _op("rope", "rope")(q, k, cos, sin)
+
+
+class RMSNorm(nn.Module):
+    """Replaces the forward of HF ``*RMSNorm`` (layer name ``RMSNorm``); uses ``weight``, ``variance_epsilon``."""
+
+    weight: torch.Tensor
+    variance_epsilon: float
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+class SwiGLUMLP(nn.Module):
+    """Replaces the forward of a gated-SiLU MLP (layer name ``SwiGLUMLP``); uses ``gate_proj/up_proj/down_proj``."""
+
+    gate_proj: nn.Module
+    up_proj: nn.Module
+    down_proj: nn.Module
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu_mlp(self, x)
+
+
+class RotaryPosEmb(nn.Module):
+    """Replaces transformers' ``apply_rotary_pos_emb`` function module (layer name ``rotary_pos_emb``)."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+        return rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)

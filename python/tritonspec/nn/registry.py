@@ -1,0 +1,215 @@
+"""The LLaMA-Factory-style kernel registry front end (seed 000): ``{KernelType: {DeviceType: MetaKernel}}``.
+
+Why kept although kernelize exists: it is the interface LLaMA-Factory users know (``apply_kernel``,
+``apply_available_kernels``), and it covers what layer names cannot: switching the attention
+implementation, and kernels that patch functions rather than layers. Each ``MetaKernel.apply`` decides
+where its kernel goes; installing it goes through :mod:`tritonspec.nn.engine` (see
+:meth:`MetaKernel.patch_forward`), so registry changes are reported and reverted like the others.
+"""
+from __future__ import annotations
+
+import enum
+import importlib
+import logging
+from abc import ABCMeta, abstractmethod
+from typing import Any, Callable, ClassVar, Optional
+
+import torch
+from torch import nn
+
+from . import engine
+
+logger = logging.getLogger("tritonspec.nn.registry")
+
+
+class KernelType(str, enum.Enum):
+    """What a kernel replaces. Add a member for a new kind of kernel."""
+
+    RMSNORM = "rmsnorm"
+    SWIGLU = "swiglu"
+    FLASH_ATTENTION = "flash_attention"
+    ROPE = "rope"
+    MOE = "moe"
+
+
+class DeviceType(str, enum.Enum):
+    """Where a kernel runs."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+    NPU = "npu"
+    XPU = "xpu"
+    MPS = "mps"
+
+
+class KernelRegistry:
+    """Process-wide singleton table of kernel implementations (``KernelRegistry() is KERNEL_REGISTRY``)."""
+
+    _instance: ClassVar[Optional["KernelRegistry"]] = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "KernelRegistry":
+        if cls._instance is None:
+            inst = super().__new__(cls)
+            inst._registry = {}
+            cls._instance = inst
+        return cls._instance
+
+    def register(self, kernel_type: KernelType, device_type: DeviceType, kernel_impl: Optional[Callable]) -> None:
+        """Register ``kernel_impl`` for (kernel_type, device_type); overwriting one warns (logging)."""
+        if not isinstance(kernel_type, KernelType):
+            raise TypeError(f"kernel_type: expected KernelType, got {kernel_type!r}")
+        if not isinstance(device_type, DeviceType):
+            raise TypeError(f"device_type: expected DeviceType, got {device_type!r}")
+        per_device = self._registry.setdefault(kernel_type, {})
+        old = per_device.get(device_type)
+        if old is not None and old is not kernel_impl:
+            logger.warning("Overwriting kernel for %s on %s: %s replaces %s", kernel_type.name, device_type.name,
+                           engine.qualname(kernel_impl), engine.qualname(old))
+        per_device[device_type] = kernel_impl
+
+    def get_kernel(self, kernel_type: KernelType, device_type: DeviceType) -> Optional[Callable]:
+        """The implementation registered for (kernel_type, device_type), or None."""
+        return self._registry.get(kernel_type, {}).get(device_type)
+
+    def unregister(self, kernel_type: KernelType, device_type: DeviceType) -> Optional[Callable]:
+        """Remove and return an entry (tests and experiments); None if there was none."""
+        return self._registry.get(kernel_type, {}).pop(device_type, None)
+
+    def items(self):
+        """(kernel_type, device_type, impl) for every entry."""
+        return [(k, d, impl) for k, per in self._registry.items() for d, impl in per.items()]
+
+
+KERNEL_REGISTRY = KernelRegistry()
+
+
+class AutoRegisterKernelMeta(ABCMeta):
+    """Registers a class in KERNEL_REGISTRY when it defines both ``type`` and ``device`` (and not
+    ``auto_register = False``) in its own body."""
+
+    def __new__(mcs, name, bases, namespace, **kwargs):
+        cls = super().__new__(mcs, name, bases, namespace, **kwargs)
+        kernel_type = namespace.get("type")
+        device_type = namespace.get("device")
+        if namespace.get("auto_register", True) and kernel_type is not None and device_type is not None:
+            KERNEL_REGISTRY.register(kernel_type, device_type, cls)
+        return cls
+
+
+class MetaKernel(metaclass=AutoRegisterKernelMeta):
+    """Base of every registry kernel.
+
+    ``type``/``device``: the registry key. ``kernel``: the implementation (for layer kernels, a forward
+    function taking the module as ``self``). ``auto_register``: False keeps the class out of the registry
+    (model-specific or experimental kernels; still usable with ``apply_kernel``). ``apply(model, **kw)``
+    installs the kernel and returns the model, or returns it unchanged when a dependency is missing.
+    """
+
+    type: Optional[KernelType] = None
+    device: Optional[DeviceType] = None
+    kernel: Optional[Callable] = None
+    auto_register: bool = True
+
+    @classmethod
+    @abstractmethod
+    def apply(cls, model: nn.Module, **kwargs) -> nn.Module:
+        raise NotImplementedError
+
+    @classmethod
+    def patch_forward(cls, model: nn.Module, predicate: Callable[[str, nn.Module], bool],
+                      forward: Callable | None = None) -> list[engine.Change]:
+        """Rebind ``forward`` (default ``cls.kernel``) on every submodule where ``predicate(path, module)``.
+
+        The helper most ``apply`` methods need; it records the changes in the engine.
+        """
+        fn = forward if forward is not None else cls.kernel
+        fn = getattr(fn, "__func__", fn)
+        out = []
+        for path, module in model.named_modules():
+            if predicate(path, module):
+                out.append(engine.replace_forward(model, module, fn, path=path, kernel=engine.qualname(fn),
+                                                  source="registry", detail=cls._detail()))
+        return out
+
+    @classmethod
+    def _detail(cls) -> str:
+        t = cls.type.name if cls.type is not None else "?"
+        d = cls.device.name if cls.device is not None else "?"
+        return f"{cls.__name__} {t}/{d}"
+
+
+# Modules whose import registers the built-in kernels; a module that fails to import (a missing
+# dependency) is skipped, like LLaMA-Factory's _ensure_kernels_loaded.
+_KERNEL_MODULES = ["tritonspec.nn.triton_kernels"]
+
+
+def _ensure_kernels_loaded() -> None:
+    for name in _KERNEL_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            logger.debug("kernel module %s not loaded: %s", name, e)
+
+
+def current_device_type(model: nn.Module | None = None) -> DeviceType:
+    """The model's device type when it has (non-meta) parameters, else the runtime's accelerator."""
+    if model is not None:
+        for p in model.parameters():
+            if p.device.type != "meta":
+                try:
+                    return DeviceType(p.device.type)
+                except ValueError:
+                    raise ValueError(f"model: device type {p.device.type!r} has no DeviceType") from None
+            break
+    if torch.cuda.is_available():
+        return DeviceType.CUDA
+    npu = getattr(torch, "npu", None)
+    if npu is not None and npu.is_available():
+        return DeviceType.NPU
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return DeviceType.XPU
+    if torch.backends.mps.is_available():
+        return DeviceType.MPS
+    return DeviceType.CPU
+
+
+def discover_kernels(model: nn.Module | None = None) -> list[type[MetaKernel]]:
+    """Registered MetaKernel classes for the current device (the model's, when given), in KernelType order.
+
+    Entries that are not MetaKernel subclasses are skipped silently; their ``apply`` decides later whether
+    they can actually be used.
+    """
+    _ensure_kernels_loaded()
+    device = current_device_type(model)
+    out = []
+    for kernel_type in KernelType:
+        impl = KERNEL_REGISTRY.get_kernel(kernel_type, device)
+        if isinstance(impl, type) and issubclass(impl, MetaKernel):
+            out.append(impl)
+    return out
+
+
+def apply_kernel(model: nn.Module, kernel: type[MetaKernel], /, **kwargs) -> nn.Module:
+    """Run ``kernel.apply(model, **kwargs)``.
+
+    Raises ValueError when ``kernel`` is not a MetaKernel subclass or is for another device than the
+    current one (the model's device when it has parameters). Changes made before an exception are undone.
+    """
+    if not (isinstance(kernel, type) and issubclass(kernel, MetaKernel)):
+        raise ValueError(f"kernel: {kernel!r} is not a MetaKernel subclass")
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    device = current_device_type(model)
+    if kernel.device != device:
+        raise ValueError(f"kernel: {kernel.__name__} is for device {getattr(kernel.device, 'name', None)}, "
+                         f"the current device is {device.name}")
+    with engine.transaction(model):
+        out = kernel.apply(model, **kwargs)
+    return model if out is None else out
+
+
+def apply_available_kernels(model: nn.Module, **kwargs) -> nn.Module:
+    """Apply every kernel :func:`discover_kernels` finds for the model's device."""
+    for kernel in discover_kernels(model):
+        model = apply_kernel(model, kernel, **kwargs)
+    return model

@@ -1,0 +1,89 @@
+"""Which modules of a Hugging Face model are an RMSNorm, a SwiGLU MLP, or call ``apply_rotary_pos_emb``.
+
+Why structural checks and not only transformers' ``kernel_layer_name`` tags: the tags exist only when
+transformers accepts the installed ``kernels`` version (transformers 5.23 wants kernels >=0.18.2,<0.19, so
+with kernels 0.17.2 nothing is tagged), and even then MLPs such as ``LlamaMLP`` carry no ``SwiGLUMLP`` tag.
+The checks look at what the replacement layer relies on (attributes, child modules, the activation, the
+names the original ``forward`` uses), not at per-model class tables that break on every release.
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+
+from torch import nn
+
+# RMSNorm classes whose math differs from Llama's (1 + weight, gating, zero-centred weight).
+RMS_NORM_EXCLUDE = ("Gemma", "Gated", "ZeroCentered")
+_SILU_NAMES = {"SiLU", "SiLUActivation"}
+ROTARY_FUNCTION = "apply_rotary_pos_emb"
+
+
+def _forward_names(cls) -> set[str]:
+    fwd = getattr(cls, "forward", None)
+    code = getattr(fwd, "__code__", None)
+    return set(code.co_names) if code is not None else set()
+
+
+def is_rms_norm(module: nn.Module, exclude: tuple[str, ...] = RMS_NORM_EXCLUDE) -> bool:
+    """An HF Llama-style RMSNorm: ``*RMSNorm`` with a 1-D ``weight``, a float ``variance_epsilon``, no children."""
+    cls = type(module)
+    name = cls.__name__
+    if not name.endswith("RMSNorm") or any(x in name for x in exclude):
+        return False
+    w = module._parameters.get("weight")
+    return (w is not None and w.dim() == 1 and set(module._parameters) == {"weight"} and not module._modules
+            and isinstance(getattr(module, "variance_epsilon", None), float)
+            and {"variance_epsilon", "weight"} <= _forward_names(cls))
+
+
+def is_swiglu_mlp(module: nn.Module) -> bool:
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))``: the three Linear children, a SiLU ``act_fn``, nothing else."""
+    mods = module._modules
+    if set(mods) - {"act_fn"} != {"gate_proj", "up_proj", "down_proj"}:
+        return False
+    if not all(isinstance(mods[n], nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
+        return False
+    act = getattr(module, "act_fn", None)
+    if act is None or type(act).__name__ not in _SILU_NAMES:
+        return False
+    return {"gate_proj", "up_proj", "down_proj", "act_fn"} <= _forward_names(type(module))
+
+
+def tagged_name(obj) -> str | None:
+    """The layer name a ``use_kernel_forward_from_hub`` decorator (ours, kernels', transformers') put on the class."""
+    name = getattr(type(obj), "kernel_layer_name", None)
+    return str(name) if name is not None else None
+
+
+def infer_layer_name(module: nn.Module) -> str | None:
+    """Name for an untagged module that matches one of our layers' contracts, else None."""
+    if is_rms_norm(module):
+        return "RMSNorm"
+    if is_swiglu_mlp(module):
+        return "SwiGLUMLP"
+    return None
+
+
+def rotary_sites(model: nn.Module) -> list[tuple[types.ModuleType, str, object]]:
+    """Module-level ``apply_rotary_pos_emb`` globals that the model's classes call (once each).
+
+    Returns (python module, attribute name, original value): a plain function when transformers built
+    the model without ``kernels``, or the ``Func`` module the kernels decorator made. If a front end has
+    already replaced the global, the value is the one it replaced, so re-running a front end works.
+    """
+    from .engine import shared_original
+    seen, out = set(), []
+    for cls in {type(m) for m in model.modules()}:
+        if ROTARY_FUNCTION not in _forward_names(cls):
+            continue
+        pymod = sys.modules.get(cls.__module__)
+        fn = shared_original(pymod, ROTARY_FUNCTION, getattr(pymod, ROTARY_FUNCTION, None))
+        if fn is None or id(pymod) in seen:
+            continue
+        if not (inspect.isfunction(fn) or isinstance(fn, nn.Module)):
+            continue
+        seen.add(id(pymod))
+        out.append((pymod, ROTARY_FUNCTION, fn))
+    return out

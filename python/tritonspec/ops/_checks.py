@@ -1,0 +1,78 @@
+"""Argument checks shared by the ops: every error names the op and the argument.
+
+Checks run before any reshaping or launching, so a wrong shape, dtype or device fails with a
+message about the caller's tensor rather than with a Triton compile or pointer error.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._device import check_launchable
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DTYPE_NAMES = "float16, bfloat16 or float32"
+
+
+def check_tensor(op: str, name: str, t, *, ndim: int | None = None, min_ndim: int = 1) -> torch.Tensor:
+    """``t`` is a floating tensor of a supported dtype and rank, on a device Triton can run on."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: argument '{name}' must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{op}: argument '{name}' has dtype {t.dtype}; expected {_DTYPE_NAMES}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{op}: argument '{name}' must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if t.dim() < min_ndim:
+        raise ValueError(f"{op}: argument '{name}' must have at least {min_ndim} dimension(s), got a scalar")
+    check_launchable(op, name, t)
+    return t
+
+
+def check_same_device(op: str, **tensors: torch.Tensor) -> None:
+    (ref_name, ref), *rest = tensors.items()
+    for name, t in rest:
+        if t.device != ref.device:
+            raise ValueError(f"{op}: argument '{name}' is on {t.device} but '{ref_name}' is on {ref.device}")
+
+
+def check_same_dtype(op: str, **tensors: torch.Tensor) -> None:
+    (ref_name, ref), *rest = tensors.items()
+    for name, t in rest:
+        if t.dtype != ref.dtype:
+            raise TypeError(f"{op}: argument '{name}' has dtype {t.dtype} but '{ref_name}' has {ref.dtype}")
+
+
+def check_same_shape(op: str, **tensors: torch.Tensor) -> None:
+    (ref_name, ref), *rest = tensors.items()
+    for name, t in rest:
+        if t.shape != ref.shape:
+            raise ValueError(f"{op}: argument '{name}' has shape {tuple(t.shape)} but '{ref_name}' has "
+                             f"{tuple(ref.shape)}")
+
+
+def check_eps(op: str, eps) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"{op}: argument 'eps' must be a float, got {type(eps).__name__}")
+    if not eps >= 0.0:
+        raise ValueError(f"{op}: argument 'eps' must be >= 0, got {eps}")
+    return float(eps)
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a 2-D (rows, last dim) tensor whose last dim has unit stride: a view when one exists.
+
+    Rows may keep any stride (a slice of a fused projection stays a view); anything else is copied,
+    since the kernels vectorize along the last dim.
+    """
+    n = t.shape[-1]
+    try:
+        rows = t.view(-1, n)
+    except RuntimeError:
+        rows = t.reshape(-1, n)
+    if rows.stride(1) != 1 and n > 1:
+        rows = rows.contiguous()
+    return rows
+
+
+def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its last dim is contiguous, else a contiguous copy."""
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()

@@ -1,0 +1,51 @@
+"""How tritonspec ops become PyTorch custom operators, and when eager calls skip the dispatcher.
+
+* ``torch.library.triton_op`` + ``wrap_triton`` keep the Triton kernels visible to Inductor, but
+  they cannot trace interpreted kernels: with ``TRITON_INTERPRET=1`` (torch 2.13, triton 3.6 and
+  3.9) fake-tensor tracing reaches the interpreter, which reads data pointers and fails. There the
+  ops are opaque ``torch.library.custom_op``s with the same schema, fake and autograd.
+* A torch.library call costs tens of microseconds of dispatch (quack measured ~60 us against a
+  ~10 us kernel), so eager calls go straight to the launcher through a ``torch.autograd.Function``;
+  only code that torch.compile traces uses the registered ops (``use_library_op``).
+"""
+from __future__ import annotations
+
+import torch
+
+from ._device import interpreting
+
+NAMESPACE = "tritonspec"
+
+# Chosen once, like ``@triton.jit`` chooses JIT vs interpreter when the kernels are defined.
+USE_TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton") and not interpreting()
+
+# Tests set this to run eager calls through the registered ops as torch.compile would.
+FORCE_LIBRARY_OP = False
+
+
+def library_op(name: str, *, mutates_args=()):
+    """Decorator registering ``tritonspec::<name>`` as a triton_op (compiled Triton) or custom_op."""
+    qualname = f"{NAMESPACE}::{name}"
+    if USE_TRITON_OP:
+        return torch.library.triton_op(qualname, mutates_args=mutates_args)
+    return torch.library.custom_op(qualname, mutates_args=mutates_args)
+
+
+def launcher(kernel, traced: bool):
+    """The object to index with a grid: ``wrap_triton(kernel)`` inside a triton_op body, else the kernel.
+
+    ``wrap_triton`` outside a triton_op would send eager launches through a higher-order op (~1 ms).
+    """
+    if traced and USE_TRITON_OP:
+        return torch.library.wrap_triton(kernel)
+    return kernel
+
+
+def use_library_op() -> bool:
+    """True while torch.compile traces (or a test forces it): call the ops, not the raw launchers."""
+    return FORCE_LIBRARY_OP or torch.compiler.is_compiling()
+
+
+def launch_options(cfg: dict) -> dict:
+    """The launch keywords (num_warps, num_stages) a config carries; the rest are kernel constexprs."""
+    return {k: cfg[k] for k in ("num_warps", "num_stages") if cfg.get(k) is not None}

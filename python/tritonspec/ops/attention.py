@@ -1,0 +1,621 @@
+"""Scaled dot-product attention, forward and backward, written once in Triton.
+
+``attention(q, k, v, causal=, scale=)`` is FlashAttention-2 style: the forward streams K/V blocks
+through an online softmax and saves the row logsumexp; the backward recomputes the probabilities
+from it (preprocess ``delta = rowsum(dO * O)``, a dK/dV kernel looping over q blocks, a dQ kernel
+looping over k blocks -- or dQ accumulated with fp32 atomics from the dK/dV kernel).
+
+Every launch parameter (tile sizes, warps, stages, TMA tensor descriptors, warp specialization,
+dQ strategy) comes from ``tritonspec.launch_config(..., hook="attention_config")``: the defaults
+below are portable (the CPU interpreter included) and a backend's spec may override any key. The
+op itself never asks which backend it runs on.
+
+Semantics follow ``torch.nn.functional.scaled_dot_product_attention``:
+* q ``(batch, heads_q, seq_q, head_dim)``, k and v ``(batch, heads_kv, seq_k, head_dim)``;
+  ``heads_q % heads_kv == 0`` (grouped-query / multi-query attention: q head ``h`` reads kv head
+  ``h // (heads_q // heads_kv)``, as SDPA's ``enable_gqa=True``).
+* ``causal=True`` is SDPA's ``is_causal=True``: the mask is top-left aligned, query ``i`` sees keys
+  ``j <= i`` -- also when ``seq_q != seq_k`` (for ``seq_q < seq_k`` this is *not* the bottom-right
+  alignment a KV-cache decode step wants; pass ``causal=False`` for single-token decode).
+* ``scale`` defaults to ``1/sqrt(head_dim)``.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+import tritonspec
+
+try:  # host-side TMA descriptors (Triton >= 3.4); interpreted too
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: the pointer path still works
+    TensorDescriptor = None
+
+__all__ = ["attention", "attention_ref"]
+
+LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 256
+
+
+# ----------------------------------------------------------------------------------------------
+# tile loads/stores: one TMA descriptor path, one plain pointer path, chosen by a constexpr
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _tile_load(X, b, h, row0, sb, sh, ss, n_rows, BLOCK: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+               TMA: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """A [BLOCK, DP] tile of rows row0.. of head (b, h); rows >= n_rows and columns >= D read as 0."""
+    if TMA:
+        # 4-D descriptor over (batch, heads, seq, head_dim): the hardware zero-fills out of bounds.
+        t = X.load([b, h, row0, 0]).reshape([BLOCK, DP])
+    else:
+        rows = row0 + tl.arange(0, BLOCK)
+        cols = tl.arange(0, DP)
+        base = X + b.to(tl.int64) * sb + h.to(tl.int64) * sh
+        ptrs = base + rows.to(tl.int64)[:, None] * ss + cols[None, :]
+        if CHECK_ROWS:
+            if D == DP:
+                t = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+            else:
+                t = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < D), other=0.0)
+        else:
+            if D == DP:
+                t = tl.load(ptrs)
+            else:
+                t = tl.load(ptrs, mask=cols[None, :] < D, other=0.0)
+    return t
+
+
+@triton.jit
+def _tile_store(X, val, b, h, row0, sb, sh, ss, n_rows, BLOCK: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                TMA: tl.constexpr):
+    """Store a [BLOCK, DP] tile; rows >= n_rows and columns >= D are dropped."""
+    if TMA:
+        X.store([b, h, row0, 0], val.to(X.dtype).reshape([1, 1, BLOCK, DP]))
+    else:
+        rows = row0 + tl.arange(0, BLOCK)
+        cols = tl.arange(0, DP)
+        base = X + b.to(tl.int64) * sb + h.to(tl.int64) * sh
+        ptrs = base + rows.to(tl.int64)[:, None] * ss + cols[None, :]
+        tl.store(ptrs, val.to(X.dtype.element_ty), mask=(rows[:, None] < n_rows) & (cols[None, :] < D))
+
+
+# ----------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, K, V, b, hk, skb, skh, sks, svb, svh, svs, lo, hi, offs_m, SEQ_K, qk_scale,
+               D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+               MASKED: tl.constexpr, SCALE_POS: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+    """Online softmax over key blocks [lo, hi). MASKED blocks apply the causal / seq_k bounds mask;
+    unmasked ones (every key valid for every row) skip it -- the on-band/off-band split."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        k = _tile_load(K, b, hk, start_n, skb, skh, sks, SEQ_K, BLOCK_N, D, DP, TMA, MASKED)
+        qk = tl.dot(q, tl.trans(k))
+        if MASKED:
+            cols = start_n + offs_n
+            valid = cols[None, :] < SEQ_K
+            if CAUSAL:
+                valid = valid & (cols[None, :] <= offs_m[:, None])
+            s = tl.where(valid, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            s = s - m_new[:, None]
+        elif SCALE_POS:
+            # max before scaling saves a pass; one FMA per score afterwards (valid for scale > 0)
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            s = qk * qk_scale - m_new[:, None]
+        else:
+            s = qk * qk_scale
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            s = s - m_new[:, None]
+        p = tl.math.exp2(s)
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = _tile_load(V, b, hk, start_n, svb, svh, svs, SEQ_K, BLOCK_N, D, DP, TMA, MASKED)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(Q, K, V, O, LSE,
+                     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
+                     HQ, GROUP, SEQ_Q, SEQ_K, qk_scale,
+                     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     CAUSAL: tl.constexpr, SCALE_POS: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # longest rows first: the tail of the grid is then made of short programs
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    hk = h // GROUP
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+
+    q = _tile_load(Q, b, h, start_m, sqb, sqh, sqs, SEQ_Q, BLOCK_M, D, DP, TMA, True)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DP], tl.float32)
+    if CAUSAL:
+        hi = tl.minimum(start_m + BLOCK_M, SEQ_K)
+        mid = tl.minimum(start_m, SEQ_K) // BLOCK_N * BLOCK_N
+    else:
+        hi = SEQ_K
+        mid = SEQ_K // BLOCK_N * BLOCK_N
+    # Every row sees key 0, so the first block a row processes has a finite max: no NaN guard needed.
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, b, hk, skb, skh, sks, svb, svh, svs, 0, mid, offs_m, SEQ_K,
+                               qk_scale, D, DP, BLOCK_N, CAUSAL, False, SCALE_POS, TMA, WARP_SPEC)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, b, hk, skb, skh, sks, svb, svh, svs, mid, hi, offs_m, SEQ_K,
+                               qk_scale, D, DP, BLOCK_N, CAUSAL, True, SCALE_POS, TMA, False)
+    lse = m_i + tl.math.log2(l_i)  # base-2 logsumexp of qk * scale * log2(e)
+    tl.store(LSE + bh.to(tl.int64) * SEQ_Q + offs_m, lse, mask=offs_m < SEQ_Q)
+    _tile_store(O, acc / l_i[:, None], b, h, start_m, sob, soh, sos, SEQ_Q, BLOCK_M, D, DP, TMA)
+
+
+# ----------------------------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _attn_bwd_pre_kernel(O, DO, DELTA, DQA, sob, soh, sos, sdb, sdh, sds, HQ, SEQ_Q,
+                         D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_DQA: tl.constexpr):
+    """delta = rowsum(dO * O) in fp32; also zeroes the fp32 dQ accumulator when dQ uses atomics."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    o = _tile_load(O, b, h, start_m, sob, soh, sos, SEQ_Q, BLOCK_M, D, DP, False, True).to(tl.float32)
+    do = _tile_load(DO, b, h, start_m, sdb, sdh, sds, SEQ_Q, BLOCK_M, D, DP, False, True).to(tl.float32)
+    row = bh.to(tl.int64) * SEQ_Q + offs_m
+    tl.store(DELTA + row, tl.sum(o * do, 1), mask=offs_m < SEQ_Q)
+    if ZERO_DQA:
+        cols = tl.arange(0, DP)
+        tl.store(DQA + row[:, None] * DP + cols[None, :], tl.zeros([BLOCK_M, DP], tl.float32),
+                 mask=offs_m[:, None] < SEQ_Q)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, b, h, bh, sqb, sqh, sqs, sdb, sdh, sds, lo, hi, offs_n,
+                SEQ_Q, qk_scale, sm_scale,
+                D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr, DQ_TMA_REDUCE: tl.constexpr):
+    """Accumulate dK, dV of one key block over the q blocks [lo, hi) of q head (b, h).
+
+    Query rows past seq_q load as zero with lse = +inf, so their probabilities are exactly 0."""
+    for start_m in tl.range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < SEQ_Q
+        q = _tile_load(Q, b, h, start_m, sqb, sqh, sqs, SEQ_Q, BLOCK_M, D, DP, TMA, True)
+        lse = tl.load(LSE + bh.to(tl.int64) * SEQ_Q + offs_m, mask=row_ok, other=float("inf"))
+        qkT = tl.dot(k, tl.trans(q))
+        pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
+        if MASKED:
+            pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
+        do = _tile_load(DO, b, h, start_m, sdb, sdh, sds, SEQ_Q, BLOCK_M, D, DP, TMA, True)
+        dv = tl.dot(pT.to(do.dtype), do, dv)
+        delta = tl.load(DELTA + bh.to(tl.int64) * SEQ_Q + offs_m, mask=row_ok, other=0.0)
+        dpT = tl.dot(v, tl.trans(do))
+        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+        dk = tl.dot(dsT, q, dk)
+        if DQ_ATOMIC:
+            # key rows past seq_k hold k = 0, so they add exactly 0 here
+            dq = tl.dot(tl.trans(dsT), k) * sm_scale
+            if DQ_TMA_REDUCE:  # one bulk TMA reduce-add per tile (GPU only: not interpreted)
+                DQA.atomic_add([b, h, start_m, 0], dq.reshape([1, 1, BLOCK_M, DP]))
+            else:
+                cols = tl.arange(0, DP)
+                ptrs = DQA + (bh.to(tl.int64) * SEQ_Q + offs_m)[:, None] * DP + cols[None, :]
+                tl.atomic_add(ptrs, dq, mask=row_ok[:, None], sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DQA,
+                          sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds,
+                          skgb, skgh, skgs, svgb, svgh, svgs,
+                          HQ, HKV, GROUP, SEQ_Q, SEQ_K, qk_scale, sm_scale,
+                          D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          CAUSAL: tl.constexpr, TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+                          DQ_TMA_REDUCE: tl.constexpr):
+    """One key block of one kv head; loops over the GROUP q heads that share it (GQA), so dK/dV are
+    reduced in registers without atomics."""
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = bhk // HKV
+    hk = bhk % HKV
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k = _tile_load(K, b, hk, start_n, skb, skh, sks, SEQ_K, BLOCK_N, D, DP, TMA, True)
+    v = _tile_load(V, b, hk, start_n, svb, svh, svs, SEQ_K, BLOCK_N, D, DP, TMA, True)
+    dk = tl.zeros([BLOCK_N, DP], tl.float32)
+    dv = tl.zeros([BLOCK_N, DP], tl.float32)
+    if CAUSAL:
+        # rows < start_n see none of these keys; rows in [lo, mid) see some; rows >= mid see all
+        lo = tl.minimum(start_n // BLOCK_M * BLOCK_M, SEQ_Q)
+        mid = tl.minimum(tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M, SEQ_Q)
+    else:
+        lo = 0
+        mid = 0
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        bh = b * HQ + h
+        if CAUSAL:
+            dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, b, h, bh, sqb, sqh, sqs, sdb, sdh, sds, lo,
+                                 mid, offs_n, SEQ_Q, qk_scale, sm_scale, D, DP, BLOCK_M, True, TMA, DQ_ATOMIC,
+                                 DQ_TMA_REDUCE)
+        dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, b, h, bh, sqb, sqh, sqs, sdb, sdh, sds, mid,
+                             SEQ_Q, offs_n, SEQ_Q, qk_scale, sm_scale, D, DP, BLOCK_M, False, TMA, DQ_ATOMIC,
+                             DQ_TMA_REDUCE)
+    _tile_store(DK, dk * sm_scale, b, hk, start_n, skgb, skgh, skgs, SEQ_K, BLOCK_N, D, DP, TMA)
+    _tile_store(DV, dv, b, hk, start_n, svgb, svgh, svgs, SEQ_K, BLOCK_N, D, DP, TMA)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse, delta, K, V, b, hk, skb, skh, sks, svb, svh, svs, lo, hi, offs_m, SEQ_K, qk_scale,
+              D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+              MASKED: tl.constexpr, TMA: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        k = _tile_load(K, b, hk, start_n, skb, skh, sks, SEQ_K, BLOCK_N, D, DP, TMA, MASKED)
+        v = _tile_load(V, b, hk, start_n, svb, svh, svs, SEQ_K, BLOCK_N, D, DP, TMA, MASKED)
+        qk = tl.dot(q, tl.trans(k))
+        p = tl.math.exp2(qk * qk_scale - lse[:, None])
+        if MASKED:
+            cols = start_n + offs_n
+            valid = cols[None, :] < SEQ_K
+            if CAUSAL:
+                valid = valid & (cols[None, :] <= offs_m[:, None])
+            p = tl.where(valid, p, 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = (p * (dp - delta[:, None])).to(k.dtype)
+        dq = tl.dot(ds, k, dq)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA,
+                        sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, sqgb, sqgh, sqgs,
+                        HQ, GROUP, SEQ_Q, SEQ_K, qk_scale, sm_scale,
+                        D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        CAUSAL: tl.constexpr, TMA: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    hk = h // GROUP
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < SEQ_Q
+    q = _tile_load(Q, b, h, start_m, sqb, sqh, sqs, SEQ_Q, BLOCK_M, D, DP, TMA, True)
+    do = _tile_load(DO, b, h, start_m, sdb, sdh, sds, SEQ_Q, BLOCK_M, D, DP, TMA, True)
+    lse = tl.load(LSE + bh.to(tl.int64) * SEQ_Q + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + bh.to(tl.int64) * SEQ_Q + offs_m, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, DP], tl.float32)
+    if CAUSAL:
+        hi = tl.minimum(start_m + BLOCK_M, SEQ_K)
+        mid = tl.minimum(start_m, SEQ_K) // BLOCK_N * BLOCK_N
+    else:
+        hi = SEQ_K
+        mid = SEQ_K // BLOCK_N * BLOCK_N
+    dq = _dq_inner(dq, q, do, lse, delta, K, V, b, hk, skb, skh, sks, svb, svh, svs, 0, mid, offs_m, SEQ_K, qk_scale,
+                   D, DP, BLOCK_N, CAUSAL, False, TMA)
+    dq = _dq_inner(dq, q, do, lse, delta, K, V, b, hk, skb, skh, sks, svb, svh, svs, mid, hi, offs_m, SEQ_K, qk_scale,
+                   D, DP, BLOCK_N, CAUSAL, True, TMA)
+    _tile_store(DQ, dq * sm_scale, b, h, start_m, sqgb, sqgh, sqgs, SEQ_Q, BLOCK_M, D, DP, TMA)
+
+
+@triton.jit
+def _attn_bwd_dq_convert_kernel(DQA, DQ, sqgb, sqgh, sqgs, HQ, SEQ_Q, D: tl.constexpr, DP: tl.constexpr,
+                                BLOCK_M: tl.constexpr):
+    """fp32 atomic dQ accumulator -> dQ in the input dtype."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, DP)
+    row = bh.to(tl.int64) * SEQ_Q + offs_m
+    acc = tl.load(DQA + row[:, None] * DP + cols[None, :], mask=offs_m[:, None] < SEQ_Q, other=0.0)
+    _tile_store(DQ, acc, bh // HQ, bh % HQ, start_m, sqgb, sqgh, sqgs, SEQ_Q, BLOCK_M, D, DP, False)
+
+
+# ----------------------------------------------------------------------------------------------
+# launch parameters
+# ----------------------------------------------------------------------------------------------
+def _pow2_bucket(n: int) -> int:
+    """Sequence lengths are bucketed so the launch_config memo stays small."""
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _fwd_default(dp: int) -> dict:
+    if dp <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, TMA=False, WARP_SPECIALIZE=False)
+    if dp <= 128:
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2, TMA=False, WARP_SPECIALIZE=False)
+    return dict(BLOCK_M=64, BLOCK_N=16, num_warps=4, num_stages=1, TMA=False, WARP_SPECIALIZE=False)
+
+
+def _dkdv_default(dp: int) -> dict:
+    if dp <= 64:
+        return dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2, TMA=False, DQ_ATOMIC=False,
+                    DQ_TMA_REDUCE=False)
+    if dp <= 128:
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2, TMA=False, DQ_ATOMIC=False,
+                    DQ_TMA_REDUCE=False)
+    return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, TMA=False, DQ_ATOMIC=False, DQ_TMA_REDUCE=False)
+
+
+def _dq_default(dp: int) -> dict:
+    if dp <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2, TMA=False)
+    if dp <= 128:
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2, TMA=False)
+    return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, TMA=False)
+
+
+_BLOCK_KEYS = ("BLOCK_M", "BLOCK_N")
+
+
+def _config(kernel: str, device, default: dict, **problem) -> dict:
+    cfg = tritonspec.launch_config(kernel, device, default, hook="attention_config", **problem)
+    for key in _BLOCK_KEYS:
+        if key in cfg:
+            val = cfg[key]
+            if not isinstance(val, int) or val < 16 or val & (val - 1):
+                raise ValueError(f"attention: launch config for {kernel!r} has {key}={val!r}; "
+                                 "it must be a power of two >= 16")
+    return cfg
+
+
+def _launch_opts(cfg: dict) -> dict:
+    opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    if cfg.get("maxnreg"):
+        opts["maxnreg"] = cfg["maxnreg"]
+    return opts
+
+
+def _problem(q: torch.Tensor, k: torch.Tensor, causal: bool) -> dict:
+    return dict(head_dim=q.shape[-1], causal=bool(causal), dtype=str(q.dtype), seq_q=_pow2_bucket(q.shape[2]),
+                seq_k=_pow2_bucket(k.shape[2]), group=q.shape[1] // k.shape[1])
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned bases and strides, a unit last stride and no zero strides."""
+    if TensorDescriptor is None:
+        return False
+    for t in tensors:
+        if t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        for size, stride in zip(t.shape[:-1], t.stride()[:-1]):
+            if stride <= 0 or (stride * t.element_size()) % 16:
+                return False
+        if (t.shape[-1] * t.element_size()) % 16:
+            return False
+    return True
+
+
+def _desc(t: torch.Tensor, rows: int, dp: int):
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, dp])
+
+
+def _strides(t: torch.Tensor):
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _head_dim_pad(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------
+def attention_forward(q, k, v, causal: bool, scale: float):
+    """Launch the forward; returns (out, lse) with lse the base-2 logsumexp of ``q k^T * scale * log2(e)``."""
+    B, HQ, SQ, D = q.shape
+    HKV, SK = k.shape[1], k.shape[2]
+    DP = _head_dim_pad(D)
+    o = torch.empty((B, HQ, SQ, D), device=q.device, dtype=q.dtype)
+    lse = torch.empty((B, HQ, SQ), device=q.device, dtype=torch.float32)
+    if o.numel() == 0:
+        return o, lse
+    cfg = _config("attention_fwd", q.device, _fwd_default(DP), **_problem(q, k, causal))
+    BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    tma = bool(cfg["TMA"]) and _tma_ok(q, k, v, o)
+    if tma:
+        Qa, Ka, Va, Oa = _desc(q, BM, DP), _desc(k, BN, DP), _desc(v, BN, DP), _desc(o, BM, DP)
+    else:
+        Qa, Ka, Va, Oa = q, k, v, o
+    grid = (triton.cdiv(SQ, BM), B * HQ)
+    _attn_fwd_kernel[grid](Qa, Ka, Va, Oa, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+                           HQ, HQ // HKV, SQ, SK, scale * LOG2E,
+                           D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), SCALE_POS=scale > 0, TMA=tma,
+                           WARP_SPEC=bool(cfg["WARP_SPECIALIZE"]), **_launch_opts(cfg))
+    return o, lse
+
+
+def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
+    """Launch the backward; returns (dq, dk, dv)."""
+    B, HQ, SQ, D = q.shape
+    HKV, SK = k.shape[1], k.shape[2]
+    DP = _head_dim_pad(D)
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    if q.numel() == 0 or k.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    problem = _problem(q, k, causal)
+    cfg_kv = _config("attention_bwd_dkdv", q.device, _dkdv_default(DP), **problem)
+    atomic = bool(cfg_kv["DQ_ATOMIC"])
+    cfg_pre = _config("attention_bwd_preprocess", q.device, dict(BLOCK_M=64, num_warps=4, num_stages=1), **problem)
+
+    delta = torch.empty_like(lse)
+    dqa = torch.empty((B, HQ, SQ, DP), device=q.device, dtype=torch.float32) if atomic else delta
+    pre_bm = cfg_pre["BLOCK_M"]
+    _attn_bwd_pre_kernel[(triton.cdiv(SQ, pre_bm), B * HQ)](
+        o, do, delta, dqa, *_strides(o), *_strides(do), HQ, SQ, D=D, DP=DP, BLOCK_M=pre_bm, ZERO_DQA=atomic,
+        **_launch_opts(cfg_pre))
+
+    qk_scale = scale * LOG2E
+    BM, BN = cfg_kv["BLOCK_M"], cfg_kv["BLOCK_N"]
+    tma = bool(cfg_kv["TMA"]) and _tma_ok(q, k, v, do, dk, dv)
+    tma_reduce = atomic and tma and bool(cfg_kv.get("DQ_TMA_REDUCE", False))
+    if tma:
+        args = (_desc(q, BM, DP), _desc(k, BN, DP), _desc(v, BN, DP), _desc(do, BM, DP), _desc(dk, BN, DP),
+                _desc(dv, BN, DP))
+    else:
+        args = (q, k, v, do, dk, dv)
+    dqa_arg = _desc(dqa, BM, DP) if tma_reduce else dqa
+    _attn_bwd_dkdv_kernel[(triton.cdiv(SK, BN), B * HKV)](
+        *args, lse, delta, dqa_arg, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
+        *_strides(dv), HQ, HKV, HQ // HKV, SQ, SK, qk_scale, scale,
+        D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), TMA=tma, DQ_ATOMIC=atomic,
+        DQ_TMA_REDUCE=tma_reduce, **_launch_opts(cfg_kv))
+
+    if atomic:
+        _attn_bwd_dq_convert_kernel[(triton.cdiv(SQ, pre_bm), B * HQ)](
+            dqa, dq, *_strides(dq), HQ, SQ, D=D, DP=DP, BLOCK_M=pre_bm, **_launch_opts(cfg_pre))
+        return dq, dk, dv
+
+    cfg_q = _config("attention_bwd_dq", q.device, _dq_default(DP), **problem)
+    BM, BN = cfg_q["BLOCK_M"], cfg_q["BLOCK_N"]
+    tma = bool(cfg_q["TMA"]) and _tma_ok(q, k, v, do, dq)
+    if tma:
+        args = (_desc(q, BM, DP), _desc(k, BN, DP), _desc(v, BN, DP), _desc(do, BM, DP), _desc(dq, BM, DP))
+    else:
+        args = (q, k, v, do, dq)
+    _attn_bwd_dq_kernel[(triton.cdiv(SQ, BM), B * HQ)](
+        *args, lse, delta, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
+        HQ, HQ // HKV, SQ, SK, qk_scale, scale,
+        D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), TMA=tma, **_launch_opts(cfg_q))
+    return dq, dk, dv
+
+
+class AttentionFunction(torch.autograd.Function):
+    """Saves (q, k, v, out, lse); the backward recomputes probabilities from lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale):
+        o, lse = attention_forward(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal = causal
+        ctx.scale = scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = attention_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# public API
+# ----------------------------------------------------------------------------------------------
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _check(q, k, v, causal, scale) -> float:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"attention: {name} must be 4-D (batch, heads, seq, head_dim), got shape "
+                             f"{tuple(t.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"attention: {name}.dtype {t.dtype} differs from q.dtype {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"attention: {name} is on {t.device} but q is on {q.device}")
+    if q.device.type == "cpu":
+        if not _interpreting():
+            raise ValueError("attention: q is on the CPU; the Triton kernels need a GPU device "
+                             "(or TRITON_INTERPRET=1 for the CPU interpreter)")
+        allowed = (torch.float16, torch.bfloat16, torch.float32)
+    else:
+        allowed = (torch.float16, torch.bfloat16)
+    if q.dtype not in allowed:
+        extra = " (float32 only on the CPU interpreter)" if q.dtype == torch.float32 else ""
+        raise TypeError(f"attention: q.dtype {q.dtype} is not supported on {q.device.type}{extra}; "
+                        f"use one of {', '.join(str(d) for d in allowed)}")
+    if k.shape != v.shape:
+        raise ValueError(f"attention: k and v must have the same shape, got k {tuple(k.shape)} and v "
+                         f"{tuple(v.shape)}")
+    B, HQ, _, D = q.shape
+    if k.shape[0] != B:
+        raise ValueError(f"attention: k.shape[0] (batch) is {k.shape[0]} but q.shape[0] is {B}")
+    if k.shape[3] != D:
+        raise ValueError(f"attention: k.shape[3] (head_dim) is {k.shape[3]} but q.shape[3] is {D}; "
+                         "q, k and v must share head_dim")
+    HKV = k.shape[1]
+    if HKV == 0 or HQ % HKV:
+        raise ValueError(f"attention: q heads ({HQ}) must be a positive multiple of k/v heads ({HKV})")
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"attention: head_dim (q.shape[3]) = {D} is not supported; use 1..{MAX_HEAD_DIM}")
+    if k.shape[2] == 0 and q.shape[2] > 0:
+        raise ValueError("attention: k.shape[2] (seq_k) is 0: a query needs at least one key")
+    if not isinstance(causal, bool):
+        raise TypeError(f"attention: causal must be a bool, got {type(causal).__name__}")
+    if scale is None:
+        return 1.0 / math.sqrt(D)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale == 0:
+        raise ValueError(f"attention: scale must be a finite non-zero number, got {scale!r}")
+    return float(scale)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+              scale: float | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale [+ causal mask]) v, differentiable in q, k and v.
+
+    Args:
+        q: ``(batch, heads_q, seq_q, head_dim)``, bfloat16 or float16 (float32 on the CPU interpreter).
+        k, v: ``(batch, heads_kv, seq_k, head_dim)``, same dtype and device; ``heads_q % heads_kv == 0``.
+        causal: SDPA's ``is_causal``: top-left aligned lower-triangular mask (query i sees keys j <= i).
+        scale: softmax scale, default ``1/sqrt(head_dim)``.
+    Returns:
+        ``(batch, heads_q, seq_q, head_dim)`` in q's dtype (contiguous).
+    Example:
+        >>> out = attention(q, k, v, causal=True)  # doctest: +SKIP
+    """
+    scale = _check(q, k, v, causal, scale)
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu":
+        # Triton's interpreter (3.6 to 3.9) feeds bf16 tl.dot operands to numpy as their raw uint16
+        # bits; computing in fp32 and rounding the result keeps interpreted bf16 calls correct.
+        out = attention(q.float(), k.float(), v.float(), causal=causal, scale=scale)
+        return out.to(torch.bfloat16)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    return AttentionFunction.apply(q, k, v, causal, scale)
+
+
+def attention_ref(q, k, v, *, causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    """float64 reference with the same semantics (GQA, top-left causal); differentiable."""
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k64 = k64.repeat_interleave(group, dim=1)
+        v64 = v64.repeat_interleave(group, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = torch.matmul(q64, k64.transpose(-1, -2)) * scale
+    if causal:
+        sq, sk = q.shape[2], k.shape[2]
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v64)

@@ -1,0 +1,417 @@
+"""RMSNorm and fused residual-add + RMSNorm, forward and backward in Triton (Llama semantics).
+
+``y = weight * (x * rsqrt(mean(x**2) + eps)).to(x.dtype)``, computed in float32 and rounded to the
+input dtype before the weight multiply exactly where ``LlamaRMSNorm`` rounds; the output dtype is
+``torch.promote_types(x.dtype, weight.dtype)``, as in Hugging Face. ``add_rms_norm`` first forms
+``new_residual = x + residual`` (rounded to the input dtype, like ``residual + hidden_states`` in
+a decoder layer) and normalizes that.
+
+Layers: ``_rms_norm_*_kernel`` (jit) -> ``rms_norm_forward`` / ``rms_norm_backward`` (launchers)
+-> ``RMSNormFunction`` (eager autograd) and the ``tritonspec::*rms_norm*`` ops (torch.compile)
+-> ``rms_norm`` / ``add_rms_norm`` -> ``tritonspec.nn.RMSNorm``.
+
+Rows up to ``MAX_FUSED_N`` elements stay in registers (one read of x); longer rows loop over
+``BLOCK_N`` chunks (two reads), so any hidden size works. dW is a two-stage reduction: a
+persistent grid of about ``programs_per_unit`` programs per SM each sums its rows into one fp32
+partial row, then a small kernel sums the partials.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..launch import launch_config
+from ._checks import as_rows, check_eps, check_same_device, check_same_dtype, check_same_shape, check_tensor
+from ._device import compute_units
+from ._library import launch_options, launcher, library_op, use_library_op
+
+# Row elements kept in registers: 16384 bf16 = 32 KB per row over 16 warps is ~32 fp32 values per
+# thread per live array; the backward keeps four (x, dy, w, dw partial), which still fits.
+MAX_FUSED_N = 16384
+
+
+# ----------------------------------------------------------------------------------------------
+# float64 references (shared by tests and benchmarks)
+# ----------------------------------------------------------------------------------------------
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm in float64, differentiable: the definition of correct for outputs and gradients."""
+    x64 = x.double()
+    return x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6):
+    """``(rms_norm_ref(x + residual), x + residual)`` in float64."""
+    s = x.double() + residual.double()
+    return rms_norm_ref(s, weight, eps), s
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _rms_norm_fwd_kernel(X, stride_x, R, stride_r, S, stride_s, Y, stride_y, W, RSTD, M, N, eps,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                         LOOPED: tl.constexpr):
+    """BLOCK_M rows per program; S (the new residual) is written only when HAS_RESIDUAL."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    rows = rows.to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    in_ty = X.dtype.element_ty
+    if not LOOPED:
+        mask = row_ok[:, None] & (cols < N)[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(in_ty)
+            tl.store(S + rows[:, None] * stride_s + cols[None, :], x, mask=mask)
+        xf = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / N + eps)
+        tl.store(RSTD + rows, rstd, mask=row_ok)
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+        xn = (xf * rstd[:, None]).to(in_ty).to(tl.float32)
+        tl.store(Y + rows[:, None] * stride_y + cols[None, :], (xn * w[None, :]).to(Y.dtype.element_ty), mask=mask)
+    else:
+        # Pass 1: sum of squares (and the new residual); pass 2 re-reads the inputs rather than S,
+        # so no program ever loads what it just stored.
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for n0 in range(0, N, BLOCK_N):
+            c = n0 + cols
+            mask = row_ok[:, None] & (c < N)[None, :]
+            x = tl.load(X + rows[:, None] * stride_x + c[None, :], mask=mask, other=0.0)
+            if HAS_RESIDUAL:
+                r = tl.load(R + rows[:, None] * stride_r + c[None, :], mask=mask, other=0.0)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(in_ty)
+                tl.store(S + rows[:, None] * stride_s + c[None, :], x, mask=mask)
+            xf = x.to(tl.float32)
+            acc += xf * xf
+        rstd = tl.rsqrt(tl.sum(acc, axis=1) / N + eps)
+        tl.store(RSTD + rows, rstd, mask=row_ok)
+        for n0 in range(0, N, BLOCK_N):
+            c = n0 + cols
+            mask = row_ok[:, None] & (c < N)[None, :]
+            x = tl.load(X + rows[:, None] * stride_x + c[None, :], mask=mask, other=0.0)
+            if HAS_RESIDUAL:
+                r = tl.load(R + rows[:, None] * stride_r + c[None, :], mask=mask, other=0.0)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(in_ty)
+            w = tl.load(W + c, mask=c < N, other=0.0).to(tl.float32)
+            xn = (x.to(tl.float32) * rstd[:, None]).to(in_ty).to(tl.float32)
+            tl.store(Y + rows[:, None] * stride_y + c[None, :], (xn * w[None, :]).to(Y.dtype.element_ty),
+                     mask=mask)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(DY, stride_dy, X, stride_x, W, RSTD, DRES, stride_dres, DX, stride_dx, DW_PART,
+                         M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DRES: tl.constexpr,
+                         LOOPED: tl.constexpr):
+    """Persistent: program p handles row blocks p, p + P, ...; writes its dW partial to DW_PART[p, :].
+
+    dx = rstd * (dy*w - xhat * mean(dy*w*xhat)) (+ dres); dW partial = sum over rows of dy * xhat,
+    with xhat rounded to the input dtype as the forward used it. DX may alias DY: every element is
+    read before the same program writes it.
+    """
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    in_ty = X.dtype.element_ty
+    num_row_blocks = tl.cdiv(M, BLOCK_M)
+    if not LOOPED:
+        col_ok = cols < N
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+        dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for rb in range(pid, num_row_blocks, nprog):
+            rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = rows < M
+            rows = rows.to(tl.int64)
+            mask = row_ok[:, None] & col_ok[None, :]
+            dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+            xhat = x * rstd[:, None]
+            dw_acc += dy * xhat.to(in_ty).to(tl.float32)
+            dxhat = dy * w[None, :]
+            c = tl.sum(dxhat * xhat, axis=1) / N
+            dx = (dxhat - xhat * c[:, None]) * rstd[:, None]
+            if HAS_DRES:
+                dx += tl.load(DRES + rows[:, None] * stride_dres + cols[None, :], mask=mask,
+                              other=0.0).to(tl.float32)
+            tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        tl.store(DW_PART + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
+    else:
+        # DW_PART starts zeroed; only this program touches its row, with the same layout each time.
+        for rb in range(pid, num_row_blocks, nprog):
+            rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = rows < M
+            rows = rows.to(tl.int64)
+            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for n0 in range(0, N, BLOCK_N):
+                c_ = n0 + cols
+                mask = row_ok[:, None] & (c_ < N)[None, :]
+                dy = tl.load(DY + rows[:, None] * stride_dy + c_[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(X + rows[:, None] * stride_x + c_[None, :], mask=mask, other=0.0).to(tl.float32)
+                w = tl.load(W + c_, mask=c_ < N, other=0.0).to(tl.float32)
+                acc += dy * w[None, :] * x
+            c = tl.sum(acc, axis=1) * rstd / N
+            for n0 in range(0, N, BLOCK_N):
+                c_ = n0 + cols
+                col_ok = c_ < N
+                mask = row_ok[:, None] & col_ok[None, :]
+                dy = tl.load(DY + rows[:, None] * stride_dy + c_[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(X + rows[:, None] * stride_x + c_[None, :], mask=mask, other=0.0).to(tl.float32)
+                w = tl.load(W + c_, mask=col_ok, other=0.0).to(tl.float32)
+                xhat = x * rstd[:, None]
+                dx = (dy * w[None, :] - xhat * c[:, None]) * rstd[:, None]
+                if HAS_DRES:
+                    dx += tl.load(DRES + rows[:, None] * stride_dres + c_[None, :], mask=mask,
+                                  other=0.0).to(tl.float32)
+                tl.store(DX + rows[:, None] * stride_dx + c_[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+                part = DW_PART + pid.to(tl.int64) * N + c_
+                dw = tl.load(part, mask=col_ok, other=0.0)
+                tl.store(part, dw + tl.sum(dy * xhat.to(in_ty).to(tl.float32), axis=0), mask=col_ok)
+
+
+@triton.jit
+def _rms_norm_dw_kernel(DW_PART, DW, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Second stage of dW: sum the P fp32 partial rows, one column block per program."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        mask = (p < P)[:, None] & col_ok[None, :]
+        acc += tl.load(DW_PART + p.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    tl.store(DW + cols, tl.sum(acc, axis=0).to(DW.dtype.element_ty), mask=col_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# launch parameters (the backend's spec may override any key through launch_config)
+# ----------------------------------------------------------------------------------------------
+def _check_block_n(kernel: str, cfg: dict) -> int:
+    block_n = cfg["BLOCK_N"]
+    if block_n < 1 or block_n & (block_n - 1):
+        raise ValueError(f"{kernel}: launch config BLOCK_N={block_n} is not a power of two")
+    return block_n
+
+
+def _fwd_config(x: torch.Tensor, n: int) -> dict:
+    block_n = min(triton.next_power_of_2(n), MAX_FUSED_N)
+    block_m = max(1, min(16, 4096 // block_n))  # short rows: several per program, ~4K elements a tile
+    default = {"BLOCK_N": block_n, "BLOCK_M": block_m, "num_warps": min(16, max(4, block_m * block_n // 512))}
+    return launch_config("rms_norm_fwd", x.device, default, N=n, dtype=str(x.dtype))
+
+
+def _bwd_config(x: torch.Tensor, n: int) -> dict:
+    block_n = min(triton.next_power_of_2(n), MAX_FUSED_N)
+    block_m = max(1, min(16, 2048 // block_n))
+    default = {"BLOCK_N": block_n, "BLOCK_M": block_m, "num_warps": min(16, max(4, block_m * block_n // 256)),
+               "programs_per_unit": 4}
+    return launch_config("rms_norm_bwd", x.device, default, N=n, dtype=str(x.dtype))
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers: 2-D (rows, N) tensors with unit column stride in, fresh tensors out
+# ----------------------------------------------------------------------------------------------
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                     *, traced: bool = False):
+    """Returns ``(y, new_residual or None, rstd)``; ``y`` has dtype promote(x, weight)."""
+    m, n = x.shape
+    y = torch.empty((m, n), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
+    s = torch.empty((m, n), dtype=x.dtype, device=x.device) if residual is not None else None
+    if m == 0:
+        return y, s, rstd
+    cfg = _fwd_config(x, n)
+    block_n = _check_block_n("rms_norm_fwd", cfg)
+    r = residual if residual is not None else x
+    s_arg = s if s is not None else y
+    launcher(_rms_norm_fwd_kernel, traced)[(triton.cdiv(m, cfg["BLOCK_M"]),)](
+        x, x.stride(0), r, r.stride(0), s_arg, s_arg.stride(0), y, y.stride(0), weight, rstd, m, n, eps,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, LOOPED=block_n < n,
+        **launch_options(cfg))
+    return y, s, rstd
+
+
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                      dres: torch.Tensor | None = None, *, in_place: bool = False, traced: bool = False):
+    """Returns ``(dx, dweight)``; ``x`` is the normalized input (the new residual for add_rms_norm).
+
+    ``in_place=True`` writes dx into ``dy`` (saves one activation; dy must be x's dtype).
+    """
+    m, n = x.shape
+    dx = dy if in_place else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    dw = torch.empty_like(weight)
+    if m == 0:
+        return dx, dw.zero_()
+    cfg = _bwd_config(x, n)
+    block_n = _check_block_n("rms_norm_bwd", cfg)
+    looped = block_n < n
+    programs = compute_units(x.device) * cfg["programs_per_unit"]
+    if isinstance(m, int):  # not while torch.compile traces a symbolic row count
+        programs = max(1, min(programs, triton.cdiv(m, cfg["BLOCK_M"])))
+    alloc = torch.zeros if looped else torch.empty
+    dw_part = alloc((programs, n), dtype=torch.float32, device=x.device)
+    d_arg = dres if dres is not None else dy
+    launcher(_rms_norm_bwd_kernel, traced)[(programs,)](
+        dy, dy.stride(0), x, x.stride(0), weight, rstd, d_arg, d_arg.stride(0), dx, dx.stride(0), dw_part, m, n,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, HAS_DRES=dres is not None, LOOPED=looped, **launch_options(cfg))
+    block_p = min(32, triton.next_power_of_2(programs))
+    red_n = min(256, triton.next_power_of_2(n))
+    launcher(_rms_norm_dw_kernel, traced)[(triton.cdiv(n, red_n),)](
+        dw_part, dw, programs, n, BLOCK_P=block_p, BLOCK_N=red_n, num_warps=4)
+    return dx, dw
+
+
+# ----------------------------------------------------------------------------------------------
+# eager autograd (no dispatcher on the hot path)
+# ----------------------------------------------------------------------------------------------
+class RMSNormFunction(torch.autograd.Function):
+    """Eager autograd for rms_norm (residual None) and add_rms_norm; inputs are 2-D rows."""
+
+    @staticmethod
+    def forward(ctx, x, weight, residual, eps, in_place_backward):
+        y, s, rstd = rms_norm_forward(x, weight, eps, residual)
+        ctx.save_for_backward(s if s is not None else x, weight, rstd)
+        ctx.has_residual = residual is not None
+        ctx.in_place = in_place_backward
+        ctx.set_materialize_grads(False)
+        return (y, s) if s is not None else y
+
+    @staticmethod
+    def backward(ctx, dy, ds=None):
+        xs, weight, rstd = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros(xs.shape, dtype=xs.dtype, device=xs.device)
+        in_place = ctx.in_place and dy.dtype == xs.dtype and dy.is_contiguous()
+        if not in_place:
+            dy = as_rows(dy)
+        dx, dw = rms_norm_backward(dy, xs, weight, rstd, as_rows(ds) if ds is not None else None, in_place=in_place)
+        if in_place:
+            torch.autograd.graph.increment_version(dy)
+        return dx, dw, (dx if ctx.has_residual else None), None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# custom operators (what torch.compile traces)
+# ----------------------------------------------------------------------------------------------
+@library_op("rms_norm_fwd")
+def _rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    y, _, rstd = rms_norm_forward(x, weight, eps, traced=True)
+    return y, rstd
+
+
+@_rms_norm_fwd_op.register_fake
+def _(x, weight, eps):
+    return (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)),
+            x.new_empty(x.shape[:1], dtype=torch.float32))
+
+
+@library_op("add_rms_norm_fwd")
+def _add_rms_norm_fwd_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, s, rstd = rms_norm_forward(x, weight, eps, residual, traced=True)
+    return y, s, rstd
+
+
+@_add_rms_norm_fwd_op.register_fake
+def _(x, residual, weight, eps):
+    return (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)), x.new_empty(x.shape),
+            x.new_empty(x.shape[:1], dtype=torch.float32))
+
+
+@library_op("rms_norm_bwd")
+def _rms_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                     dres: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return rms_norm_backward(dy, x, weight, rstd, dres, traced=True)
+
+
+@_rms_norm_bwd_op.register_fake
+def _(dy, x, weight, rstd, dres):
+    return x.new_empty(x.shape), torch.empty_like(weight)
+
+
+def _setup_rms_norm(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _rms_norm_op_backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = _rms_norm_bwd_op(as_rows(dy), x, weight, rstd, None)
+    return dx, dw, None
+
+
+def _setup_add_rms_norm(ctx, inputs, output):
+    ctx.save_for_backward(output[1], inputs[2], output[2])
+
+
+def _add_rms_norm_op_backward(ctx, dy, ds, _drstd):
+    s, weight, rstd = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(s)
+    dx, dw = _rms_norm_bwd_op(as_rows(dy), s, weight, rstd, as_rows(ds) if ds is not None else None)
+    return dx, dx, dw, None
+
+
+_rms_norm_fwd_op.register_autograd(_rms_norm_op_backward, setup_context=_setup_rms_norm)
+_add_rms_norm_fwd_op.register_autograd(_add_rms_norm_op_backward, setup_context=_setup_add_rms_norm)
+
+
+# ----------------------------------------------------------------------------------------------
+# public API
+# ----------------------------------------------------------------------------------------------
+def _check(op: str, x, weight, eps, residual=None) -> tuple[float, int]:
+    check_tensor(op, "x", x)
+    check_tensor(op, "weight", weight, ndim=1)
+    if residual is not None:
+        check_tensor(op, "residual", residual)
+        check_same_device(op, x=x, residual=residual, weight=weight)
+        check_same_dtype(op, x=x, residual=residual)
+        check_same_shape(op, x=x, residual=residual)
+    else:
+        check_same_device(op, x=x, weight=weight)
+    n = x.shape[-1]
+    if n == 0:
+        raise ValueError(f"{op}: argument 'x' has an empty last (hidden) dimension, shape {tuple(x.shape)}")
+    if weight.shape[0] != n:
+        raise ValueError(f"{op}: argument 'weight' has shape {tuple(weight.shape)} but the hidden size "
+                         f"(x.shape[-1]) is {n}")
+    return check_eps(op, eps), n
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, in_place_backward: bool = False):
+    """``LlamaRMSNorm`` over the last dim of ``x`` (any leading dims) with a Triton backward.
+
+    Args:
+        x: (..., N) float16/bfloat16/float32.
+        weight: (N,), any of those dtypes; the output has dtype promote(x.dtype, weight.dtype).
+        eps: added to the mean square.
+        in_place_backward: write dx into the incoming gradient's storage (as Liger does), saving
+            one activation-sized buffer; only for callers whose gradient tensor nobody reads later.
+            Ignored under torch.compile.
+    Returns: the normalized tensor, shaped like ``x``.
+    """
+    eps, n = _check("rms_norm", x, weight, eps)
+    x2 = as_rows(x)
+    if use_library_op():
+        y, _ = _rms_norm_fwd_op(x2, weight, eps)
+    else:
+        y = RMSNormFunction.apply(x2, weight, None, eps, in_place_backward)
+    return y.view(x.shape[:-1] + (n,))
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+                 in_place_backward: bool = False):
+    """Fused ``new_residual = x + residual; out = rms_norm(new_residual)``; returns ``(out, new_residual)``.
+
+    ``x`` and ``residual`` have the same shape and dtype; gradients of both are the same tensor.
+    """
+    eps, n = _check("add_rms_norm", x, weight, eps, residual)
+    x2, r2 = as_rows(x), as_rows(residual)
+    if use_library_op():
+        y, s, _ = _add_rms_norm_fwd_op(x2, r2, weight, eps)
+    else:
+        y, s = RMSNormFunction.apply(x2, weight, r2, eps, in_place_backward)
+    shape = x.shape[:-1] + (n,)
+    return y.view(shape), s.view(shape)

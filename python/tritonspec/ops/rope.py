@@ -1,0 +1,230 @@
+"""Rotary position embedding with Hugging Face ``apply_rotary_pos_emb`` conventions, in Triton.
+
+q: (batch, heads_q, seq, head_dim) and k: (batch, heads_k, seq, head_dim) in any strides whose
+last dim is contiguous (HF passes ``proj(x).view(...).transpose(1, 2)``); cos, sin:
+(batch or 1, seq, head_dim) as HF's rotary embedding returns them (``unsqueeze_dim=1``).
+Rotate-half: ``out = x * cos + rotate_half(x) * sin``, ``rotate_half(x) = cat(-x2, x1)``.
+
+One program per (seq block, batch) reads its cos/sin tile once and rotates every head of q and
+then k, so cos/sin cost one read instead of one per head. The backward applies the transposed
+rotation, ``dx = dy * cos + rotate_half^T(dy * sin)`` -- for HF's duplicated-half cos/sin that is
+the forward with -sin. Outputs may alias inputs (each tile is read before it is written).
+
+Layers: ``_rope_kernel`` -> ``rope_forward`` / ``rope_backward`` -> ``RoPEFunction`` (eager) and
+``tritonspec::rope_*`` ops (torch.compile) -> ``rope``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..launch import launch_config
+from ._checks import check_same_device, check_same_dtype, check_tensor, unit_last_stride
+from ._library import launch_options, launcher, library_op, use_library_op
+
+
+def rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """HF ``apply_rotary_pos_emb`` in float64, differentiable: the definition of correct."""
+    c, s = cos.double().unsqueeze(1), sin.double().unsqueeze(1)
+
+    def rotate_half(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    q64, k64 = q.double(), k.double()
+    return q64 * c + rotate_half(q64) * s, k64 * c + rotate_half(k64) * s
+
+
+@triton.jit
+def _rope_heads(X, sxb, sxh, sxs, O, sob, soh, sos, b, s, s_ok, d, d_ok, c1, c2, s1, s2, H, HALF,
+                BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr):
+    """Rotate heads [0, H) of one (batch, seq block) tile, BLOCK_H heads at a time."""
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        mask = (h < H)[:, None, None] & s_ok[None, :, None] & d_ok[None, None, :]
+        h = h.to(tl.int64)[:, None, None]
+        xo = X + b * sxb + h * sxh + s[None, :, None] * sxs + d[None, None, :]
+        x1 = tl.load(xo, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(xo + HALF, mask=mask, other=0.0).to(tl.float32)
+        if BACKWARD:  # transpose of [[c1, -s1], [s2, c2]]
+            o1 = x1 * c1[None, :, :] + x2 * s2[None, :, :]
+            o2 = x2 * c2[None, :, :] - x1 * s1[None, :, :]
+        else:
+            o1 = x1 * c1[None, :, :] - x2 * s1[None, :, :]
+            o2 = x2 * c2[None, :, :] + x1 * s2[None, :, :]
+        oo = O + b * sob + h * soh + s[None, :, None] * sos + d[None, None, :]
+        tl.store(oo, o1.to(O.dtype.element_ty), mask=mask)
+        tl.store(oo + HALF, o2.to(O.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(Q, sqb, sqh, sqs, K, skb, skh, sks, QO, sqob, sqoh, sqos, KO, skob, skoh, skos,
+                 COS, scb, scs, SIN, ssb, sss, HQ, HK, S, HALF,
+                 BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BACKWARD: tl.constexpr):
+    s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    b = tl.program_id(1).to(tl.int64)
+    s_ok = s < S
+    s = s.to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HALF
+    mask = s_ok[:, None] & d_ok[None, :]
+    co = COS + b * scb + s[:, None] * scs + d[None, :]
+    so = SIN + b * ssb + s[:, None] * sss + d[None, :]
+    c1 = tl.load(co, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(co + HALF, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(so, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(so + HALF, mask=mask, other=0.0).to(tl.float32)
+    _rope_heads(Q, sqb, sqh, sqs, QO, sqob, sqoh, sqos, b, s, s_ok, d, d_ok, c1, c2, s1, s2, HQ, HALF,
+                BLOCK_HQ, BACKWARD)
+    _rope_heads(K, skb, skh, sks, KO, skob, skoh, skos, b, s, s_ok, d, d_ok, c1, c2, s1, s2, HK, HALF,
+                BLOCK_HK, BACKWARD)
+
+
+def _config(q: torch.Tensor, hq: int, hk: int, half: int) -> dict:
+    block_d = triton.next_power_of_2(half)
+    block_s = max(1, min(8, 512 // block_d))
+    tile_heads = max(1, 4096 // (block_s * block_d))  # ~4K elements per half tile
+    default = {"BLOCK_S": block_s, "BLOCK_HQ": min(triton.next_power_of_2(hq), tile_heads),
+               "BLOCK_HK": min(triton.next_power_of_2(hk), tile_heads), "num_warps": 4}
+    return launch_config("rope", q.device, default, heads_q=hq, heads_k=hk, head_dim=2 * half, dtype=str(q.dtype))
+
+
+def _launch(q, k, qo, ko, cos, sin, backward: bool, traced: bool):
+    b, hq, s, d = q.shape
+    hk = k.shape[1]
+    if q.numel() == 0 and k.numel() == 0:
+        return
+    half = d // 2
+    cfg = _config(q, hq, hk, half)
+    cb = 0 if cos.shape[0] == 1 else cos.stride(0)  # (1, seq, dim) broadcasts over the batch
+    sb = 0 if sin.shape[0] == 1 else sin.stride(0)
+    grid = (triton.cdiv(s, cfg["BLOCK_S"]), b)
+    launcher(_rope_kernel, traced)[grid](
+        q, q.stride(0), q.stride(1), q.stride(2), k, k.stride(0), k.stride(1), k.stride(2),
+        qo, qo.stride(0), qo.stride(1), qo.stride(2), ko, ko.stride(0), ko.stride(1), ko.stride(2),
+        cos, cb, cos.stride(1), sin, sb, sin.stride(1), hq, hk, s, half,
+        BLOCK_HQ=cfg["BLOCK_HQ"], BLOCK_HK=cfg["BLOCK_HK"], BLOCK_S=cfg["BLOCK_S"],
+        BLOCK_D=triton.next_power_of_2(half), BACKWARD=backward, **launch_options(cfg))
+
+
+def rope_forward(q, k, cos, sin, *, traced: bool = False):
+    """``(q_embed, k_embed)``, laid out like ``q`` and ``k``."""
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    _launch(q, k, qo, ko, cos, sin, False, traced)
+    return qo, ko
+
+
+def rope_backward(dq, dk, cos, sin, *, in_place: bool = False, traced: bool = False):
+    """``(dq, dk)`` from the output gradients; ``in_place=True`` overwrites the output gradients."""
+    gq, gk = (dq, dk) if in_place else (torch.empty_like(dq), torch.empty_like(dk))
+    _launch(dq, dk, gq, gk, cos, sin, True, traced)
+    return gq, gk
+
+
+def _writable(t: torch.Tensor) -> bool:
+    """Dense without overlap in the two layouts HF produces, so an in-place gradient is safe."""
+    return t.is_contiguous() or t.transpose(1, 2).is_contiguous()
+
+
+class RoPEFunction(torch.autograd.Function):
+    """Eager autograd for rope; cos/sin get no gradient (``rope`` refuses ones that require it)."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, in_place_backward):
+        ctx.save_for_backward(cos, sin)
+        ctx.in_place = in_place_backward
+        ctx.shapes = (q.shape, k.shape)
+        ctx.set_materialize_grads(False)
+        return rope_forward(q, k, cos, sin)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos, sin = ctx.saved_tensors
+        # An unused output gets a zero gradient (rare: attention consumes both).
+        if dq is None or dk is None:
+            ref = dq if dq is not None else dk
+            dq, dk = (g if g is not None else ref.new_zeros(shape) for g, shape in zip((dq, dk), ctx.shapes))
+        dq, dk = unit_last_stride(dq), unit_last_stride(dk)
+        in_place = ctx.in_place and _writable(dq) and _writable(dk)
+        gq, gk = rope_backward(dq, dk, cos, sin, in_place=in_place)
+        if in_place:
+            torch.autograd.graph.increment_version(dq)
+            torch.autograd.graph.increment_version(dk)
+        return gq, gk, None, None, None
+
+
+@library_op("rope_fwd")
+def _rope_fwd_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return rope_forward(q, k, cos, sin, traced=True)
+
+
+@_rope_fwd_op.register_fake
+def _(q, k, cos, sin):
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+@library_op("rope_bwd")
+def _rope_bwd_op(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return rope_backward(dq, dk, cos, sin, traced=True)
+
+
+@_rope_bwd_op.register_fake
+def _(dq, dk, cos, sin):
+    return torch.empty_like(dq), torch.empty_like(dk)
+
+
+def _setup_rope(ctx, inputs, output):
+    ctx.save_for_backward(inputs[2], inputs[3])
+
+
+def _rope_op_backward(ctx, dq, dk):
+    cos, sin = ctx.saved_tensors
+    gq, gk = _rope_bwd_op(unit_last_stride(dq), unit_last_stride(dk), cos, sin)
+    return gq, gk, None, None
+
+
+_rope_fwd_op.register_autograd(_rope_op_backward, setup_context=_setup_rope)
+
+
+def _check(q, k, cos, sin) -> None:
+    op = "rope"
+    check_tensor(op, "q", q, ndim=4)
+    check_tensor(op, "k", k, ndim=4)
+    check_tensor(op, "cos", cos, ndim=3)
+    check_tensor(op, "sin", sin, ndim=3)
+    check_same_device(op, q=q, k=k, cos=cos, sin=sin)
+    check_same_dtype(op, q=q, k=k)
+    check_same_dtype(op, cos=cos, sin=sin)
+    b, _, s, d = q.shape
+    if d % 2 or d == 0:
+        raise ValueError(f"rope: argument 'q' has head_dim {d}; rotate-half needs an even, nonzero one")
+    if (k.shape[0], k.shape[2], k.shape[3]) != (b, s, d):
+        raise ValueError(f"rope: argument 'k' has shape {tuple(k.shape)}; expected (batch={b}, heads, seq={s}, "
+                         f"head_dim={d}) to match 'q' {tuple(q.shape)}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"rope: argument 'sin' has shape {tuple(sin.shape)} but 'cos' has {tuple(cos.shape)}")
+    if cos.shape[0] not in (1, b) or cos.shape[1:] != (s, d):
+        raise ValueError(f"rope: argument 'cos' has shape {tuple(cos.shape)}; expected ({b} or 1, {s}, {d}) = "
+                         "(batch, seq, head_dim) as HF's rotary embedding returns it")
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        raise ValueError("rope: arguments 'cos'/'sin' require grad, but rope gives them no gradient; "
+                         "detach them (HF computes them under no_grad)")
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+         in_place_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF ``apply_rotary_pos_emb(q, k, cos, sin)`` (``unsqueeze_dim=1``) with a Triton backward.
+
+    Outputs have q's dtype (cos/sin may be any supported float dtype; math is float32).
+    ``in_place_backward=True`` writes dq/dk into the incoming gradients' storage (as Liger does);
+    only for callers whose gradients nobody reads later. Ignored under torch.compile.
+    """
+    _check(q, k, cos, sin)
+    q, k, cos, sin = (unit_last_stride(t) for t in (q, k, cos, sin))
+    if use_library_op():
+        return _rope_fwd_op(q, k, cos, sin)
+    return RoPEFunction.apply(q, k, cos, sin, in_place_backward)

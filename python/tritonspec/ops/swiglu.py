@@ -1,0 +1,189 @@
+"""SwiGLU activation ``silu(gate) * up``, forward and backward in Triton (LlamaMLP semantics).
+
+As in ``act_fn(gate_proj(x)) * up_proj(x)``, silu is computed in float32 and rounded to the input
+dtype before the multiply; the backward works in float32 throughout.
+
+Elementwise and memory bound: contiguous inputs run as one flat row; row-strided inputs (e.g. the
+two halves of a fused gate_up projection) run as 2-D (rows, N) tiles without a copy. The grid is
+1-D (CUDA limits the second grid dim to 65535).
+
+Layers: ``_swiglu_fwd_kernel`` / ``_swiglu_bwd_kernel`` -> ``swiglu_forward`` / ``swiglu_backward``
+-> ``SwiGLUFunction`` (eager) and ``tritonspec::swiglu_*`` ops (torch.compile) -> ``swiglu`` ->
+``tritonspec.nn.SwiGLUMLP``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..launch import launch_config
+from ._checks import as_rows, check_same_device, check_same_dtype, check_same_shape, check_tensor
+from ._library import launch_options, launcher, library_op, use_library_op
+
+
+def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` in float64, differentiable: the definition of correct."""
+    g = gate.double()
+    return g * torch.sigmoid(g) * up.double()
+
+
+@triton.jit
+def _swiglu_fwd_kernel(G, stride_g, U, stride_u, Y, stride_y, M, N, n_col_blocks,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    rows = (pid // n_col_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid % n_col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    act = (g * tl.sigmoid(g)).to(G.dtype.element_ty).to(tl.float32)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], (act * u).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(DY, stride_dy, G, stride_g, U, stride_u, DG, stride_dg, DU, stride_du, M, N, n_col_blocks,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dgate = dy * up * silu'(gate), dup = dy * silu(gate); DG/DU may alias G/U (read before written)."""
+    pid = tl.program_id(0).to(tl.int64)
+    rows = (pid // n_col_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid % n_col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    act = g * sig
+    dg = dy * u * sig * (1.0 + g * (1.0 - sig))
+    du = dy * act.to(G.dtype.element_ty).to(tl.float32)
+    tl.store(DG + rows[:, None] * stride_dg + cols[None, :], dg.to(DG.dtype.element_ty), mask=mask)
+    tl.store(DU + rows[:, None] * stride_du + cols[None, :], du.to(DU.dtype.element_ty), mask=mask)
+
+
+def _config(kernel: str, t: torch.Tensor, n: int, flat: bool) -> dict:
+    """Tile of ~BLOCK elements; a flat (contiguous) problem is one long row whatever its size."""
+    # 4K elements per program (8 KB per bf16 tensor): 16 per thread at 8 warps, two 16-byte loads.
+    block = 4096
+    block_n = block if flat else min(triton.next_power_of_2(n), block)
+    default = {"BLOCK_N": block_n, "BLOCK_M": max(1, block // block_n), "num_warps": 8}
+    return launch_config(kernel, t.device, default, flat=flat, N=0 if flat else n, dtype=str(t.dtype))
+
+
+def _grid(m: int, n: int, cfg: dict) -> tuple[tuple[int], int]:
+    n_col_blocks = triton.cdiv(n, cfg["BLOCK_N"])
+    return (triton.cdiv(m, cfg["BLOCK_M"]) * n_col_blocks,), n_col_blocks
+
+
+def _flat(*ts: torch.Tensor) -> bool:
+    return all(t.is_contiguous() for t in ts)
+
+
+def _rows(t: torch.Tensor, flat: bool) -> torch.Tensor:
+    return t.view(1, -1) if flat else as_rows(t)
+
+
+def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, *, traced: bool = False) -> torch.Tensor:
+    """``silu(gate) * up`` as a new contiguous tensor shaped like ``gate``."""
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if out.numel() == 0:
+        return out
+    flat = _flat(gate, up)
+    g, u, y = _rows(gate, flat), _rows(up, flat), _rows(out, flat)
+    m, n = g.shape
+    cfg = _config("swiglu_fwd", gate, n, flat)
+    grid, n_col_blocks = _grid(m, n, cfg)
+    launcher(_swiglu_fwd_kernel, traced)[grid](
+        g, g.stride(0), u, u.stride(0), y, y.stride(0), m, n, n_col_blocks,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], **launch_options(cfg))
+    return out
+
+
+def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, in_place: bool = False,
+                    traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dgate, dup)``; ``in_place=True`` writes them into ``gate`` and ``up`` and returns those."""
+    if in_place:
+        dg, du = gate, up
+    else:
+        dg = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        du = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+    if dg.numel() == 0:
+        return dg, du
+    flat = _flat(dy, gate, up, dg, du)
+    d, g, u, dg2, du2 = (_rows(t, flat) for t in (dy, gate, up, dg, du))
+    m, n = g.shape
+    cfg = _config("swiglu_bwd", gate, n, flat)
+    grid, n_col_blocks = _grid(m, n, cfg)
+    launcher(_swiglu_bwd_kernel, traced)[grid](
+        d, d.stride(0), g, g.stride(0), u, u.stride(0), dg2, dg2.stride(0), du2, du2.stride(0), m, n, n_col_blocks,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], **launch_options(cfg))
+    return dg, du
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    """Eager autograd for swiglu; optionally overwrites gate/up with their gradients (Liger style)."""
+
+    @staticmethod
+    def forward(ctx, gate, up, in_place_backward):
+        ctx.save_for_backward(gate, up)
+        ctx.in_place = in_place_backward
+        return swiglu_forward(gate, up)
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        in_place = ctx.in_place and gate.is_contiguous() and up.is_contiguous()
+        dg, du = swiglu_backward(dy, gate, up, in_place=in_place)
+        if in_place:  # anything else that saved gate/up now fails loudly instead of reading gradients
+            torch.autograd.graph.increment_version(gate)
+            torch.autograd.graph.increment_version(up)
+        return dg, du, None
+
+
+@library_op("swiglu_fwd")
+def _swiglu_fwd_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return swiglu_forward(gate, up, traced=True)
+
+
+@_swiglu_fwd_op.register_fake
+def _(gate, up):
+    return gate.new_empty(gate.shape)
+
+
+@library_op("swiglu_bwd")
+def _swiglu_bwd_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return swiglu_backward(dy, gate, up, traced=True)
+
+
+@_swiglu_bwd_op.register_fake
+def _(dy, gate, up):
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+
+def _setup_swiglu(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_op_backward(ctx, dy):
+    gate, up = ctx.saved_tensors
+    return _swiglu_bwd_op(dy, gate, up)
+
+
+_swiglu_fwd_op.register_autograd(_swiglu_op_backward, setup_context=_setup_swiglu)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, in_place_backward: bool = False) -> torch.Tensor:
+    """``silu(gate) * up`` (any shape, both the same) with a Triton backward.
+
+    ``in_place_backward=True`` writes the gradients into ``gate``'s and ``up``'s storage (as Liger
+    does), saving two activation-sized buffers; only for callers that own those tensors, like
+    ``SwiGLUMLP`` whose projections produce them. Ignored under torch.compile.
+    """
+    op = "swiglu"
+    check_tensor(op, "gate", gate)
+    check_tensor(op, "up", up)
+    check_same_device(op, gate=gate, up=up)
+    check_same_dtype(op, gate=gate, up=up)
+    check_same_shape(op, gate=gate, up=up)
+    if use_library_op():
+        return _swiglu_fwd_op(gate, up)
+    return SwiGLUFunction.apply(gate, up, in_place_backward)

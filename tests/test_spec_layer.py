@@ -1,0 +1,441 @@
+"""The spec layer over stock Triton: hook table, resolution, injectors, install points, cache keys."""
+import os
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.language.extra import libdevice
+from triton.runtime.jit import JITFunction
+
+import tritonspec
+from tritonspec import REGISTRY, SpecError, SpecHookError, install, resolve
+from tritonspec.inject import restore as restore_injections
+
+CUDA = GPUTarget("cuda", 90, 32)
+HIP = GPUTarget("hip", "gfx942", 64)
+
+
+def make_spec(name, **exports):
+    mod = types.ModuleType(name)
+    for k, v in exports.items():
+        setattr(mod, k, v)
+    mod.__all__ = list(exports)
+    return mod
+
+
+@pytest.fixture
+def registry():
+    """Register test specs freely; the real providers come back afterwards."""
+    saved = dict(REGISTRY._providers)
+    yield REGISTRY
+    REGISTRY._providers.clear()
+    REGISTRY._providers.update(saved)
+    REGISTRY.generation += 1
+    REGISTRY._changed()
+
+
+# -- kernels (plain functions: wrapped as compiled JITFunctions or interpreted via triton.jit) --
+
+def _atomic64(ptr, val_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.atomic_add(ptr + offs, tl.load(val_ptr + offs, mask=mask), mask=mask)
+
+
+def _load_cm(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, cache_modifier=".spec"))
+
+
+def _copy(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) * 2.0, mask=mask)
+
+
+def _arange48(out_ptr):
+    offs = tl.arange(0, 48)
+    tl.store(out_ptr + offs, offs)
+
+
+def _bf16_atomic(ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.atomic_add(ptr + offs, tl.full([BLOCK], 1.0, tl.bfloat16))
+
+
+def compile_for(fn, signature, constexprs, target=CUDA):
+    return triton.compile(ASTSource(JITFunction(fn), signature, constexprs), target=target)
+
+
+COPY_SIG = ({"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 128})
+
+
+# -- spec functions used by test specs ------------------------------------------------------------
+
+def xchg_instead_of_add(semantic, ptr, val, mask, sem, scope):
+    """Observable stand-in for an int64 lowering: atomic exchange instead of add."""
+    return semantic.atomic_xchg(ptr, val, mask, sem, scope)
+
+
+def always_true():
+    return True
+
+
+def zero_cap():
+    return 0
+
+
+def raising_cache_modifier(cm):
+    raise KeyError("boom")
+
+
+# ---------------------------------------------------------------------------------------------------
+
+def test_every_hook_is_declared_once_with_an_install_point():
+    points = {p.name for p in install.INSTALL_POINTS} | {"tritonspec.launch_config"}
+    for hook in tritonspec.HOOKS.values():
+        assert hook.point in points, hook
+        assert hook.doc and hook.default
+
+
+def test_undeclared_hook_names_are_errors_with_suggestions(registry):
+    with pytest.raises(SpecError, match="'num_stage_cap' is not a declared.*did you mean 'num_stages_cap'"):
+        tritonspec.spec("num_stage_cap")
+    with pytest.raises(SpecError, match="did you mean 'atomic_add_int64'"):
+        tritonspec.spec_func("atomic_add_int46")
+    bad = make_spec("bad_spec", atomic_add_int46=xchg_instead_of_add)
+    with pytest.raises(SpecError, match="backend 'typo'.*'atomic_add_int46'.*did you mean 'atomic_add_int64'"):
+        tritonspec.register_spec("typo", bad)
+    missing = types.ModuleType("missing_spec")
+    missing.__all__ = ["num_stages_cap"]
+    with pytest.raises(SpecError, match="names 'num_stages_cap', which it does not define"):
+        tritonspec.register_spec("missing", missing)
+    with pytest.raises(TypeError, match="module must be a module"):
+        tritonspec.register_spec("x", object())
+
+
+def test_falsy_specialized_results_are_distinguishable(registry):
+    tritonspec.register_spec("falsy", make_spec("falsy_spec", num_stages_cap=zero_cap))
+    with tritonspec.use_backend("falsy"):
+        assert tritonspec.spec("num_stages_cap") == 0  # specialized to 0 ...
+        assert tritonspec.spec_func("num_stages_cap") is not None  # ... and spec_func says so
+        assert tritonspec.spec_func("do_bench") is None  # not specialized
+        assert tritonspec.spec("do_bench") is None
+
+
+def test_resolution_order(registry, monkeypatch):
+    for name in ("a", "b", "nvidia", "amd", "cpu"):
+        tritonspec.register_spec(name, make_spec(f"{name}_spec"))
+    monkeypatch.delenv("TRITONSPEC_BACKEND", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert resolve.current_backend("cuda") == "nvidia"
+    assert resolve.current_backend("hip") == "amd"
+    assert resolve.current_backend("iluvatar") == "iluvatar"
+    with resolve.compiling_for("hip"):
+        assert resolve.current_backend() == "amd"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve.current_backend() == "cpu"
+    monkeypatch.setenv("TRITONSPEC_BACKEND", "b")
+    assert resolve.current_backend("cuda") == "b"
+    with tritonspec.use_backend("a"):
+        assert resolve.current_backend("cuda") == "a"
+        with tritonspec.use_backend("b"):
+            assert resolve.current_backend("hip") == "b"
+        assert resolve.current_backend() == "a"
+    with pytest.raises(SpecError, match="no spec registered for backend 'nope'"):
+        with tritonspec.use_backend("nope"):
+            pass
+
+
+def test_driver_spec_is_used_only_when_a_driver_exists(registry, monkeypatch):
+    from triton.runtime.driver import driver
+    monkeypatch.delenv("TRITONSPEC_BACKEND", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert driver._active is None and driver._default is None
+    assert tritonspec.spec("num_stages_cap") is None
+    assert driver._active is None and driver._default is None, "resolving must never create a driver"
+
+    class FakeDriver:  # FlagTree style: the driver carries its spec module
+        spec = make_spec("flagtree_style", num_stages_cap=lambda: 7)
+
+        def get_current_target(self):
+            return GPUTarget("fakegpu", 1, 32)
+
+    monkeypatch.setattr(driver, "_active", FakeDriver())
+    from triton.runtime.driver import spec, spec_func  # FlagTree-compatible import path
+    assert spec("num_stages_cap") == 7
+    assert spec_func("num_stages_cap")() == 7
+
+
+def test_trust_list_restricts_providers(registry, monkeypatch):
+    monkeypatch.setenv("TRITONSPEC_BACKENDS", "nvidia, cpu")
+    REGISTRY._providers.pop("amd", None)
+    assert REGISTRY.get("amd") is None
+    with pytest.raises(SpecError, match="not in TRITONSPEC_BACKENDS"):
+        tritonspec.register_spec("rogue", make_spec("rogue_spec"))
+
+
+def test_spec_errors_name_backend_and_hook(registry):
+    tritonspec.register_spec("raiser", make_spec("raiser_spec", ext_str_to_load_cache_modifier=raising_cache_modifier))
+    with tritonspec.use_backend("raiser"):
+        with pytest.raises(Exception, match="backend 'raiser' spec hook 'ext_str_to_load_cache_modifier' raised"):
+            compile_for(_load_cm, {"x_ptr": "*fp32", "y_ptr": "*fp32", "BLOCK": "constexpr"}, {"BLOCK": 32})
+
+
+def test_injectors_install_and_restore_exact_objects(registry):
+    from triton.language import core, math, semantic, standard
+    orig = {"tl.exp": tl.exp, "math.exp": math.exp, "tl.maximum": tl.maximum}
+
+    @core.builtin
+    def my_twice(x, _semantic=None):
+        return _semantic.mul(x, 2)
+
+    @core.builtin
+    def exp(x, _semantic=None):
+        return _semantic.mul(x, 3)
+
+    def ext_semantic_my_neg(self, x):
+        return self.minus(x)
+
+    spec = make_spec("inj_spec", my_twice=my_twice, exp=exp, ext_semantic_my_neg=ext_semantic_my_neg,
+                     core_ext_spec_func_list=["my_twice"], math_ext_base_func_list=["exp"],
+                     semantic_ext_spec_func_list=["my_neg"])
+    spec.__all__ = ["core_ext_spec_func_list", "math_ext_base_func_list", "semantic_ext_spec_func_list"]
+    tritonspec.register_spec("inj", spec)
+    with tritonspec.use_backend("inj"):
+        assert tl.my_twice is my_twice and core.my_twice is my_twice
+        assert tl.exp is exp and math.exp is exp
+        assert semantic.TritonSemantic.my_neg is ext_semantic_my_neg
+        assert not hasattr(standard, "my_twice")
+    assert not hasattr(tl, "my_twice") and not hasattr(core, "my_twice")
+    assert not hasattr(semantic.TritonSemantic, "my_neg")
+    assert tl.exp is orig["tl.exp"] and math.exp is orig["math.exp"] and tl.maximum is orig["tl.maximum"]
+
+
+def test_injector_collisions_are_errors(registry):
+    @tl.core.builtin
+    def maximum(x, y, _semantic=None):
+        return x
+
+    clash = make_spec("clash_spec", maximum=maximum, core_ext_spec_func_list=["maximum"])
+    clash.__all__ = ["core_ext_spec_func_list"]
+    tritonspec.register_spec("clash", clash)
+    with pytest.raises(SpecError, match="'maximum' already exists.*core_ext_base_func_list"):
+        with tritonspec.use_backend("clash"):
+            pass
+    assert tl.maximum is not maximum
+    fresh = make_spec("fresh_spec", brand_new=maximum, math_ext_base_func_list=["brand_new"])
+    fresh.brand_new = maximum
+    fresh.__all__ = ["math_ext_base_func_list"]
+    tritonspec.register_spec("fresh", fresh)
+    with pytest.raises(SpecError, match="'brand_new' does not exist in triton.language.math"):
+        with tritonspec.use_backend("fresh"):
+            pass
+    restore_injections()
+
+
+def test_vendor_spec_round_trip_compiled_and_interpreted(registry):
+    """One FlagTree-style spec module changes semantics identically in compiled and interpreted kernels."""
+    vendor = make_spec("vendor_spec", atomic_add_int64=xchg_instead_of_add,
+                       arange_disable_check_power_of_two=always_true)
+    tritonspec.register_spec("vendor", vendor)
+    sig = {"ptr": "*i64", "val_ptr": "*i64", "n": "i32", "BLOCK": "constexpr"}
+    stock = compile_for(_atomic64, sig, {"BLOCK": 32}).asm["ttir"]
+    assert "atomic_rmw add" in stock
+    with tritonspec.use_backend("vendor"):
+        ttir = compile_for(_atomic64, sig, {"BLOCK": 32}).asm["ttir"]
+    assert "atomic_rmw exch" in ttir and "atomic_rmw add" not in ttir
+
+    # interpreted: the same spec turns the add into an exchange (the test session interprets)
+    kernel = triton.jit(_atomic64)
+    base = torch.randint(-2**40, 2**40, (20,), dtype=torch.int64)
+    val = torch.randint(-2**40, 2**40, (20,), dtype=torch.int64)
+    out = base.clone()
+    kernel[(1,)](out, val, 20, BLOCK=32)
+    assert torch.equal(out, base + val)
+    out = base.clone()
+    with tritonspec.use_backend("vendor"):
+        kernel[(1,)](out, val, 20, BLOCK=32)
+    assert torch.equal(out, val)
+
+    # predicate hook: tl.arange(0, 48) is an error in stock, allowed by the vendor
+    interp = triton.jit(_arange48)
+    buf = torch.full((48,), -1, dtype=torch.int32)
+    with pytest.raises(Exception, match="power of 2"):
+        interp[(1,)](buf)
+    with tritonspec.use_backend("vendor"):
+        interp[(1,)](buf)
+    assert torch.equal(buf, torch.arange(48, dtype=torch.int32))
+
+
+def test_bf16_atomic_predicate(registry):
+    tritonspec.register_spec("nobf16", make_spec("nobf16_spec", atomic_disable_bf16=always_true))
+    sig = ({"ptr": "*bf16", "BLOCK": "constexpr"}, {"BLOCK": 32})
+    assert "atomic_rmw fadd" in compile_for(_bf16_atomic, *sig).asm["ttir"]
+    with tritonspec.use_backend("nobf16"):
+        with pytest.raises(Exception, match="bfloat16 is not supported by backend 'nobf16'"):
+            compile_for(_bf16_atomic, *sig)
+
+
+def test_cache_keys_separate_spec_sets(registry):
+    """The same kernel compiled under spec A, then B, gives different cache entries and binaries."""
+    from triton._C.libtriton import ir
+
+    def cg(cm):
+        return ir.CACHE_MODIFIER.CG if cm == ".spec" else None
+
+    def cs(cm):
+        return ir.CACHE_MODIFIER.CS if cm == ".spec" else None
+
+    tritonspec.register_spec("spec_a", make_spec("spec_a", ext_str_to_load_cache_modifier=cg))
+    tritonspec.register_spec("spec_b", make_spec("spec_b", ext_str_to_load_cache_modifier=cs))
+    sig = ({"x_ptr": "*fp32", "y_ptr": "*fp32", "BLOCK": "constexpr"}, {"BLOCK": 128})
+    with tritonspec.use_backend("spec_a"):
+        a = compile_for(_load_cm, *sig)
+    with tritonspec.use_backend("spec_b"):
+        b = compile_for(_load_cm, *sig)
+    with tritonspec.use_backend("spec_a"):
+        a2 = compile_for(_load_cm, *sig)
+    assert a.hash != b.hash and a.hash == a2.hash
+    assert "ld.global.cg" in a.asm["ptx"] and "ld.global.cs" in b.asm["ptx"]
+    assert a.asm["cubin"] != b.asm["cubin"]
+
+
+def test_jit_in_memory_caches_follow_the_selection(registry):
+    tritonspec.register_spec("sel", make_spec("sel_spec"))
+    fn = JITFunction(_copy)
+    outside = fn.device_caches
+    with tritonspec.use_backend("sel"):
+        inside = fn.device_caches
+        assert inside is not outside
+    assert fn.device_caches is outside
+    with tritonspec.use_backend("sel"):
+        assert fn.device_caches is inside
+
+
+def test_pipeline_stages_hook_runs_for_each_target(registry, monkeypatch):
+    monkeypatch.setattr(triton.knobs.compilation, "always_compile", True)  # stages run on cache misses only
+    seen = []
+
+    def pipeline_stages(backend, stages, options, language, capability):
+        seen.append(type(backend).__name__)
+        ttir = stages["ttir"]
+        stages["ttir"] = lambda src, metadata: ttir(src, metadata)
+
+    tritonspec.register_spec("pipe", make_spec("pipe_spec", pipeline_stages=pipeline_stages))
+    with tritonspec.use_backend("pipe"):
+        compile_for(_copy, *COPY_SIG, target=CUDA)
+        compile_for(_copy, *COPY_SIG, target=HIP)
+    assert seen == ["CUDABackend", "HIPBackend"]
+
+
+def test_num_stages_cap_and_autotuner_pruning_and_do_bench(registry):
+    def prune(configs, named_args):
+        return [c for c in configs if c.num_warps <= 4]
+
+    def do_bench(fn, *args, **kwargs):
+        return 42.0
+
+    tritonspec.register_spec("rt", make_spec("rt_spec", num_stages_cap=2, get_pruned_configs=prune,
+                                             do_bench=do_bench))
+    with tritonspec.use_backend("rt"):
+        assert compile_for(_copy, *COPY_SIG).metadata.num_stages == 2
+        assert triton.testing.do_bench(lambda: None) == 42.0
+        configs = [triton.Config({"BLOCK": 64}, num_warps=w) for w in (2, 4, 8)]
+        tuner = triton.autotune(configs=configs, key=["n"])(JITFunction(_copy))
+        tuner.nargs = {"n": 10}
+        assert [c.num_warps for c in tuner.prune_configs({})] == [2, 4]
+    assert compile_for(_copy, *COPY_SIG).metadata.num_stages == 3
+
+
+def test_interpreter_libdevice_hook(registry):
+    from triton.runtime.interpreter import TensorHandle
+
+    lib = types.ModuleType("np_libdevice")
+
+    @tl.core.extern
+    def tanh(arg0, _semantic=None):
+        x = _semantic.to_tensor(arg0)
+        return tl.tensor(TensorHandle(np.tanh(x.handle.data), x.dtype.scalar), x.type)
+
+    lib.tanh = tanh
+
+    @triton.jit
+    def k(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(y_ptr + offs, libdevice.tanh(tl.load(x_ptr + offs, mask=mask)), mask=mask)
+
+    tritonspec.register_spec("npdev", make_spec("npdev_spec", interpreter_libdevice=lib))
+    x = torch.randn(50)
+    y = torch.full((50,), float("nan"))
+    with tritonspec.use_backend("npdev"):
+        k[(1,)](x, y, 50, BLOCK=64)
+    torch.testing.assert_close(y.double(), torch.tanh(x.double()), rtol=1e-6, atol=1e-6)
+
+
+def test_get_cc_hook(registry, monkeypatch, tmp_path):
+    """The backend's host compiler builds launcher stubs (3.9: _find_compiler; 3.6: $CC inside _build)."""
+    import shutil
+    import triton.runtime.build as build
+    monkeypatch.delenv("CC", raising=False)
+    marker = tmp_path / "used"
+    cc = tmp_path / "vendor-cc"
+    cc.write_text(f"#!/bin/sh\necho used > {marker}\nexec {shutil.which('gcc') or shutil.which('cc')} \"$@\"\n")
+    cc.chmod(0o755)
+    tritonspec.register_spec("cc", make_spec("cc_spec", get_cc=lambda: str(cc)))
+    src = f"""#include <Python.h>
+static struct PyModuleDef m = {{PyModuleDef_HEAD_INIT, "ccprobe", NULL, -1, NULL}};
+PyMODINIT_FUNC PyInit_ccprobe(void) {{ return PyModule_Create(&m); }}
+/* {os.urandom(8).hex()} */
+"""
+    with tritonspec.use_backend("cc"):
+        build.compile_module_from_src(src, "ccprobe")
+    assert marker.exists(), "the spec's compiler was not used"
+
+
+def test_deactivate_restores_stock_triton_and_reactivates():
+    from triton.language.semantic import TritonSemantic
+    patched = TritonSemantic.__dict__["atomic_add"]
+    original = patched.__wrapped__
+    compile_before = triton.compile
+    tritonspec.deactivate()
+    try:
+        assert TritonSemantic.__dict__["atomic_add"] is original
+        assert triton.compile is compile_before.__wrapped__
+        assert not hasattr(__import__("triton.runtime.driver").runtime.driver, "spec")
+    finally:
+        tritonspec.activate()
+    assert TritonSemantic.__dict__["atomic_add"] is not original
+
+
+STOCK_IR = r"""
+import hashlib, json, sys
+sys.path.insert(0, {testdir!r})
+import triton
+from triton.backends.compiler import GPUTarget
+import test_spec_layer as t
+k = t.compile_for(t._copy, *t.COPY_SIG, target=GPUTarget(*{target!r}))
+print(json.dumps({{s: hashlib.sha256(str(k.asm[s]).encode()).hexdigest() for s in {stages!r}}}))
+"""
+
+
+@pytest.mark.parametrize("target,stages", [(("cuda", 90, 32), ("ttir", "ttgir", "llir", "ptx")),
+                                           (("hip", "gfx942", 64), ("ttir", "ttgir", "llir", "amdgcn"))])
+def test_ir_is_byte_identical_to_stock_when_nothing_is_specialized(target, stages):
+    import json
+    code = STOCK_IR.format(testdir=os.path.dirname(__file__), target=target, stages=stages)
+    out = {}
+    for disable in ("1", "0"):
+        env = dict(os.environ, TRITONSPEC_DISABLE=disable, TRITON_INTERPRET="0", TRITON_ALWAYS_COMPILE="1")
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        out[disable] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["0"] == out["1"]
