@@ -304,7 +304,9 @@ def test_cache_keys_separate_spec_sets(registry):
     with tritonspec.use_backend("spec_a"):
         a2 = compile_for(_load_cm, *sig)
     assert a.hash != b.hash and a.hash == a2.hash
-    assert "ld.global.cg" in a.asm["ptx"] and "ld.global.cs" in b.asm["ptx"]
+    assert "ld.global.cg" in a.asm["ptx"], [l for l in a.asm["ttir"].splitlines() if "load" in l]
+    assert "cacheModifier = cs" in b.asm["ttir"]
+    assert a.asm["ptx"] != b.asm["ptx"]
     assert a.asm["cubin"] != b.asm["cubin"]
 
 

@@ -188,8 +188,10 @@ def _install_compile(compiler_pkg):
 
     _patch(compiler_mod, "compile", compile)
     _patch(compiler_pkg, "compile", compile)
-    if "triton" in sys.modules and hasattr(sys.modules["triton"], "compile"):
-        _patch(sys.modules["triton"], "compile", compile)
+    top = sys.modules.get("triton")
+    if top is not None:  # mid-import, triton/__init__ copies triton.compiler.compile a moment later
+        _patches.append((top, "compile", orig))
+        top.compile = compile
 
 
 @functools.lru_cache(maxsize=None)
@@ -459,6 +461,7 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
     """Runs install functions right after their Triton module finishes executing."""
 
     def find_spec(self, fullname, path, target=None):
+        _install_ready()  # modules that were mid-import when we activated may be complete by now
         pending = [p for p in INSTALL_POINTS if p.module == fullname and STATUS.get(p.name) == "pending"]
         if not pending:
             return None
@@ -485,6 +488,14 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
 _finder = _PostImportFinder()
 
 
+def _install_ready() -> None:
+    for point in INSTALL_POINTS:
+        if STATUS.get(point.name) == "pending":
+            module = _imported(point.module)
+            if module is not None:
+                _run(point, module)
+
+
 def _imported(name: str):
     module = sys.modules.get(name)
     if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
@@ -502,10 +513,7 @@ def activate() -> None:
             STATUS[point.name] = "pending"
         if _finder not in sys.meta_path:
             sys.meta_path.insert(0, _finder)
-        for point in INSTALL_POINTS:
-            module = _imported(point.module)
-            if module is not None:
-                _run(point, module)
+        _install_ready()
         global _jit_key
         _jit_key = _jit_cache_key()
         REGISTRY.on_change(_on_spec_change)

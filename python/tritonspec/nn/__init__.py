@@ -12,7 +12,7 @@ original forwards. ``attn_implementation="tritonspec"`` selects the Triton atten
 """
 from .attention import ATTENTION_NAME, register_attention, tritonspec_attention_forward, use_tritonspec_attention
 from .engine import Change, Report, report, revert
-from .kernelize import (CUDAProperties, Device, Mode, ROCMProperties, kernelize, register_kernel_mapping,
+from .kernelizer import (CUDAProperties, Device, Mode, ROCMProperties, kernelize, register_kernel_mapping,
                         replace_kernel_forward_from_hub, use_kernel_forward_from_hub, use_kernel_mapping)
 from .registry import (KERNEL_REGISTRY, AutoRegisterKernelMeta, DeviceType, KernelRegistry, KernelType, MetaKernel,
                        apply_available_kernels, apply_kernel, discover_kernels)

@@ -170,12 +170,14 @@ def replace_forward(model: nn.Module, module: nn.Module, fn: Callable, *, path: 
 
 
 def replace_module(model: nn.Module, path: str, new: nn.Module, *, kernel: str, source: str,
-                   detail: str = "") -> Change:
-    """Put ``new`` at dotted ``path`` (found in the live tree, so earlier replacements are respected)."""
+                   detail: str = "", parent: nn.Module | None = None) -> Change:
+    """Put ``new`` at dotted ``path``: as child ``path.rsplit('.')[-1]`` of ``parent``, by default the
+    module found at the parent path in the live tree."""
     if not path:
         raise ValueError("cannot replace the root module in place; match one of its submodules")
     parent_path, _, name = path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
+    if parent is None:
+        parent = model.get_submodule(parent_path) if parent_path else model
     led = _ledger(model)
     change = Change(path, "module", kernel, source, detail)
     entry = led.find(parent, name)

@@ -216,6 +216,17 @@ def _swiglu_from(cls, orig: nn.Module, **kwargs) -> nn.Module:
     return new.to(device=orig.gate_proj.weight.device)
 
 
+def _parent_in_use(model: nn.Module, path: str, module: nn.Module, original_parent: nn.Module) -> nn.Module:
+    """The live parent when it still holds ``module`` under the same name (a replaced ancestor that reused
+    its children), else the original parent (a replaced ancestor that wraps the original whole)."""
+    parent_path, _, name = path.rpartition(".")
+    try:
+        live = model.get_submodule(parent_path) if parent_path else model
+    except AttributeError:
+        return original_parent
+    return live if live._modules.get(name) is module else original_parent
+
+
 def apply_rules(model: nn.Module, rules: str | Path | list, *, allowed_modules: Iterable[str] = ()) -> engine.Report:
     """Apply a rule file to ``model`` in place and return the report of what this call replaced.
 
@@ -228,14 +239,20 @@ def apply_rules(model: nn.Module, rules: str | Path | list, *, allowed_modules: 
     allowed = DEFAULT_ALLOWED_MODULES + tuple(allowed_modules)
     classes = {r.index: _import_class(r, allowed) for r in parsed if r.replace_class is not None}
 
-    # Plan on the original tree (first match wins, recursive: false prunes), then apply in pre-order on
-    # the live tree so a child of a replaced module is found under the same path in its new parent.
+    # Plan on the original tree (first match wins, recursive: false prunes), then apply in pre-order.
+    # Changes go to the matched objects themselves (and to their original parents), not to whatever a
+    # path resolves to after an ancestor was replaced: a replacement may keep the original under another
+    # attribute name (like KTransformers' orig_module), and the matched object is what the rule meant.
     plan: list[tuple[str, nn.Module, Rule]] = []
     hits = {r.index: 0 for r in parsed}
+
+    parents: dict[str, nn.Module] = {}
 
     def prune(path, module):
         rule = next((r for r in parsed if r.matches(path, module)), None)
         if rule is not None:
+            parent_path = path.rpartition(".")[0]
+            parents[path] = model.get_submodule(parent_path) if parent_path else model
             hits[rule.index] += 1
             plan.append((path, module, rule))
             return not rule.recursive
@@ -253,7 +270,7 @@ def apply_rules(model: nn.Module, rules: str | Path | list, *, allowed_modules: 
                 continue
             cls = classes[rule.index]
             detail = f"rule {rule.index}"
-            live = model.get_submodule(path)
+            live = module
             if _is_pure_layer(cls):
                 if rule.kwargs:
                     raise RuleError(rule.index, "replace.kwargs", f"{rule.replace_class} is a stateless layer; "
@@ -273,6 +290,7 @@ def apply_rules(model: nn.Module, rules: str | Path | list, *, allowed_modules: 
                     raise RuleError(rule.index, "replace.kwargs", f"building {rule.replace_class} for {path} "
                                     f"failed: {type(e).__name__}: {e}") from None
                 new.train(live.training)
-                engine.replace_module(model, path, new, kernel=engine.qualname(cls), source="rules", detail=detail)
+                engine.replace_module(model, path, new, kernel=engine.qualname(cls), source="rules", detail=detail,
+                                      parent=_parent_in_use(model, path, module, parents[path]))
             logger.info("rules: %s (%s) -> %s [rule %d]", path, type(live).__name__, rule.replace_class, rule.index)
     return made
