@@ -376,7 +376,16 @@ _LIBDEVICE_MODULES = ("triton.language.extra.libdevice", "triton.language.extra.
                       "triton.language.extra.hip.libdevice")
 
 
+_grid_scopes: list = []  # the patch scope of each interpreted grid being executed
+
+
 def _install_interpreter(interpreter):
+    """Serve libdevice calls from the backend's numpy module, and close a stock patch leak.
+
+    Stock Triton re-patches ``tl`` whenever an interpreted kernel calls a ``@jit`` helper (tl.sum,
+    tl.zeros, ...) and never restores those patches, so later compiles in the same process see
+    interpreter builtins. Nested scopes are folded into their grid's scope and restored with it.
+    """
     orig = interpreter._patch_lang
 
     @functools.wraps(orig)
@@ -392,6 +401,20 @@ def _install_interpreter(interpreter):
                     member = getattr(lib, name)
                     if not name.startswith("_") and interpreter.tl.core.is_builtin(member):
                         interpreter._patch_attr(mod, name, member, interpreter.interpreter_builder, scope)
+        if _grid_scopes:
+            _grid_scopes[-1]._changes.extend(scope._changes)
+            scope._changes = []
+            return scope
+        _grid_scopes.append(scope)
+        restore = scope.restore
+
+        def restore_with_nested():
+            try:
+                restore()
+            finally:
+                _grid_scopes.remove(scope)
+
+        scope.restore = restore_with_nested
         return scope
 
     _patch(interpreter, "_patch_lang", _patch_lang)

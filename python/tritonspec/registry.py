@@ -7,6 +7,7 @@ distribution it comes from (``tritonspec check`` lists them).
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib
 import inspect
@@ -45,8 +46,18 @@ class Provider:
 
 
 def _fingerprint(backend: str, module: ModuleType) -> str:
-    """Identity of a spec set for cache keys: backend, exported names and their source text."""
+    """Identity of a spec set for cache keys: backend, its package's source files, exported objects.
+
+    Whole files, not just exported functions: injected builtins call helpers the lists don't name.
+    """
     h = hashlib.sha256(backend.encode())
+    path = getattr(module, "__file__", None)
+    if path:
+        root = os.path.dirname(path) if os.path.basename(path) == "__init__.py" else None
+        files = sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)) if root else [path]
+        for f in files:
+            with open(f, "rb") as fh:
+                h.update(fh.read())
     for name in sorted(spec_module_exports(module)):
         obj = getattr(module, name)
         h.update(name.encode())

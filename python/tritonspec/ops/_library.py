@@ -10,8 +10,12 @@
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
+from ..launch import launch_config
+from ..registry import REGISTRY
 from ._device import interpreting
 
 NAMESPACE = "tritonspec"
@@ -49,3 +53,34 @@ def use_library_op() -> bool:
 def launch_options(cfg: dict) -> dict:
     """The launch keywords (num_warps, num_stages) a config carries; the rest are kernel constexprs."""
     return {k: cfg[k] for k in ("num_warps", "num_stages") if cfg.get(k) is not None}
+
+
+# Host-side grid arithmetic. triton.cdiv / triton.next_power_of_2 are constexpr functions in
+# triton 3.9 that unwrap their arguments on every host call (~5 us each on a slow host CPU), and
+# eager launches of these memory-bound kernels are host-bound at Llama shapes.
+def cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+_configs: dict = {}
+REGISTRY.on_change(_configs.clear)  # also fired by use_backend()
+
+
+def kernel_config(kernel: str, device, default_fn, **problem) -> tuple[dict, dict]:
+    """``(config, launch keywords)`` for a kernel: ``launch_config`` memoized per call site.
+
+    ``launch_config`` builds sorted keys and copies dicts on every call (tens of microseconds per
+    op on the benchmark host); this memo keeps one lookup. It is dropped whenever the spec registry
+    or backend selection changes, and keyed on TRITONSPEC_BACKEND like the backend resolution.
+    ``default_fn()`` builds the kernel's own heuristic only on a miss. Treat the result as read-only.
+    """
+    key = (kernel, device, os.environ.get("TRITONSPEC_BACKEND"), *problem.values())
+    hit = _configs.get(key)
+    if hit is None:
+        cfg = launch_config(kernel, device, default_fn(), **problem)
+        hit = _configs[key] = (cfg, launch_options(cfg))
+    return hit

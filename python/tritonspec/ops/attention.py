@@ -22,13 +22,14 @@ Semantics follow ``torch.nn.functional.scaled_dot_product_attention``:
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 import tritonspec
+
+from ._device import check_launchable
 
 try:  # host-side TMA descriptors (Triton >= 3.4); interpreted too
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -338,6 +339,9 @@ def _pow2_bucket(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+# Portable defaults: no TMA, at most ~50 KB of shared memory and 4 warps, so they compile for
+# sm80 and sm90 (checked offline, no spills at head_dim 64/128) and run in the interpreter. Tuned
+# tables (attention_configs.py for sm90) come in through the backend's attention_config hook.
 def _fwd_default(dp: int) -> dict:
     if dp <= 64:
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, TMA=False, WARP_SPECIALIZE=False)
@@ -379,6 +383,7 @@ def _config(kernel: str, device, default: dict, **problem) -> dict:
 
 
 def _launch_opts(cfg: dict) -> dict:
+    """num_warps / num_stages, plus maxnreg when a spec sets it (register cap for WS partitions)."""
     opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     if cfg.get("maxnreg"):
         opts["maxnreg"] = cfg["maxnreg"]
@@ -391,17 +396,18 @@ def _problem(q: torch.Tensor, k: torch.Tensor, causal: bool) -> dict:
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
-    """TMA needs 16-byte aligned bases and strides, a unit last stride and no zero strides."""
+    """TMA needs a 16-byte aligned base, positive 16-byte multiple strides and a unit last stride.
+
+    Transposed layouts (e.g. Hugging Face's (batch, seq, heads, dim).transpose(1, 2)) qualify: the
+    4-D descriptor carries the strides, and the driver accepted them on an H100."""
     if TensorDescriptor is None:
         return False
     for t in tensors:
-        if t.stride(-1) != 1 or t.data_ptr() % 16:
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or (t.shape[-1] * t.element_size()) % 16:
             return False
-        for size, stride in zip(t.shape[:-1], t.stride()[:-1]):
+        for stride in t.stride()[:-1]:
             if stride <= 0 or (stride * t.element_size()) % 16:
                 return False
-        if (t.shape[-1] * t.element_size()) % 16:
-            return False
     return True
 
 
@@ -524,55 +530,51 @@ class AttentionFunction(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------
 # public API
 # ----------------------------------------------------------------------------------------------
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
 def _check(q, k, v, causal, scale) -> float:
+    """Validate the arguments (errors name the argument); returns the resolved scale."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(f"attention: argument '{name}' must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"attention: {name} must be 4-D (batch, heads, seq, head_dim), got shape "
+            raise ValueError(f"attention: argument '{name}' must be 4-D (batch, heads, seq, head_dim), got shape "
                              f"{tuple(t.shape)}")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
-            raise TypeError(f"attention: {name}.dtype {t.dtype} differs from q.dtype {q.dtype}")
+            raise TypeError(f"attention: argument '{name}' has dtype {t.dtype} but 'q' has {q.dtype}")
         if t.device != q.device:
-            raise ValueError(f"attention: {name} is on {t.device} but q is on {q.device}")
+            raise ValueError(f"attention: argument '{name}' is on {t.device} but 'q' is on {q.device}")
+    check_launchable("attention", "q", q)
     if q.device.type == "cpu":
-        if not _interpreting():
-            raise ValueError("attention: q is on the CPU; the Triton kernels need a GPU device "
-                             "(or TRITON_INTERPRET=1 for the CPU interpreter)")
         allowed = (torch.float16, torch.bfloat16, torch.float32)
     else:
         allowed = (torch.float16, torch.bfloat16)
     if q.dtype not in allowed:
         extra = " (float32 only on the CPU interpreter)" if q.dtype == torch.float32 else ""
-        raise TypeError(f"attention: q.dtype {q.dtype} is not supported on {q.device.type}{extra}; "
-                        f"use one of {', '.join(str(d) for d in allowed)}")
+        raise TypeError(f"attention: argument 'q' has dtype {q.dtype}, not supported on {q.device.type}{extra}; "
+                        f"use {' or '.join(str(d) for d in allowed)}")
     if k.shape != v.shape:
-        raise ValueError(f"attention: k and v must have the same shape, got k {tuple(k.shape)} and v "
+        raise ValueError(f"attention: arguments 'k' and 'v' must have the same shape, got {tuple(k.shape)} and "
                          f"{tuple(v.shape)}")
     B, HQ, _, D = q.shape
     if k.shape[0] != B:
-        raise ValueError(f"attention: k.shape[0] (batch) is {k.shape[0]} but q.shape[0] is {B}")
+        raise ValueError(f"attention: argument 'k' has batch {k.shape[0]} but 'q' has {B}")
     if k.shape[3] != D:
-        raise ValueError(f"attention: k.shape[3] (head_dim) is {k.shape[3]} but q.shape[3] is {D}; "
-                         "q, k and v must share head_dim")
+        raise ValueError(f"attention: argument 'k' has head_dim {k.shape[3]} but 'q' has {D}; q, k and v must "
+                         "share head_dim")
     HKV = k.shape[1]
     if HKV == 0 or HQ % HKV:
-        raise ValueError(f"attention: q heads ({HQ}) must be a positive multiple of k/v heads ({HKV})")
+        raise ValueError(f"attention: argument 'q' has {HQ} heads, which is not a positive multiple of the "
+                         f"{HKV} heads of 'k' and 'v'")
     if not 1 <= D <= MAX_HEAD_DIM:
-        raise ValueError(f"attention: head_dim (q.shape[3]) = {D} is not supported; use 1..{MAX_HEAD_DIM}")
+        raise ValueError(f"attention: argument 'q' has head_dim {D}; supported are 1..{MAX_HEAD_DIM}")
     if k.shape[2] == 0 and q.shape[2] > 0:
-        raise ValueError("attention: k.shape[2] (seq_k) is 0: a query needs at least one key")
+        raise ValueError("attention: argument 'k' has seq_k = 0; every query needs at least one key")
     if not isinstance(causal, bool):
-        raise TypeError(f"attention: causal must be a bool, got {type(causal).__name__}")
+        raise TypeError(f"attention: argument 'causal' must be a bool, got {type(causal).__name__}")
     if scale is None:
         return 1.0 / math.sqrt(D)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale == 0:
-        raise ValueError(f"attention: scale must be a finite non-zero number, got {scale!r}")
+        raise ValueError(f"attention: argument 'scale' must be a finite non-zero number, got {scale!r}")
     return float(scale)
 
 

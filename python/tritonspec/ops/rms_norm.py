@@ -21,10 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import launch_config
 from ._checks import as_rows, check_eps, check_same_device, check_same_dtype, check_same_shape, check_tensor
 from ._device import compute_units
-from ._library import launch_options, launcher, library_op, use_library_op
+from ._library import cdiv, kernel_config, launcher, library_op, next_pow2, use_library_op
 
 # Row elements kept in registers: 16384 bf16 = 32 KB per row over 16 warps is ~32 fp32 values per
 # thread per live array; the backward keeps four (x, dy, w, dw partial), which still fits.
@@ -195,19 +194,22 @@ def _check_block_n(kernel: str, cfg: dict) -> int:
     return block_n
 
 
-def _fwd_config(x: torch.Tensor, n: int) -> dict:
-    block_n = min(triton.next_power_of_2(n), MAX_FUSED_N)
-    block_m = max(1, min(16, 4096 // block_n))  # short rows: several per program, ~4K elements a tile
-    default = {"BLOCK_N": block_n, "BLOCK_M": block_m, "num_warps": min(16, max(4, block_m * block_n // 512))}
-    return launch_config("rms_norm_fwd", x.device, default, N=n, dtype=str(x.dtype))
+def _fwd_default(n: int) -> dict:
+    # ~4K-element tiles: short rows pack several per program. On the H100, BLOCK_M 1..4 x 4..16 warps
+    # all ran within 1% at N=4096 and 8192, except 4 rows at 4 warps, N=8192 (+10%) (bench/notes_kernels.md).
+    block_n = min(next_pow2(n), MAX_FUSED_N)
+    block_m = max(1, min(16, 4096 // block_n))
+    return {"BLOCK_N": block_n, "BLOCK_M": block_m, "num_warps": min(16, max(4, block_m * block_n // 512))}
 
 
-def _bwd_config(x: torch.Tensor, n: int) -> dict:
-    block_n = min(triton.next_power_of_2(n), MAX_FUSED_N)
-    block_m = max(1, min(16, 2048 // block_n))
-    default = {"BLOCK_N": block_n, "BLOCK_M": block_m, "num_warps": min(16, max(4, block_m * block_n // 256)),
-               "programs_per_unit": 4}
-    return launch_config("rms_norm_bwd", x.device, default, N=n, dtype=str(x.dtype))
+def _bwd_default(n: int) -> dict:
+    # H100 sweep of the backward kernel (bench/notes_kernels.md): 2 programs per SM beat 4 (by 14%)
+    # and 8 (by 35%); 2 rows per program at N=8192 were 10% faster than 1, while at N=4096 1 row
+    # was 10% faster than 2.
+    block_n = min(next_pow2(n), MAX_FUSED_N)
+    block_m = 2 if block_n == 8192 else max(1, min(16, 2048 // block_n))
+    return {"BLOCK_N": block_n, "BLOCK_M": block_m, "num_warps": min(16, max(4, block_m * block_n // 256)),
+            "programs_per_unit": 2}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -222,14 +224,14 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
     s = torch.empty((m, n), dtype=x.dtype, device=x.device) if residual is not None else None
     if m == 0:
         return y, s, rstd
-    cfg = _fwd_config(x, n)
+    n_ = int(n)  # a hidden size symbolic under torch.compile is specialized
+    cfg, opts = kernel_config("rms_norm_fwd", x.device, lambda: _fwd_default(n_), N=n_, dtype=str(x.dtype))
     block_n = _check_block_n("rms_norm_fwd", cfg)
     r = residual if residual is not None else x
     s_arg = s if s is not None else y
-    launcher(_rms_norm_fwd_kernel, traced)[(triton.cdiv(m, cfg["BLOCK_M"]),)](
+    launcher(_rms_norm_fwd_kernel, traced)[(cdiv(m, cfg["BLOCK_M"]),)](
         x, x.stride(0), r, r.stride(0), s_arg, s_arg.stride(0), y, y.stride(0), weight, rstd, m, n, eps,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, LOOPED=block_n < n,
-        **launch_options(cfg))
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, LOOPED=block_n < n_, **opts)
     return y, s, rstd
 
 
@@ -244,21 +246,22 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     dw = torch.empty_like(weight)
     if m == 0:
         return dx, dw.zero_()
-    cfg = _bwd_config(x, n)
+    n_ = int(n)
+    cfg, opts = kernel_config("rms_norm_bwd", x.device, lambda: _bwd_default(n_), N=n_, dtype=str(x.dtype))
     block_n = _check_block_n("rms_norm_bwd", cfg)
-    looped = block_n < n
+    looped = block_n < n_
     programs = compute_units(x.device) * cfg["programs_per_unit"]
     if isinstance(m, int):  # not while torch.compile traces a symbolic row count
-        programs = max(1, min(programs, triton.cdiv(m, cfg["BLOCK_M"])))
+        programs = max(1, min(programs, cdiv(m, cfg["BLOCK_M"])))
     alloc = torch.zeros if looped else torch.empty
     dw_part = alloc((programs, n), dtype=torch.float32, device=x.device)
     d_arg = dres if dres is not None else dy
     launcher(_rms_norm_bwd_kernel, traced)[(programs,)](
         dy, dy.stride(0), x, x.stride(0), weight, rstd, d_arg, d_arg.stride(0), dx, dx.stride(0), dw_part, m, n,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, HAS_DRES=dres is not None, LOOPED=looped, **launch_options(cfg))
-    block_p = min(32, triton.next_power_of_2(programs))
-    red_n = min(256, triton.next_power_of_2(n))
-    launcher(_rms_norm_dw_kernel, traced)[(triton.cdiv(n, red_n),)](
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, HAS_DRES=dres is not None, LOOPED=looped, **opts)
+    block_p = min(32, next_pow2(programs))
+    red_n = min(256, next_pow2(n_))
+    launcher(_rms_norm_dw_kernel, traced)[(cdiv(n, red_n),)](
         dw_part, dw, programs, n, BLOCK_P=block_p, BLOCK_N=red_n, num_warps=4)
     return dx, dw
 
@@ -289,6 +292,7 @@ class RMSNormFunction(torch.autograd.Function):
         dx, dw = rms_norm_backward(dy, xs, weight, rstd, as_rows(ds) if ds is not None else None, in_place=in_place)
         if in_place:
             torch.autograd.graph.increment_version(dy)
+            dx = dx.view_as(dx)  # a fresh alias, so a leaf adopts the buffer instead of copying it
         return dx, dw, (dx if ctx.has_residual else None), None, None
 
 

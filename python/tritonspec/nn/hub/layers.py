@@ -14,10 +14,12 @@ This file must stay self-contained: only the standard library and torch at impor
 are imported when a forward runs (the kernels are installed as the ``tritonspec`` package, which a hub
 kernel directory cannot ship), so copying the file elsewhere keeps it importable.
 
-Cases the Triton op does not cover (an ``unsqueeze_dim`` other than 1, partial rotary) run the
-original Hugging Face formula, so a replaced layer never changes results, only speed.
+Cases the Triton ops do not cover (float64, CPU tensors without the interpreter, an ``unsqueeze_dim``
+other than 1, partial rotary) run the original Hugging Face formula, so a replaced layer never changes
+results, only speed.
 """
 import importlib
+import os
 
 import torch
 from torch import nn
@@ -36,8 +38,36 @@ def _op(module: str, name: str):
     return fn
 
 
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _triton_runs(*tensors) -> bool:
+    """Whether the Triton ops take these tensors: float16/bfloat16/float32, on a GPU or in the interpreter.
+
+    Why a replaced layer must check: ``apply_rotary_pos_emb`` is a module global, so replacing it reaches
+    every model of that architecture in the process -- a float64 reference model, a CPU copy -- and a
+    kernelized model may be cast or moved afterwards. Those run the reference formula instead of failing.
+    """
+    for t in tensors:
+        if t.dtype not in _TRITON_DTYPES:
+            return False
+        if t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            return False
+    return True
+
+
+def _rms_norm_eager(hidden_states, weight, eps):
+    # transformers' LlamaRMSNorm.forward: fp32 statistics, cast back, then scale.
+    input_dtype = hidden_states.dtype
+    h = hidden_states.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(input_dtype)
+
+
 def rms_norm(hidden_states, weight, eps):
     """RMSNorm with HF Llama semantics (fp32 statistics, output dtype promote(input, weight))."""
+    if not _triton_runs(hidden_states, weight):
+        return _rms_norm_eager(hidden_states, weight, eps)
     return _op("rms_norm", "rms_norm")(hidden_states, weight, eps)
 
 
@@ -48,6 +78,8 @@ def swiglu_mlp(module, x):
     """
     gate = module.gate_proj(x)
     up = module.up_proj(x)
+    if not _triton_runs(gate, up):
+        return module.down_proj(torch.nn.functional.silu(gate) * up)
     return module.down_proj(_op("swiglu", "swiglu")(gate, up, in_place_backward=True))
 
 
@@ -66,7 +98,7 @@ def _rotary_eager(q, k, cos, sin, unsqueeze_dim=1):
 def rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     """HF ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``; q, k are (batch, heads, seq, head_dim)."""
     if (unsqueeze_dim != 1 or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3
-            or q.shape[-1] != cos.shape[-1] or q.dtype != k.dtype):
+            or q.shape[-1] != cos.shape[-1] or q.dtype != k.dtype or not _triton_runs(q, k, cos, sin)):
         # Partial rotary (cos narrower than head_dim) and other layouts stay on the reference formula.
         return _rotary_eager(q, k, cos, sin, unsqueeze_dim)
     return _op("rope", "rope")(q, k, cos, sin)

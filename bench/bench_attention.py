@@ -1,0 +1,380 @@
+"""Attention on an H100: our Triton kernels against SDPA's FLASH and cuDNN backends, in one process.
+
+Modes:
+  --warm I/N   compile a share of the sweep's candidate configs (run N of these in parallel first:
+               compilation is CPU-bound, timing must run alone afterwards)
+  --sweep      time every candidate on every shape; per (head dim, causal) keep the one with the best
+               summed TFLOP/s (and a correct result); write table.json
+  --final      time our tuned table (or --table table.json) against FLASH and cuDNN
+
+TFLOP/s: forward 4*b*h*s*s*d (halved when causal), backward 2.5x forward. Timings are do_bench
+medians (L2 flushed between runs); the backward is torch.autograd.grad on a saved graph, so it
+includes the delta preprocess and (for atomic dQ) the fp32->bf16 conversion.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import statistics
+import sys
+import types
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import tritonspec
+from tritonspec.ops.attention import attention
+from tritonspec.ops.attention_configs import TABLES, h100_attention_config
+
+SHAPES = [(4, 32, 4096, 128), (2, 16, 8192, 128), (1, 16, 16384, 128), (8, 32, 2048, 64)]
+CASES = [(shape, causal) for shape in SHAPES for causal in (True, False)]
+
+
+def _c(bm, bn, w, s, **kw):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, TMA=True, **kw)
+
+
+# Candidates per padded head dim; all compile for sm90 without register spills (checked offline
+# with ptxas -v) except where noted. The backward is swept as (dK/dV, dQ) pairs, or a dK/dV config
+# with atomic dQ alone; every shape of a (head dim, causal) group sees the same candidates, so the
+# table entry is the candidate with the best summed TFLOP/s over the group.
+FWD = {
+    128: [_c(128, 128, 8, 3), _c(128, 64, 8, 4), _c(128, 64, 8, 3)],
+    64: [_c(64, 64, 4, 4), _c(128, 64, 4, 3), _c(128, 64, 4, 4), _c(64, 64, 4, 3), _c(64, 128, 4, 3)],
+}
+_A = dict(DQ_ATOMIC=True, DQ_TMA_REDUCE=True)
+BWD = {
+    128: [(_c(64, 64, 4, 2), _c(128, 128, 8, 2)), (_c(64, 64, 4, 2), _c(128, 32, 8, 3)),
+          (_c(64, 64, 4, 2), _c(128, 64, 8, 3)), (_c(64, 64, 4, 2), _c(64, 64, 4, 2)),
+          (_c(64, 128, 8, 3), _c(128, 64, 8, 3)), (_c(64, 64, 8, 2), _c(128, 64, 8, 3)),
+          (_c(64, 64, 8, 2), _c(128, 128, 8, 2)), (_c(128, 64, 8, 2), _c(128, 64, 8, 3)),
+          (_c(64, 64, 8, 2, **_A), None), (_c(64, 64, 8, 2, DQ_ATOMIC=True), None),
+          (_c(64, 128, 8, 2, **_A), None)],  # the last one spills 392 bytes
+    64: [(_c(64, 64, 4, 2), _c(64, 64, 4, 3)), (_c(32, 128, 4, 3), _c(128, 64, 4, 3)),
+         (_c(64, 64, 4, 2), _c(128, 64, 4, 3)), (_c(32, 128, 4, 3), _c(64, 64, 4, 3)),
+         (_c(64, 64, 8, 2), _c(64, 64, 4, 3)), (_c(64, 64, 8, 2), _c(128, 64, 4, 3)),
+         (_c(64, 64, 8, 2, **_A), None), (_c(64, 64, 4, 2, **_A), None), (_c(64, 128, 8, 2, DQ_ATOMIC=True), None)],
+}
+
+
+def bwd_override(pair):
+    kv, dq = pair
+    return {"attention_bwd_dkdv": kv} if dq is None else {"attention_bwd_dkdv": kv, "attention_bwd_dq": dq}
+
+
+def table_to_json(tables):
+    return {kern: {f"{dp},{int(causal)}": cfg for (dp, causal), cfg in t.items()} for kern, t in tables.items()}
+
+
+def table_from_json(data):
+    return {kern: {(int(key.split(",")[0]), bool(int(key.split(",")[1]))): cfg for key, cfg in t.items()}
+            for kern, t in data.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+def use_configs(override: dict | None = None, tables: dict | None = None):
+    """Register an nvidia spec: the tuned table (or ``tables``), with ``override`` {kernel: cfg} on top."""
+    override = override or {}
+
+    def attention_config(kernel, **problem):
+        base = h100_attention_config(kernel, tables=tables, **problem)
+        if kernel in override:
+            return {**(base or {}), **override[kernel]}
+        return base
+
+    mod = types.ModuleType("bench_attention_spec")
+    mod.attention_config = attention_config
+    mod.__all__ = ["attention_config"]
+    tritonspec.register_spec("nvidia", mod)  # re-registering also clears launch_config's memo
+
+
+def tflops(shape, causal, mode, ms):
+    b, h, s, d = shape
+    f = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0) * (2.5 if mode == "bwd" else 1.0)
+    return f / (ms * 1e-3) / 1e12
+
+
+def bench(fn, rep=100):
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def make_inputs(shape, seed=0):
+    b, h, s, d = shape
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda: torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    q, k, v, do = mk(), mk(), mk(), mk()
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do
+
+
+def sdpa_fn(backend, causal):
+    def run(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return run
+
+
+def ours_fn(causal):
+    return lambda q, k, v: attention(q, k, v, causal=causal)
+
+
+def time_provider(fn, q, k, v, do, rep=100):
+    """(fwd ms, bwd ms, out, grads) or raises."""
+    fwd_ms = bench(lambda: fn(q, k, v), rep)
+    out = fn(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+    bwd_ms = bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), rep)
+    return fwd_ms, bwd_ms, out.detach(), grads
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+
+
+def kernel_breakdown(fn, q, k, v, do, n=3):
+    """Per-kernel GPU time (ms per call) of forward + backward, from the torch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    out = fn(q, k, v)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn(q, k, v)
+            torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+        torch.cuda.synchronize()
+    res = {}
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        if t and ("attn" in evt.key or "flash" in evt.key.lower()):
+            res[evt.key[:60]] = round(t / n / 1000.0, 4)
+    return res
+
+
+def case_label(shape, causal):
+    return "x".join(map(str, shape)) + (" causal" if causal else " non-causal")
+
+
+def dp_of(shape):
+    return 64 if shape[3] <= 64 else 128
+
+
+# ---------------------------------------------------------------------------------------------
+def warm_items():
+    items = []
+    for dp, shape in ((128, (1, 32, 4096, 128)), (64, (1, 32, 2048, 64))):
+        kvs = {json.dumps(kv, sort_keys=True): kv for kv, _ in BWD[dp]}
+        dqs = {json.dumps(dq, sort_keys=True): dq for _, dq in BWD[dp] if dq is not None}
+        for causal in (True, False):
+            items += [(shape, causal, {"attention_fwd": cfg}) for cfg in FWD[dp]]
+            items += [(shape, causal, {"attention_bwd_dkdv": cfg}) for cfg in kvs.values()]
+            items += [(shape, causal, {"attention_bwd_dq": cfg}) for cfg in dqs.values()]
+    return items
+
+
+def warm(part: int, nparts: int):
+    for shape, causal, override in warm_items()[part::nparts]:
+        use_configs(override)
+        q, k, v, do = make_inputs(shape)
+        try:
+            out = attention(q, k, v, causal=causal)
+            torch.autograd.grad(out, (q, k, v), do)
+        except Exception as e:  # a candidate that fails to compile is reported by --sweep too
+            print(f"warm: {case_label(shape, causal)} {override}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    torch.cuda.synchronize()
+
+
+def sweep(out_dir: str):
+    """Time every candidate on every shape; write sweep.json and the winning table to table.json."""
+    rows = []
+    score = {}  # (kernel key, dp, causal, candidate index) -> summed TFLOP/s over the group's shapes
+    for shape, causal in CASES:
+        dp = dp_of(shape)
+        label = case_label(shape, causal)
+        q, k, v, do = make_inputs(shape)
+        try:
+            ref_out = sdpa_fn(SDPBackend.CUDNN_ATTENTION, causal)(q, k, v)
+        except RuntimeError:  # fall back to FLASH as the reference if cuDNN refuses the shape
+            ref_out = sdpa_fn(SDPBackend.FLASH_ATTENTION, causal)(q, k, v)
+        ref_grads = torch.autograd.grad(ref_out, (q, k, v), do)
+        ref_out = ref_out.detach()
+
+        for i, cfg in enumerate(FWD[dp]):
+            use_configs({"attention_fwd": cfg})
+            try:
+                o = attention(q, k, v, causal=causal)
+                err = rel_err(o, ref_out)
+                ms = bench(lambda: attention(q, k, v, causal=causal))
+            except Exception as e:
+                rows.append(dict(case=label, mode="fwd", cfg=cfg, error=f"{type(e).__name__}: {str(e)[:200]}"))
+                score[("fwd", dp, causal, i)] = float("-inf")
+                continue
+            tf = tflops(shape, causal, "fwd", ms)
+            rows.append(dict(case=label, mode="fwd", cfg=cfg, ms=ms, tflops=tf, err=err))
+            print(f"{label:28s} fwd {tf:6.1f} TF/s err={err:.1e} {cfg}", flush=True)
+            score[("fwd", dp, causal, i)] = score.get(("fwd", dp, causal, i), 0.0) + (tf if err < 2e-2 else -1e9)
+
+        for i, pair in enumerate(BWD[dp]):
+            override = bwd_override(pair)
+            try:
+                use_configs(override)
+                o = attention(q, k, v, causal=causal)
+                grads = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+                err = max(rel_err(g, r) for g, r in zip(grads, ref_grads))
+                ms = bench(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))
+            except Exception as e:
+                rows.append(dict(case=label, mode="bwd", cfg=override, error=f"{type(e).__name__}: {str(e)[:200]}"))
+                print(f"{label:28s} bwd FAILED {override}: {str(e)[:200]}", flush=True)
+                score[("bwd", dp, causal, i)] = float("-inf")
+                continue
+            tf = tflops(shape, causal, "bwd", ms)
+            rows.append(dict(case=label, mode="bwd", cfg=override, ms=ms, tflops=tf, err=err))
+            print(f"{label:28s} bwd {tf:6.1f} TF/s err={err:.1e} {override}", flush=True)
+            score[("bwd", dp, causal, i)] = score.get(("bwd", dp, causal, i), 0.0) + (tf if err < 3e-2 else -1e9)
+        del q, k, v, do, ref_out, ref_grads
+        torch.cuda.empty_cache()
+
+    tables = {"attention_fwd": {}, "attention_bwd_dkdv": {}, "attention_bwd_dq": {}}
+    for dp in (64, 128):
+        for causal in (False, True):
+            f = max(range(len(FWD[dp])), key=lambda i: score.get(("fwd", dp, causal, i), float("-inf")))
+            b = max(range(len(BWD[dp])), key=lambda i: score.get(("bwd", dp, causal, i), float("-inf")))
+            tables["attention_fwd"][(dp, causal)] = dict(FWD[dp][f], WARP_SPECIALIZE=False)
+            kv, dq = BWD[dp][b]
+            tables["attention_bwd_dkdv"][(dp, causal)] = {"DQ_ATOMIC": False, "DQ_TMA_REDUCE": False, **kv}
+            # with atomic dQ the dQ kernel never runs; keep the current entry so the table stays complete
+            tables["attention_bwd_dq"][(dp, causal)] = dq if dq is not None else TABLES["attention_bwd_dq"][(dp, causal)]
+    with open(os.path.join(out_dir, "sweep.json"), "w") as fh:
+        json.dump(dict(env=env(), rows=rows, score={str(k): v for k, v in score.items()}), fh, indent=1, default=str)
+    with open(os.path.join(out_dir, "table.json"), "w") as fh:
+        json.dump(table_to_json(tables), fh, indent=1)
+    print(json.dumps(table_to_json(tables)))
+    return tables
+
+
+def env():
+    p = torch.cuda.get_device_properties(0)
+    return dict(device=p.name, sms=p.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
+                cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
+                date=datetime.date.today().isoformat())
+
+
+def compare(out_dir: str, tables: dict | None, rounds: int = 3):
+    """Ours (tuned table, or ``tables``) vs FLASH vs cuDNN. Per shape the three are timed in
+    ``rounds`` rotated rounds and the median kept: clocks drift as the GPU heats up."""
+    use_configs(None, tables)
+    results = []
+    providers = [("cudnn", lambda c: sdpa_fn(SDPBackend.CUDNN_ATTENTION, c)),
+                 ("flash", lambda c: sdpa_fn(SDPBackend.FLASH_ATTENTION, c)), ("ours", ours_fn)]
+    for shape, causal in CASES:
+        label = case_label(shape, causal)
+        q, k, v, do = make_inputs(shape, seed=1)
+        row = dict(case=label, shape=shape, causal=causal)
+        times = {name: ([], []) for name, _ in providers}
+        outs = {}
+        for r in range(rounds):
+            for name, make in providers[r % 3:] + providers[:r % 3]:
+                if name in row:  # failed before
+                    continue
+                try:
+                    fwd_ms, bwd_ms, out, grads = time_provider(make(causal), q, k, v, do)
+                except Exception as e:
+                    row[name] = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
+                    continue
+                times[name][0].append(fwd_ms)
+                times[name][1].append(bwd_ms)
+                outs.setdefault(name, (out, grads))
+        for name, _ in providers:
+            if name in row:
+                continue
+            fwd_ms, bwd_ms = statistics.median(times[name][0]), statistics.median(times[name][1])
+            row[name] = dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwd_tflops=tflops(shape, causal, "fwd", fwd_ms),
+                             bwd_tflops=tflops(shape, causal, "bwd", bwd_ms), fwd_ms_all=times[name][0],
+                             bwd_ms_all=times[name][1])
+        if "ours" in outs and "cudnn" in outs:
+            (o, g), (ro, rg) = outs["ours"], outs["cudnn"]
+            row["ours"]["err_vs_cudnn"] = max([rel_err(o, ro)] + [rel_err(a, b) for a, b in zip(g, rg)])
+        try:
+            row["ours_kernels_ms"] = kernel_breakdown(ours_fn(causal), q, k, v, do)
+        except Exception as e:  # profiling is diagnostic only
+            row["ours_kernels_ms"] = f"{type(e).__name__}: {e}"
+        results.append(row)
+        del q, k, v, do, outs
+        torch.cuda.empty_cache()
+    info = env()
+    with open(os.path.join(out_dir, "compare.json"), "w") as f:
+        json.dump(dict(env=info, tables=None if tables is None else table_to_json(tables), results=results), f,
+                  indent=1, default=str)
+    print(f"\n{info}")
+    print(table(results))
+
+
+def table(results):
+    lines = ["| shape (b x h x s x d) | causal | ours fwd | FLASH fwd | cuDNN fwd | ours bwd | FLASH bwd | cuDNN bwd |"
+             " fwd vs cuDNN | bwd vs cuDNN |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        g = lambda p, m: r.get(p, {}).get(f"{m}_tflops")  # noqa: E731
+        f = lambda x: "n/a" if x is None else f"{x:.0f}"  # noqa: E731
+        ratio = lambda a, b: "n/a" if a is None or b is None else f"{a / b:.0%}"  # noqa: E731
+        lines.append(f"| {'x'.join(map(str, r['shape']))} | {r['causal']} | {f(g('ours', 'fwd'))} | "
+                     f"{f(g('flash', 'fwd'))} | {f(g('cudnn', 'fwd'))} | {f(g('ours', 'bwd'))} | "
+                     f"{f(g('flash', 'bwd'))} | {f(g('cudnn', 'bwd'))} | {ratio(g('ours', 'fwd'), g('cudnn', 'fwd'))} | "
+                     f"{ratio(g('ours', 'bwd'), g('cudnn', 'bwd'))} |")
+    return "\n".join(lines)
+
+
+def probe():
+    """Does the driver accept 4-D TMA descriptors over a transposed (HF) layout? (_tma_ok refuses it.)"""
+    A = importlib.import_module("tritonspec.ops.attention")  # the module, even if ops re-exports the function
+    use_configs(None)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda: torch.randn(2, 333, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)  # noqa
+    q, k, v, do = mk(), mk(), mk(), mk()
+    o_ptr, lse = A.attention_forward(q, k, v, True, 128 ** -0.5)
+    g_ptr = A.attention_backward(do, q, k, v, o_ptr, lse, True, 128 ** -0.5)
+    saved = A._tma_ok
+    A._tma_ok = lambda *t: True
+    try:
+        o_tma, lse = A.attention_forward(q, k, v, True, 128 ** -0.5)
+        g_tma = A.attention_backward(do, q, k, v, o_tma, lse, True, 128 ** -0.5)
+        torch.cuda.synchronize()
+        print("strided TMA ok; max diff vs pointer path:",
+              max((a.float() - b.float()).abs().max().item() for a, b in zip((o_tma, *g_tma), (o_ptr, *g_ptr))))
+    except Exception as e:
+        print(f"strided TMA rejected: {type(e).__name__}: {str(e)[:500]}")
+    finally:
+        A._tma_ok = saved
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--warm", metavar="I/N")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--final", action="store_true")
+    ap.add_argument("--probe", action="store_true")
+    ap.add_argument("--table", help="table.json from --sweep to use instead of attention_configs.TABLES")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args(argv)
+    tables = None
+    if args.table:
+        with open(args.table) as fh:
+            tables = table_from_json(json.load(fh))
+    if args.warm:
+        i, n = map(int, args.warm.split("/"))
+        warm(i, n)
+    elif args.sweep:
+        sweep(args.out)
+    elif args.final:
+        compare(args.out, tables)
+    elif args.probe:
+        probe()
+    else:
+        ap.print_help()
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

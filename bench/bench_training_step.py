@@ -1,0 +1,225 @@
+"""One training step (forward + backward + AdamW) of a Llama-style model: eager Hugging Face vs kernelized.
+
+Not a test: it measures. Variants, all bf16, same weights and batch:
+  hf-sdpa          transformers as shipped (attn_implementation="sdpa"), the baseline
+  hf-eager         transformers with its eager attention
+  ts-kernelize     tritonspec.nn.kernelize: Triton RMSNorm, SwiGLU, RoPE (attention stays SDPA)
+  ts-all           apply_available_kernels: the above plus attn_implementation="tritonspec"
+  liger            Liger-Kernel rope/rms_norm/swiglu (no fused cross-entropy), if importable
+
+Method: each variant gets its own model and optimizer; WARMUP steps (Triton compiles, autotuning), then
+STEPS timed steps with CUDA events, in two rounds in opposite variant order (clock drift and thermal
+effects hit every variant alike); the median over both rounds is reported with p20/p80. Peak memory is
+``max_memory_allocated`` over one step after ``reset_peak_memory_stats``; "step peak" subtracts what was
+resident before the step (weights, grads=None, optimizer state). Before timing, every variant's first-step
+loss is compared with the baseline's.
+
+Usage: python bench/bench_training_step.py [--hidden 2048 --layers 8 --batch 4 --seq 2048 --out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+
+def build(args, attn):
+    import transformers
+    cfg = transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate,
+                                   num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                                   num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
+                                   max_position_embeddings=max(4096, args.seq))
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=attn, dtype=torch.bfloat16)
+
+
+def prepare(name, args):
+    import tritonspec.nn as tnn
+    if name == "hf-sdpa":
+        return build(args, "sdpa")
+    if name == "hf-eager":
+        return build(args, "eager")
+    if name == "ts-kernelize":
+        model = build(args, "sdpa")
+        tnn.kernelize(model, mode=tnn.Mode.TRAINING)
+        return model
+    if name == "ts-all":
+        model = build(args, "sdpa")
+        tnn.apply_available_kernels(model)
+        return model
+    if name == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        model = build(args, "sdpa")
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False, model=model)
+        return model
+    raise ValueError(name)
+
+
+class Variant:
+    def __init__(self, name, args, ids):
+        from transformers.models.llama import modeling_llama
+        self.name, self.ids = name, ids
+        # Liger rebinds modeling_llama's globals (classes, apply_rotary_pos_emb); put them back on release so
+        # variants built later are not silently Liger models.
+        self._globals = (modeling_llama, dict(vars(modeling_llama)))
+        try:
+            self.model = prepare(name, args)
+        except BaseException:
+            self._restore_globals()
+            raise
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, foreach=True)
+        self.times: list[float] = []
+
+    def step(self):
+        loss = self.model(input_ids=self.ids, labels=self.ids).loss
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+    def release(self):
+        del self.model, self.opt
+        self._restore_globals()
+
+    def _restore_globals(self):
+        mod, saved = self._globals
+        for k in set(vars(mod)) - set(saved):
+            delattr(mod, k)
+        for k, val in saved.items():
+            if vars(mod).get(k) is not val:
+                setattr(mod, k, val)
+
+
+def timed(v: Variant, steps: int):
+    for _ in range(steps):
+        if not torch.cuda.is_available():  # CPU smoke runs of this script (interpreter): wall clock
+            t0 = time.perf_counter()
+            v.step()
+            v.times.append((time.perf_counter() - t0) * 1e3)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        v.step()
+        end.record()
+        torch.cuda.synchronize()
+        v.times.append(start.elapsed_time(end))
+
+
+def quantile(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=5632)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--variants", default="hf-sdpa,hf-eager,ts-kernelize,ts-all,liger")
+    p.add_argument("--out", default=None, help="markdown file to write the table to")
+    p.add_argument("--device", default="cuda", help="cpu only for smoke runs (TRITON_INTERPRET=1)")
+    args = p.parse_args()
+    if args.device == "cuda":
+        assert torch.cuda.is_available(), "needs a CUDA GPU"
+    else:  # smoke run: make the memory calls harmless
+        for fn in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+            setattr(torch.cuda, fn, lambda *a, **k: None)
+        torch.cuda.memory_allocated = torch.cuda.max_memory_allocated = lambda *a, **k: 0
+
+    import transformers
+    import triton
+    g = torch.Generator(device=args.device).manual_seed(0)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=args.device, generator=g)
+
+    results, notes, names = {}, [], []
+    # Round 1: first-step loss, peak memory, timing. Round 2, in reverse order: timing again. Only one
+    # variant is resident at a time.
+    for name in args.variants.split(","):
+        v = None
+        try:
+            v = Variant(name, args, ids)
+            first_loss = v.step().item()
+            for _ in range(args.warmup - 1):
+                v.step()
+            torch.cuda.synchronize()
+            resident = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            v.step()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
+            timed(v, args.steps)
+        except Exception as e:  # an optional baseline (liger) may not import; a failing variant is reported
+            notes.append(f"{name}: failed or skipped ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+            print(notes[-1], flush=True)
+        else:
+            results[name] = {"loss": first_loss, "peak": peak, "step_peak": peak - resident, "times": v.times}
+            names.append(name)
+            print(f"{name}: first loss {first_loss:.5f}, peak {peak / 2**30:.2f} GiB, "
+                  f"median {statistics.median(v.times):.1f} ms", flush=True)
+        if v is not None:
+            v.release()
+        del v
+        gc.collect()
+        torch.cuda.empty_cache()
+    for name in names[::-1]:
+        v = Variant(name, args, ids)
+        for _ in range(args.warmup):
+            v.step()
+        torch.cuda.synchronize()
+        timed(v, args.steps)
+        results[name]["times"] += v.times
+        v.release()
+        del v
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    base = results.get("hf-sdpa")
+    dev = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.processor() or 'cpu'} (smoke run)"
+    tokens = args.batch * args.seq
+    lines = [
+        f"## One training step, Llama-style bf16 (hidden {args.hidden}, {args.layers} layers, "
+        f"{args.heads}/{args.kv_heads} heads, intermediate {args.intermediate}, vocab {args.vocab}), "
+        f"batch {args.batch} x seq {args.seq}",
+        "",
+        f"Device: {dev}; torch {torch.__version__}, triton {triton.__version__}, transformers "
+        f"{transformers.__version__}, python {platform.python_version()}; date {datetime.date.today()} "
+        f"(run by bench/bench_training_step.py, AdamW, {args.warmup} warmup + 2x{args.steps} timed steps).",
+        "",
+        "| variant | step ms (median) | p20-p80 ms | tokens/s | speedup vs hf-sdpa | peak GiB | step peak GiB "
+        "| memory vs hf-sdpa | first-step loss |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        r = results[name]
+        med = statistics.median(r["times"])
+        sp = statistics.median(base["times"]) / med if base else float("nan")
+        mem = r["peak"] / base["peak"] if base and base["peak"] else float("nan")
+        lines.append(f"| {name} | {med:.1f} | {quantile(r['times'], .2):.1f}-{quantile(r['times'], .8):.1f} | "
+                     f"{tokens / med * 1e3:,.0f} | {sp:.3f}x | {r['peak'] / 2**30:.2f} | "
+                     f"{r['step_peak'] / 2**30:.2f} | {mem:.3f}x | {r['loss']:.5f} |")
+    lines += [""] + [f"- {n}" for n in notes]
+    table = "\n".join(lines) + "\n"
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Attention on a CUDA GPU against a float64 reference computed from the same (upcast) inputs.
+
+Tolerance model: our error must stay within a small multiple of the error PyTorch's own SDPA makes
+in the same dtype (both round P and dS to 16 bits before the matmuls), plus one ulp of the output's
+magnitude. Runs with the op's portable defaults and with the tuned sm90 table.
+"""
+import json
+import os
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tritonspec
+from tritonspec.ops.attention import attention, attention_ref
+from tritonspec.ops.attention_configs import h100_attention_config
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+_EPS = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+def _spec(fn):
+    mod = types.ModuleType("attention_gpu_test_spec")
+    mod.attention_config = fn
+    mod.__all__ = ["attention_config"]
+    return mod
+
+
+def _tuned(kernel, **problem):
+    """The shipped sm90 table, or a candidate table (bench --sweep's table.json) named by
+    TRITONSPEC_ATTENTION_TABLE, so a sweep's winners are tested before they are committed."""
+    path = os.environ.get("TRITONSPEC_ATTENTION_TABLE")
+    tables = None
+    if path:
+        with open(path) as fh:
+            tables = {kern: {(int(key.split(",")[0]), bool(int(key.split(",")[1]))): cfg for key, cfg in t.items()}
+                      for kern, t in json.load(fh).items()}
+    return h100_attention_config(kernel, tables=tables, **problem)
+
+
+def _is_sm90():
+    return torch.cuda.get_device_capability()[0] == 9
+
+
+def _atomic_reduce(kernel, **problem):
+    cfg = _tuned(kernel, **problem)
+    if kernel == "attention_bwd_dkdv" and cfg is not None:
+        cfg.update(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, DQ_ATOMIC=True, DQ_TMA_REDUCE=True)
+    return cfg
+
+
+def _atomic_ptr(kernel, **problem):
+    cfg = _tuned(kernel, **problem)
+    if kernel == "attention_bwd_dkdv" and cfg is not None:
+        cfg.update(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, DQ_ATOMIC=True, DQ_TMA_REDUCE=False)
+    return cfg
+
+
+SPECS = {"default": None, "h100": _tuned, "h100_atomic_reduce": _atomic_reduce,
+         "h100_atomic_ptr": _atomic_ptr}
+
+
+@pytest.fixture
+def configs():
+    name = "attention-gpu-test"
+
+    def use(key):
+        fn = SPECS[key]
+        if fn is None:
+            tritonspec.register_spec(name, _spec(lambda kernel, **problem: None))
+        else:
+            if not _is_sm90():
+                pytest.skip("tuned table is for sm90")
+            tritonspec.register_spec(name, _spec(fn))
+        return tritonspec.use_backend(name)
+
+    yield use
+    tritonspec.REGISTRY.unregister(name)
+
+
+def _run(q, k, v, do, causal, fn):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v, causal)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+    return out.detach(), dq, dk, dv
+
+
+def _check(B, HQ, HKV, S, D, causal, dtype, q=None, k=None, v=None, do=None):
+    g = torch.Generator(device="cuda").manual_seed(S * 7 + D)
+    mk = lambda *shape: torch.randn(*shape, device="cuda", generator=g).to(dtype)  # noqa: E731
+    q = mk(B, HQ, S, D) if q is None else q
+    k = mk(B, HKV, S, D) if k is None else k
+    v = mk(B, HKV, S, D) if v is None else v
+    do = mk(B, HQ, S, D) if do is None else do
+    ours = _run(q, k, v, do, causal, lambda q, k, v, c: attention(q, k, v, causal=c))
+    ref = _run(q.double(), k.double(), v.double(), do.double(), causal,
+               lambda q, k, v, c: attention_ref(q, k, v, causal=c))
+    sdpa = _run(q, k, v, do, causal, lambda q, k, v, c: F.scaled_dot_product_attention(
+        q, k, v, is_causal=c, enable_gqa=HQ != HKV))
+    for name, o, r, s in zip(("out", "dq", "dk", "dv"), ours, ref, sdpa):
+        assert o.dtype == dtype and o.shape == r.shape
+        assert torch.isfinite(o).all(), f"{name}: non-finite values"
+        err = (o.double() - r).abs().max().item()
+        err_sdpa = (s.double() - r).abs().max().item()
+        bound = 3 * err_sdpa + _EPS[dtype] * max(1.0, r.abs().max().item())
+        assert err <= bound, f"{name}: max error {err:.3e} > {bound:.3e} (SDPA's error {err_sdpa:.3e})"
+
+
+@pytest.mark.parametrize("S", [1, 17, 1000, 4096])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tuned_bf16(S, D, causal, configs):
+    with configs("h100"):
+        _check(1, 2, 2, S, D, causal, torch.bfloat16)
+
+
+@pytest.mark.parametrize("S", [17, 1000])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_portable_defaults_bf16(S, D, causal, configs):
+    with configs("default"):
+        _check(1, 2, 2, S, D, causal, torch.bfloat16)
+
+
+@pytest.mark.parametrize("spec", ["h100", "default"])
+@pytest.mark.parametrize("S", [17, 1000])
+def test_fp16(S, spec, configs):
+    with configs(spec):
+        _check(1, 2, 2, S, 128, True, torch.float16)
+
+
+@pytest.mark.parametrize("spec", ["h100", "h100_atomic_reduce", "h100_atomic_ptr", "default"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa(spec, causal, configs):
+    with configs(spec):
+        _check(2, 8, 2, 1000, 128, causal, torch.bfloat16)
+
+
+@pytest.mark.parametrize("spec", ["h100", "default"])
+def test_hf_layout_and_odd_head_dim(spec, configs):
+    """Strided (batch, seq, heads, dim).transpose(1, 2) inputs; head_dim 80 is padded to 128."""
+    B, S, HQ, HKV, D = 2, 333, 4, 2, 80
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda *shape: torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16)  # noqa: E731
+    q, k, v, do = mk(B, S, HQ, D), mk(B, S, HKV, D), mk(B, S, HKV, D), mk(B, S, HQ, D)
+    with configs(spec):
+        _check(B, HQ, HKV, S, D, True, torch.bfloat16, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+               do.transpose(1, 2))
+
+
+def test_fp32_is_rejected_on_gpu():
+    x = torch.randn(1, 1, 8, 64, device="cuda")
+    with pytest.raises(TypeError, match="float32 only on the CPU interpreter"):
+        attention(x, x, x)

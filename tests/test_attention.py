@@ -1,0 +1,277 @@
+"""Attention forward/backward against a float64 reference, through the CPU interpreter.
+
+Shapes are tiny (the interpreter runs every program in numpy) but odd: sequence lengths that are not
+block multiples, seq_q != seq_k, GQA/MQA, padded head dims. A test spec shrinks tiles to 16 so
+every path runs several blocks: the unmasked/masked loop split, the GQA loop in dK/dV, TMA
+descriptors (interpreted) and the atomic dQ variant.
+"""
+import math
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tritonspec
+from tritonspec.ops._device import interpreting
+from tritonspec.ops._testing import poisoned_allocations
+from tritonspec.ops.attention import attention, attention_ref
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="interpreter tests: CPU tensors need TRITON_INTERPRET=1")
+
+# eps of each dtype; fp16 adds P and dS rounded to fp16 before the second and fourth matmuls
+_TOL = {torch.float32: 2e-5, torch.float16: 6e-3, torch.bfloat16: 3e-2}
+
+_SMALL = dict(BLOCK_M=16, BLOCK_N=16)
+CONFIGS = {
+    "default": None,  # the op's own portable defaults
+    "small": {"attention_fwd": _SMALL, "attention_bwd_dkdv": _SMALL, "attention_bwd_dq": _SMALL},
+    "small_tma": {"attention_fwd": dict(_SMALL, TMA=True), "attention_bwd_dkdv": dict(_SMALL, TMA=True),
+                  "attention_bwd_dq": dict(_SMALL, TMA=True)},
+    "mixed_atomic": {"attention_fwd": dict(BLOCK_M=32, BLOCK_N=16),
+                     "attention_bwd_dkdv": dict(BLOCK_M=16, BLOCK_N=32, DQ_ATOMIC=True),
+                     "attention_bwd_preprocess": dict(BLOCK_M=16)},
+    "wide_n_tma_atomic": {"attention_fwd": dict(BLOCK_M=16, BLOCK_N=32, TMA=True),
+                          "attention_bwd_dkdv": dict(BLOCK_M=32, BLOCK_N=16, TMA=True, DQ_ATOMIC=True)},
+}
+
+
+def _spec(table, seen=None):
+    mod = types.ModuleType("attention_test_spec")
+
+    def attention_config(kernel, **problem):
+        if seen is not None:
+            seen.append((kernel, problem))
+        return None if table is None else table.get(kernel)
+
+    mod.attention_config = attention_config
+    mod.__all__ = ["attention_config"]
+    return mod
+
+
+@pytest.fixture
+def use_configs():
+    """Run under a throwaway backend whose spec returns the given attention configs."""
+    name = "attention-test"
+
+    class _Ctx:
+        def __call__(self, table, seen=None):
+            tritonspec.register_spec(name, _spec(table, seen))
+            return tritonspec.use_backend(name)
+
+    yield _Ctx()
+    tritonspec.REGISTRY.unregister(name)
+
+
+def _inputs(B, HQ, HKV, SQ, SK, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, HQ, SQ, D, generator=g).to(dtype)
+    k = torch.randn(B, HKV, SK, D, generator=g).to(dtype)
+    v = torch.randn(B, HKV, SK, D, generator=g).to(dtype)
+    do = torch.randn(B, HQ, SQ, D, generator=g).to(dtype)
+    return q, k, v, do
+
+
+def _reference(q, k, v, do, causal, scale=None):
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out = attention_ref(q64, k64, v64, causal=causal, scale=scale)
+    out.backward(do.double())
+    return out.detach(), q64.grad, k64.grad, v64.grad
+
+
+def _ours(q, k, v, do, causal, scale=None):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = attention(q, k, v, causal=causal, scale=scale)
+    out.backward(do)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _assert_close(name, got, ref, tol):
+    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    got = got.double()
+    assert torch.isfinite(got).all(), f"{name}: {(~torch.isfinite(got)).sum().item()} non-finite values"
+    # scale the tolerance by the reference's magnitude: gradients grow with seq_k and head_dim
+    bound = tol * max(1.0, ref.abs().max().item())
+    err = (got - ref).abs()
+    assert err.max().item() <= bound, (f"{name}: max error {err.max().item():.3e} > {bound:.3e} at "
+                                       f"{tuple(int(i) for i in (err == err.max()).nonzero()[0])}")
+
+
+CASES = [
+    # B, HQ, HKV, SQ, SK, D, causal
+    (1, 1, 1, 1, 1, 16, False),
+    (1, 2, 2, 17, 17, 32, True),
+    (2, 2, 1, 33, 33, 64, True),  # GQA, 3 blocks of 16 with a ragged tail
+    (1, 4, 1, 17, 33, 32, False),  # MQA, seq_q < seq_k
+    (1, 2, 2, 33, 17, 16, True),  # causal with seq_q > seq_k: rows past seq_k see every key
+    (1, 2, 1, 17, 33, 16, True),  # causal with seq_q < seq_k: top-left aligned like SDPA
+    (1, 1, 1, 20, 20, 24, False),  # head_dim padded to 32
+]
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:6])) + ("-causal" if c[6] else ""))
+def test_matches_float64_reference(case, config, use_configs):
+    B, HQ, HKV, SQ, SK, D, causal = case
+    dtype = torch.float32
+    q, k, v, do = _inputs(B, HQ, HKV, SQ, SK, D, dtype)
+    with use_configs(CONFIGS[config]):
+        got = _ours(q, k, v, do, causal)
+    ref = _reference(q, k, v, do, causal)
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        _assert_close(name, g, r, _TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("config", ["small", "small_tma", "mixed_atomic"])
+def test_half_precision(dtype, config, use_configs):
+    q, k, v, do = _inputs(1, 4, 2, 33, 33, 64, dtype, seed=1)
+    with use_configs(CONFIGS[config]):
+        got = _ours(q, k, v, do, True)
+    ref = _reference(q, k, v, do, True)
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        assert g.dtype == dtype
+        _assert_close(name, g, r, _TOL[dtype])
+
+
+def test_head_dim_128_and_custom_scale(use_configs):
+    q, k, v, do = _inputs(1, 2, 1, 9, 12, 128, torch.float32, seed=2)
+    with use_configs(CONFIGS["small"]):
+        got = _ours(q, k, v, do, False, scale=0.3)
+    ref = _reference(q, k, v, do, False, scale=0.3)
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        _assert_close(name, g, r, _TOL[torch.float32])
+
+
+def test_head_dim_256_the_largest_supported(use_configs):
+    q, k, v, do = _inputs(1, 2, 1, 7, 5, 256, torch.float32, seed=9)
+    with use_configs(CONFIGS["small"]):
+        got = _ours(q, k, v, do, True)
+    ref = _reference(q, k, v, do, True)
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        _assert_close(name, g, r, _TOL[torch.float32])
+
+
+def test_negative_scale_takes_the_exact_max_path(use_configs):
+    # with scale < 0, max(qk) * scale is not max(qk * scale): the kernel must not use the shortcut
+    q, k, v, do = _inputs(1, 1, 1, 33, 33, 32, torch.float32, seed=3)
+    with use_configs(CONFIGS["small"]):
+        got = _ours(q, k, v, do, False, scale=-0.7)
+    ref = _reference(q, k, v, do, False, scale=-0.7)
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        _assert_close(name, g, r, _TOL[torch.float32])
+
+
+@pytest.mark.parametrize("config", ["small", "small_tma"])
+def test_strided_hf_layout(config, use_configs):
+    """(batch, seq, heads, dim).transpose(1, 2), the layout Hugging Face models hand over."""
+    B, S, HQ, HKV, D = 2, 19, 4, 2, 32
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(B, S, HQ, D, generator=g).transpose(1, 2)
+    k = torch.randn(B, S, HKV, D, generator=g).transpose(1, 2)
+    v = torch.randn(B, S, HKV, D, generator=g).transpose(1, 2)
+    do = torch.randn(B, S, HQ, D, generator=g).transpose(1, 2)
+    assert not q.is_contiguous()
+    with use_configs(CONFIGS[config]):
+        got = _ours(q, k, v, do, True)
+    ref = _reference(q, k, v, do, True)
+    for name, g_, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        _assert_close(name, g_, r, _TOL[torch.float32])
+
+
+def test_reference_agrees_with_sdpa():
+    """Pins the reference's semantics (GQA head mapping, top-left causal) to PyTorch's."""
+    q, k, v, _ = _inputs(1, 4, 2, 7, 11, 16, torch.float64, seed=5)
+    for causal in (False, True):
+        ref = attention_ref(q, k, v, causal=causal, scale=0.4)
+        sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.4, enable_gqa=True)
+        torch.testing.assert_close(ref, sdpa, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("config", ["small", "mixed_atomic", "small_tma"])
+def test_every_output_element_is_written(config, use_configs):
+    """Every buffer the op allocates starts as NaN (out, lse, delta, dq/dk/dv, the fp32 dQ
+    accumulator); any element a kernel skips shows up as NaN."""
+    q, k, v, do = _inputs(1, 2, 1, 21, 37, 24, torch.float32, seed=6)
+    with use_configs(CONFIGS[config]), poisoned_allocations():
+        got = _ours(q, k, v, do, True)
+    ref = _reference(q, k, v, do, True)
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        _assert_close(name, g, r, _TOL[torch.float32])
+
+
+def test_keys_no_query_sees_get_zero_grads(use_configs):
+    # causal, seq_q < seq_k: keys past seq_q are never attended; their dK/dV are exactly 0
+    q, k, v, do = _inputs(1, 1, 1, 5, 40, 16, torch.float32, seed=7)
+    with use_configs(CONFIGS["small"]):
+        _, _, dk, dv = _ours(q, k, v, do, True)
+    assert torch.equal(dk[:, :, 5:], torch.zeros_like(dk[:, :, 5:]))
+    assert torch.equal(dv[:, :, 5:], torch.zeros_like(dv[:, :, 5:]))
+    assert dk[:, :, :5].abs().sum() > 0
+
+
+def test_empty_query_sequence():
+    q, k, v, do = _inputs(1, 2, 2, 0, 5, 16, torch.float32)
+    got = _ours(q, k, v, do, True)
+    assert got[0].shape == (1, 2, 0, 16)
+    assert torch.equal(got[2], torch.zeros_like(k)) and torch.equal(got[3], torch.zeros_like(v))
+
+
+def test_launch_parameters_come_from_the_spec(use_configs):
+    seen = []
+    q, k, v, do = _inputs(1, 4, 2, 17, 9, 32, torch.float32)
+    with use_configs(CONFIGS["small"], seen):
+        _ours(q, k, v, do, True)
+    kernels = {name for name, _ in seen}
+    assert {"attention_fwd", "attention_bwd_preprocess", "attention_bwd_dkdv", "attention_bwd_dq"} <= kernels
+    problem = dict(seen[0][1])
+    assert problem["head_dim"] == 32 and problem["causal"] is True and problem["dtype"] == "torch.float32"
+    assert problem["group"] == 2 and problem["seq_q"] == 32 and problem["seq_k"] == 16
+
+
+def test_bad_config_from_a_spec_is_rejected(use_configs):
+    q, k, v, _ = _inputs(1, 1, 1, 8, 8, 16, torch.float32)
+    with use_configs({"attention_fwd": dict(BLOCK_M=24)}):
+        with pytest.raises(ValueError, match="BLOCK_M=24"):
+            attention(q, k, v)
+
+
+def _t(*shape, dtype=torch.float32):
+    return torch.randn(*shape).to(dtype)
+
+
+@pytest.mark.parametrize("args,kwargs,exc,match", [
+    ((_t(2, 8, 16), _t(1, 2, 8, 16), _t(1, 2, 8, 16)), {}, ValueError, r"argument 'q' must be 4-D"),
+    ((_t(1, 2, 8, 16), [1], _t(1, 2, 8, 16)), {}, TypeError, r"argument 'k' must be a torch.Tensor"),
+    ((_t(1, 2, 8, 16), _t(1, 2, 8, 16, dtype=torch.float16), _t(1, 2, 8, 16)), {}, TypeError,
+     r"argument 'k' has dtype torch.float16 but 'q' has torch.float32"),
+    ((_t(1, 2, 8, 16, dtype=torch.float64),) * 3, {}, TypeError, r"argument 'q' has dtype torch.float64"),
+    ((_t(1, 3, 8, 16), _t(1, 2, 8, 16), _t(1, 2, 8, 16)), {}, ValueError, r"'q' has 3 heads, which is not"),
+    ((_t(1, 2, 8, 16), _t(1, 2, 8, 32), _t(1, 2, 8, 32)), {}, ValueError, r"argument 'k' has head_dim 32"),
+    ((_t(1, 2, 8, 16), _t(1, 2, 8, 16), _t(1, 2, 9, 16)), {}, ValueError, r"'k' and 'v' must have the same shape"),
+    ((_t(1, 2, 8, 16), _t(2, 2, 8, 16), _t(2, 2, 8, 16)), {}, ValueError, r"argument 'k' has batch 2"),
+    ((_t(1, 2, 8, 16), _t(1, 2, 0, 16), _t(1, 2, 0, 16)), {}, ValueError, r"argument 'k' has seq_k = 0"),
+    ((_t(1, 2, 8, 300), _t(1, 2, 8, 300), _t(1, 2, 8, 300)), {}, ValueError, r"'q' has head_dim 300"),
+    ((_t(1, 2, 8, 16),) * 3, {"scale": float("nan")}, ValueError, r"argument 'scale' must be a finite"),
+    ((_t(1, 2, 8, 16),) * 3, {"scale": "0.5"}, ValueError, r"argument 'scale' must be a finite"),
+    ((_t(1, 2, 8, 16),) * 3, {"causal": 1}, TypeError, r"argument 'causal' must be a bool"),
+])
+def test_bad_inputs_raise(args, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        attention(*args, **kwargs)
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    from tritonspec.ops import _device
+    monkeypatch.setattr(_device, "_INTERPRETING", False)
+    x = _t(1, 1, 4, 16)
+    with pytest.raises(ValueError, match="argument 'q' is on the CPU"):
+        attention(x, x, x)
+
+
+def test_scale_default_is_inverse_sqrt_head_dim(use_configs):
+    q, k, v, _ = _inputs(1, 1, 1, 6, 6, 32, torch.float32, seed=8)
+    with use_configs(CONFIGS["small"]):
+        a = attention(q, k, v)
+        b = attention(q, k, v, scale=1 / math.sqrt(32))
+    assert torch.equal(a, b)

@@ -1,0 +1,565 @@
+"""Vendor backends under third_party/: what each spec specializes, tested on a CPU.
+
+Language semantics run in the interpreter (conftest sets TRITON_INTERPRET=1) under the backend's
+spec (``use_backend``); compiler-side behaviour is checked by compiling offline for the backend's
+target (``JITFunction`` wraps plain functions, since ``triton.jit`` interprets here).
+"""
+import os
+import random
+import stat
+import sys
+import types
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.language.extra import libdevice
+from triton.language.extra.cuda import libdevice as cuda_libdevice
+from triton.runtime.jit import JITFunction
+
+import tritonspec
+from tritonspec import REGISTRY
+from tritonspec_backends.ascend.backend import compiler as ascend_compiler
+from tritonspec_backends.ascend.backend.driver import AscendDriver
+from tritonspec_backends.iluvatar.backend import driver as iluvatar_driver
+from tritonspec_backends.iluvatar.backend.compiler import IluvatarBackend
+from tritonspec_backends.iluvatar.backend.spec import configs as iluvatar_configs
+from tritonspec_backends.nvidia.backend.spec import configs as nvidia_configs
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="CPU tests: interpreted kernels (TRITON_INTERPRET=1)")
+
+CUDA = GPUTarget("cuda", 90, 32)
+ILUVATAR = GPUTarget("iluvatar", 90, 32)
+ASCEND = GPUTarget("ascend", "Ascend910B3", 0)
+SEED = int.from_bytes(os.urandom(4), "little")
+
+
+@pytest.fixture
+def gen():
+    print(f"seed {SEED}")
+    return torch.Generator().manual_seed(SEED)
+
+
+def compile_for(fn, target, signature, constexprs=None, **options):
+    return triton.compile(ASTSource(JITFunction(fn), signature, constexprs or {}), target=target, options=options)
+
+
+# Offline compiles run in one subprocess without TRITON_INTERPRET: under the interpreter, tl's own
+# @jit helpers (tl.zeros, ...) are interpreted functions and cannot be traced by the compiler.
+COMPILE_CHECKS = {}
+
+
+def compile_check(fn):
+    """Register ``fn`` (no arguments; raises on failure) to run in the compiler subprocess."""
+    COMPILE_CHECKS[fn.__name__] = fn
+    return fn
+
+
+def run_compile_checks():
+    import json
+    import traceback
+    results = {}
+    for name, fn in COMPILE_CHECKS.items():
+        try:
+            fn()
+            results[name] = "ok"
+        except BaseException:
+            results[name] = traceback.format_exc()
+    print("RESULTS " + json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    import json
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import sys; sys.path.insert(0, %r); import test_backends as t; t.run_compile_checks()"
+            % os.path.dirname(__file__))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+# ------------------------------------------------------------------------------------------------
+# registration: every backend's spec and where it really runs
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend,where", [("nvidia", "real"), ("iluvatar", "emulated"), ("ascend", "compile-only"),
+                                           ("amd", "compile-only"), ("cpu", "real")])
+def test_spec_providers_load_and_say_where_they_run(backend, where):
+    provider = REGISTRY.get(backend)
+    assert provider is not None and provider.origin.startswith("entry point")
+    assert provider.module._WHERE == where
+
+
+def test_new_triton_backends_are_discovered_next_to_the_stock_ones():
+    from triton.backends import backends
+    from triton.backends.nvidia.compiler import CUDABackend
+    assert backends["iluvatar"].compiler is IluvatarBackend
+    assert backends["ascend"].compiler is ascend_compiler.AscendBackend
+    assert backends["nvidia"].compiler is CUDABackend  # the stock CUDA backend, not a second one
+    assert [b for b, v in backends.items() if v.compiler.supports_target(CUDA)] == ["nvidia"]
+    assert [b for b, v in backends.items() if v.compiler.supports_target(ILUVATAR)] == ["iluvatar"]
+
+
+def test_nvidia_spec_changes_nothing_but_launch_configs():
+    provider = REGISTRY.get("nvidia")
+    assert sorted(provider.exports) == ["attention_config", "kernel_config"]
+
+
+def test_iluvatar_driver_is_active_only_when_selected(monkeypatch):
+    monkeypatch.delenv("TRITONSPEC_BACKEND", raising=False)
+    monkeypatch.delenv("TRITON_DEFAULT_BACKEND", raising=False)
+    assert not iluvatar_driver.selected()
+    assert not iluvatar_driver.IluvatarDriver.is_active()  # no selection: never a second active driver
+    with tritonspec.use_backend("iluvatar"):
+        assert iluvatar_driver.selected()
+        # active only where a CUDA GPU exists as well
+        assert iluvatar_driver.IluvatarDriver.is_active() == torch.cuda.is_available()
+    monkeypatch.setenv("TRITONSPEC_BACKEND", "iluvatar")
+    assert iluvatar_driver.selected()
+
+
+# ------------------------------------------------------------------------------------------------
+# iluvatar: 64-bit atomic add from 32-bit atomics, no bf16 atomics, <= 2 stages, its configs
+# ------------------------------------------------------------------------------------------------
+
+def _atomic_add_kernel(out_ptr, old_ptr, val_ptr, idx_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    old = tl.atomic_add(out_ptr + tl.load(idx_ptr + offs, mask=mask), tl.load(val_ptr + offs, mask=mask), mask=mask)
+    tl.store(old_ptr + offs, old, mask=mask)
+
+
+def _atomic_add_scalar(out_ptr, val):
+    tl.atomic_add(out_ptr, val)
+
+
+def _wrap64(x: int) -> int:
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >> 63 else x
+
+
+def carry_heavy_int64(n, rng):
+    """int64 values whose low words overflow often when summed, with negatives and small values."""
+    out = []
+    for _ in range(n):
+        kind = rng.randrange(3)
+        if kind == 0:
+            v = (rng.randrange(1 << 20) << 32) | rng.randrange(0xF0000000, 1 << 32)  # low word near 2**32
+        elif kind == 1:
+            v = -rng.randrange(1, 1 << 40)  # high word 0xFFFFFFFF: carries into it wrap
+        else:
+            v = rng.randrange(1, 1 << 33)
+        out.append(v)
+    return out
+
+
+def test_iluvatar_int64_atomic_add_is_exact_across_the_32bit_boundary():
+    rng = random.Random(SEED)
+    n, bins = 300, 5
+    vals = carry_heavy_int64(n, rng)
+    idx = [rng.randrange(bins) for _ in range(n)]
+    init = [(1 << 32) - 3, -1, (1 << 62) + 0xFFFFFFFF, rng.randrange(-(1 << 62), 1 << 62), 0]
+    out = torch.tensor(init, dtype=torch.int64)
+    old = torch.full((n, ), -7, dtype=torch.int64)
+    with tritonspec.use_backend("iluvatar"):
+        triton.jit(_atomic_add_kernel)[(triton.cdiv(n, 64), )](out, old, torch.tensor(vals), torch.tensor(idx), n,
+                                                                BLOCK=64)
+    expect = list(init)
+    for v, i in zip(vals, idx):
+        expect[i] = _wrap64(expect[i] + v)
+    assert out.tolist() == expect
+    # the interpreter runs programs one after another, so the returned words form a consistent
+    # snapshot here: element j saw the running sum of everything added before it
+    running, seen = list(init), []
+    for v, i in zip(vals, idx):
+        seen.append(running[i])
+        running[i] = _wrap64(running[i] + v)
+    assert old.tolist() == seen
+
+
+def test_iluvatar_int64_atomic_add_on_a_scalar_pointer():
+    out = torch.tensor([(1 << 32) - 1], dtype=torch.int64)
+    with tritonspec.use_backend("iluvatar"):
+        triton.jit(_atomic_add_scalar)[(3, )](out, (1 << 32) + 1)
+    assert out.item() == (1 << 32) - 1 + 3 * ((1 << 32) + 1)
+
+
+def test_iluvatar_int64_atomic_add_has_no_64bit_atomic_in_the_ir(compiled):
+    assert compiled["check_iluvatar_int64_atomic_ir"] == "ok"
+
+
+@compile_check
+def check_iluvatar_int64_atomic_ir():
+    sig = {"out_ptr": "*i64", "old_ptr": "*i64", "val_ptr": "*i64", "idx_ptr": "*i32", "n": "i32", "BLOCK": "constexpr"}
+    ilu = compile_for(_atomic_add_kernel, ILUVATAR, sig, {"BLOCK": 64})
+    stock = compile_for(_atomic_add_kernel, CUDA, sig, {"BLOCK": 64})
+    rmw = lambda k: [line for line in k.asm["ttir"].splitlines() if "tt.atomic_rmw" in line]
+    assert len(rmw(ilu)) == 2 and all("tensor<64xi32>" in line for line in rmw(ilu))
+    assert len(rmw(stock)) == 1 and "tensor<64xi64>" in rmw(stock)[0]
+    atoms = lambda k: [line.split()[1] for line in k.asm["ptx"].splitlines() if " atom." in line]
+    assert atoms(ilu) == ["atom.global.gpu.acq_rel.add.u32"] * 2
+    assert atoms(stock) == ["atom.global.gpu.acq_rel.add.u64"]
+
+
+def _atomic_bf16(ptr, val_ptr):
+    offs = tl.arange(0, 16)
+    tl.atomic_add(ptr + offs, tl.load(val_ptr + offs))
+
+
+@compile_check
+def check_iluvatar_bf16_atomics_compile():
+    sig = {"ptr": "*bf16", "val_ptr": "*bf16"}
+    compile_for(_atomic_bf16, CUDA, sig)  # stock sm90 has bf16 atomic add
+    with pytest.raises(Exception, match="bfloat16 is not supported by backend 'iluvatar'"):
+        compile_for(_atomic_bf16, ILUVATAR, sig)
+
+
+def test_iluvatar_rejects_bf16_atomics_where_cuda_accepts_them(compiled):
+    assert compiled["check_iluvatar_bf16_atomics_compile"] == "ok"
+    x = torch.zeros(16, dtype=torch.bfloat16)
+    with tritonspec.use_backend("iluvatar"), pytest.raises(Exception, match="bfloat16 is not supported"):
+        triton.jit(_atomic_bf16)[(1, )](x, torch.ones(16, dtype=torch.bfloat16))
+
+
+def _matmul_loop(a_ptr, b_ptr, c_ptr, K, BLOCK: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
+    for k in range(0, K, BLOCK):
+        a = tl.load(a_ptr + r[:, None] * K + (k + r)[None, :])
+        b = tl.load(b_ptr + (k + r)[:, None] * BLOCK + r[None, :])
+        acc += tl.dot(a, b)
+    tl.store(c_ptr + r[:, None] * BLOCK + r[None, :], acc)
+
+
+def test_iluvatar_caps_num_stages_at_two(compiled):
+    assert compiled["check_iluvatar_num_stages_cap"] == "ok"
+
+
+@compile_check
+def check_iluvatar_num_stages_cap():
+    sig = {"a_ptr": "*fp16", "b_ptr": "*fp16", "c_ptr": "*fp32", "K": "i32", "BLOCK": "constexpr"}
+    assert compile_for(_matmul_loop, CUDA, sig, {"BLOCK": 64}, num_stages=4).metadata.num_stages == 4
+    assert compile_for(_matmul_loop, ILUVATAR, sig, {"BLOCK": 64}, num_stages=4).metadata.num_stages == 2
+    assert compile_for(_matmul_loop, ILUVATAR, sig, {"BLOCK": 64}, num_stages=1).metadata.num_stages == 1
+
+
+def test_iluvatar_prunes_autotune_configs_that_clamp_to_the_same_kernel():
+    configs = [triton.Config({"B": 64}, num_warps=4, num_stages=s) for s in (2, 3, 4)]
+    configs += [triton.Config({"B": 64}, num_warps=8, num_stages=5), triton.Config({"B": 128}, num_stages=1)]
+    kept = iluvatar_configs.get_pruned_configs(configs, {})
+    assert [(c.kwargs["B"], c.num_warps, c.num_stages) for c in kept] == [(64, 4, 2), (64, 8, 2), (128, 4, 1)]
+    assert [c.num_stages for c in configs] == [2, 3, 4, 5, 1]  # the caller's configs are untouched
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
+def test_iluvatar_attention_configs_fit_its_limits(head_dim):
+    problem = dict(head_dim=head_dim, causal=True, dtype="torch.bfloat16", seq_q=512, seq_k=512, group=1)
+    defaults = {"num_stages": 4, "num_warps": 8, "BLOCK_M": 128, "BLOCK_N": 128, "TMA": True,
+                "WARP_SPECIALIZE": True, "DQ_ATOMIC": True}
+    with tritonspec.use_backend("iluvatar"):
+        for kernel in ("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "attention_bwd_preprocess"):
+            cfg = tritonspec.launch_config(kernel, "cuda", defaults, hook="attention_config", **problem)
+            assert cfg["num_stages"] <= 2, kernel
+            if kernel != "attention_bwd_preprocess":
+                assert cfg["TMA"] is False and cfg["BLOCK_M"] <= 64 and cfg["BLOCK_N"] <= 64, kernel
+        row = tritonspec.launch_config("rms_norm_fwd", "cuda", {"num_warps": 16, "BLOCK_N": 4096}, N=4096,
+                                       dtype="torch.float16")
+        assert row == {"num_warps": 8, "num_stages": 1, "BLOCK_N": 4096}
+        assert tritonspec.launch_config("unknown_kernel", "cuda", {"num_warps": 16}) == {"num_warps": 16}
+
+
+def test_iluvatar_host_compiler(monkeypatch):
+    spec = REGISTRY.get("iluvatar").module
+    monkeypatch.setenv("ILUVATAR_CC", "/opt/corex/bin/clang")
+    assert spec.get_cc() == "/opt/corex/bin/clang"
+    monkeypatch.delenv("ILUVATAR_CC")
+    monkeypatch.setenv("COREX_HOME", "/nonexistent")
+    assert spec.get_cc() is None  # no CoreX SDK: Triton's own choice stands
+
+
+# ------------------------------------------------------------------------------------------------
+# nvidia: capability-aware launch parameters, nothing else
+# ------------------------------------------------------------------------------------------------
+
+def test_nvidia_kernel_config_depends_on_the_sm():
+    sm70 = nvidia_configs.kernel_config("matmul", capability=70)
+    sm90 = nvidia_configs.kernel_config("matmul", capability=90)
+    assert sm70["num_stages"] <= 2 < sm90["num_stages"] and sm90["BLOCK_K"] > sm70["BLOCK_K"]
+    assert nvidia_configs.kernel_config("rms_norm_fwd", capability=70, N=8192) == {"num_warps": 8}
+    assert nvidia_configs.kernel_config("rms_norm_fwd", capability=90, N=8192) is None  # the op's default
+    assert nvidia_configs.kernel_config("somebody_elses_kernel", capability=90) is None
+
+
+def test_nvidia_attention_config_uses_the_h100_table_on_sm90(monkeypatch):
+    calls = []
+    table = types.ModuleType("tritonspec.ops.attention_configs")
+    table.h100_attention_config = lambda kernel, **problem: calls.append((kernel, problem)) or {"BLOCK_M": 128}
+    monkeypatch.setitem(sys.modules, "tritonspec.ops.attention_configs", table)
+    assert nvidia_configs.attention_config("attention_fwd", capability=90, head_dim=128) == {"BLOCK_M": 128}
+    assert calls == [("attention_fwd", {"head_dim": 128})]
+    assert nvidia_configs.attention_config("attention_fwd", capability=80, head_dim=128) is None
+    monkeypatch.setitem(sys.modules, "tritonspec.ops.attention_configs", None)  # module absent
+    assert nvidia_configs.attention_config("attention_fwd", capability=90, head_dim=128) is None
+
+
+# ------------------------------------------------------------------------------------------------
+# cpu: libdevice in interpreted kernels (numpy, CUDA's dtype rules)
+# ------------------------------------------------------------------------------------------------
+
+UNARY = ["exp", "exp2", "log", "log2", "tanh", "erf", "rsqrt", "sigmoid", "sqrt", "log1p", "expm1"]
+REFS = {"exp": torch.exp, "exp2": torch.exp2, "log": torch.log, "log2": torch.log2, "tanh": torch.tanh,
+        "erf": torch.erf, "rsqrt": torch.rsqrt, "sigmoid": torch.sigmoid, "sqrt": torch.sqrt, "log1p": torch.log1p,
+        "expm1": torch.expm1}
+
+
+@triton.jit
+def _libdevice_unary(x_ptr, out_ptr, N: tl.constexpr):
+    r = tl.arange(0, N)
+    x = tl.load(x_ptr + r)
+    tl.store(out_ptr + 0 * N + r, libdevice.exp(x))
+    tl.store(out_ptr + 1 * N + r, libdevice.exp2(x))
+    tl.store(out_ptr + 2 * N + r, libdevice.log(x))
+    tl.store(out_ptr + 3 * N + r, libdevice.log2(x))
+    tl.store(out_ptr + 4 * N + r, libdevice.tanh(x))
+    tl.store(out_ptr + 5 * N + r, libdevice.erf(x))
+    tl.store(out_ptr + 6 * N + r, libdevice.rsqrt(x))
+    tl.store(out_ptr + 7 * N + r, libdevice.sigmoid(x))
+    tl.store(out_ptr + 8 * N + r, cuda_libdevice.sqrt(x))  # the vendor module is served too
+    tl.store(out_ptr + 9 * N + r, cuda_libdevice.log1p(x))
+    tl.store(out_ptr + 10 * N + r, cuda_libdevice.expm1(x))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.float64, 1e-12)])
+def test_cpu_libdevice_unary_math(gen, dtype, tol):
+    n = 32
+    x = (torch.rand(n, generator=gen, dtype=torch.float64) * 3 + 0.05).to(dtype)
+    out = torch.full((len(UNARY), n), float("nan"), dtype=dtype)
+    _libdevice_unary[(1, )](x, out, N=n)
+    for i, name in enumerate(UNARY):
+        torch.testing.assert_close(out[i].double(), REFS[name](x.double()), rtol=tol, atol=tol, msg=name)
+
+
+@triton.jit
+def _libdevice_binary(x_ptr, y_ptr, out_ptr, flags_ptr, N: tl.constexpr):
+    r = tl.arange(0, N)
+    x = tl.load(x_ptr + r)
+    y = tl.load(y_ptr + r)
+    tl.store(out_ptr + 0 * N + r, libdevice.pow(x, y))
+    tl.store(out_ptr + 1 * N + r, libdevice.pow(x, 3))  # powi: an int exponent
+    tl.store(out_ptr + 2 * N + r, libdevice.fast_dividef(x, y))
+    tl.store(out_ptr + 3 * N + r, libdevice.div_rn(x, y))
+    tl.store(flags_ptr + 0 * N + r, libdevice.isnan(x / y).to(tl.int32))
+    tl.store(flags_ptr + 1 * N + r, libdevice.isinf(x / y).to(tl.int32))
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+def test_cpu_libdevice_binary_math_and_predicates(gen):
+    n = 32
+    x = torch.rand(n, generator=gen) * 2 + 0.1
+    y = torch.randn(n, generator=gen)
+    x[3], y[3] = 0.0, 0.0  # nan
+    y[5] = 0.0  # inf
+    out = torch.full((4, n), float("nan"))
+    flags = torch.full((2, n), -1, dtype=torch.int32)
+    _libdevice_binary[(1, )](x, y, out, flags, N=n)
+    xd, yd = x.double(), y.double()
+    ok = torch.ones(n, dtype=torch.bool)
+    ok[[3, 5]] = False
+    torch.testing.assert_close(out[0].double(), xd.pow(yd), rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(out[1].double(), xd.pow(3), rtol=2e-6, atol=1e-6)
+    for i in (2, 3):
+        torch.testing.assert_close(out[i][ok].double(), (xd / yd)[ok], rtol=2e-6, atol=1e-6)
+    assert flags[0].tolist() == torch.isnan(x / y).int().tolist()
+    assert flags[1].tolist() == torch.isinf(x / y).int().tolist()
+
+
+def test_cpu_libdevice_keeps_cuda_dtype_rules():
+    x = torch.rand(32).half()
+    with pytest.raises(Exception, match=r"libdevice.exp has no variant for argument dtypes \(fp16"):
+        _libdevice_unary[(1, )](x, torch.empty(len(UNARY), 32).half(), N=32)
+
+
+# ------------------------------------------------------------------------------------------------
+# ascend: language extensions, NPU math rules, arange without the power-of-two rule
+# ------------------------------------------------------------------------------------------------
+
+def _slices(x_ptr, ext_ptr, ins_ptr, elem_ptr, off, N: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr):
+    r = tl.arange(0, N)
+    x = tl.load(x_ptr + r[:, None] * N + r[None, :])
+    s = tl.extract_slice(x, (off, 1), (S0, S1), (2, 2))
+    tl.store(ext_ptr + tl.arange(0, S0)[:, None] * S1 + tl.arange(0, S1)[None, :], s)
+    y = tl.insert_slice(x, s * 10.0, (1, off), (S0, S1), (1, 2))
+    tl.store(ins_ptr + r[:, None] * N + r[None, :], y)
+    tl.store(elem_ptr, tl.get_element(x, (off, 5)))
+
+
+@pytest.mark.parametrize("sizes", [(2, 2), (3, 3)])  # 3: not a power of two, fine under ascend's arange
+def test_ascend_slices_match_torch_indexing(gen, sizes):
+    n, off = 8, 1
+    s0, s1 = sizes
+    x = torch.randn(n, n, generator=gen)
+    ext = torch.full((s0, s1), float("nan"))
+    ins = torch.full((n, n), float("nan"))
+    elem = torch.full((1, ), float("nan"))
+    with tritonspec.use_backend("ascend"):
+        triton.jit(_slices)[(1, )](x, ext, ins, elem, off, N=n, S0=s0, S1=s1)
+    ref_ext = x[off:off + 2 * s0:2, 1:1 + 2 * s1:2]
+    ref_ins = x.clone()
+    ref_ins[1:1 + s0, off:off + 2 * s1:2] = ref_ext * 10.0
+    assert torch.equal(ext, ref_ext) and torch.equal(ins, ref_ins) and elem.item() == x[off, 5].item()
+
+
+def _bad_slice(x_ptr, out_ptr):
+    r = tl.arange(0, 8)
+    s = tl.extract_slice(tl.load(x_ptr + r), (6, ), (2, ), (2, ))
+    tl.store(out_ptr + tl.arange(0, 2), s)
+
+
+def _bad_sizes(x_ptr, out_ptr):
+    r = tl.arange(0, 8)
+    s = tl.extract_slice(tl.load(x_ptr + r), (0, ), (2, 2), (1, ))
+    tl.store(out_ptr + tl.arange(0, 2), s)
+
+
+def test_ascend_slice_arguments_are_checked():
+    x, out = torch.randn(8), torch.empty(2)
+    with tritonspec.use_backend("ascend"):
+        with pytest.raises(Exception, match="extract_slice: along dim 0 the slice 6:9:2 leaves the tensor"):
+            triton.jit(_bad_slice)[(1, )](x, out)
+        with pytest.raises(Exception, match="extract_slice: sizes has 2 entries but the tensor has rank 1"):
+            triton.jit(_bad_sizes)[(1, )](x, out)
+
+
+def _gather_rows(src_ptr, idx_ptr, out_ptr, N: tl.constexpr):
+    r = tl.arange(0, N)
+    src = tl.load(src_ptr + r[:, None] * N + r[None, :])
+    idx = tl.load(idx_ptr + r[:, None] * N + r[None, :])
+    tl.store(out_ptr + r[:, None] * N + r[None, :], tl.gather(src, idx, 0))
+
+
+def test_ascend_gather_replaces_mainline_with_the_npu_dtype_rule(gen):
+    n = 8
+    src = torch.randn(n, n, generator=gen)
+    idx = torch.randint(0, n, (n, n), generator=gen, dtype=torch.int32)
+    out = torch.full((n, n), float("nan"))
+    mainline = tl.gather
+    with tritonspec.use_backend("ascend"):
+        assert tl.gather is not mainline
+        triton.jit(_gather_rows)[(1, )](src, idx, out, N=n)
+        with pytest.raises(Exception, match="gather \\(ascend\\): src dtype must be fp16, bf16 or fp32, got int32"):
+            triton.jit(_gather_rows)[(1, )](idx, idx, idx.clone(), N=n)
+    assert torch.equal(out, torch.gather(src, 0, idx.long()))
+    assert tl.gather is mainline  # leaving the backend restores mainline's object
+    assert not hasattr(tl, "extract_slice") and not hasattr(tl.math, "isnan")
+
+
+def _npu_math(x_ptr, out_ptr, flags_ptr, N: tl.constexpr):
+    r = tl.arange(0, N)  # N = 10: no power-of-two rule on ascend
+    x = tl.load(x_ptr + r)
+    tl.store(out_ptr + r, tl.exp(x) + libdevice.tanh(x).to(x.dtype))
+    tl.store(flags_ptr + r, tl.math.isnan(x).to(tl.int32) + 2 * tl.math.isinf(x).to(tl.int32))
+
+
+def test_ascend_math_runs_fp16_and_flags_nan_inf(gen):
+    n = 10
+    x = torch.randn(n, generator=gen).half()
+    x[2], x[7] = float("nan"), float("-inf")
+    out = torch.full((n, ), float("nan")).half()
+    flags = torch.full((n, ), -1, dtype=torch.int32)
+    with tritonspec.use_backend("ascend"):
+        triton.jit(_npu_math)[(1, )](x, out, flags, N=n)
+    finite = torch.isfinite(x)
+    xd = x.double()
+    torch.testing.assert_close(out[finite].double(), (xd.exp() + xd.tanh())[finite], rtol=2e-3, atol=2e-3)
+    assert flags.tolist() == (torch.isnan(x).int() + 2 * torch.isinf(x).int()).tolist()
+
+
+def _exp_only(x_ptr, out_ptr, N: tl.constexpr):
+    r = tl.arange(0, N)
+    tl.store(out_ptr + r, tl.exp(tl.load(x_ptr + r)))
+
+
+def test_ascend_exp_dtype_rule_differs_from_mainline():
+    x16, x64 = torch.rand(16).half(), torch.rand(16).double()
+    with pytest.raises(Exception, match=r"Expected dtype \['fp32', 'fp64'\] but got fp16"):
+        triton.jit(_exp_only)[(1, )](x16, x16.clone(), N=16)  # mainline: no fp16 exp
+    with tritonspec.use_backend("ascend"):
+        with pytest.raises(Exception, match="exp \\(ascend\\): argument dtype must be one of fp16, bf16, fp32, got fp64"):
+            triton.jit(_exp_only)[(1, )](x64, x64.clone(), N=16)
+
+
+def test_ascend_ir_binds_the_npu_symbols_and_the_stock_pipeline_rejects_odd_aranges(compiled):
+    assert compiled["check_ascend_ir"] == "ok"
+
+
+@compile_check
+def check_ascend_ir():
+    sig = {"x_ptr": "*fp16", "out_ptr": "*fp16", "flags_ptr": "*i32", "N": "constexpr"}
+    ttir = compile_for(_npu_math, ASCEND, sig, {"N": 16}).asm["ttir"]
+    for symbol in ("__hmf_isnan", "__hmf_isinf", "__hmf_tanhDh"):  # tanh of fp16
+        assert f'symbol = "{symbol}"' in ttir
+    assert "math.exp" in ttir and "tensor<16xf16>" in ttir
+    # Python lets ascend's tl.arange(0, 10) through, but stock Triton's tt.make_range verifier
+    # (C++, in libtriton) still demands a power of two: only the interpreter runs odd lengths.
+    # (MLIR prints "Number of elements must be power-of-two" on stderr; Triton raises this:)
+    with pytest.raises(RuntimeError, match="error encountered during parsing"):
+        compile_for(_npu_math, ASCEND, sig, {"N": 10})
+
+
+def _scale(x_ptr, out_ptr, N: tl.constexpr):
+    r = tl.arange(0, N)
+    tl.store(out_ptr + r, tl.load(x_ptr + r) * 2.0)
+
+
+def _launch(kernel, *args):
+    from triton.runtime.driver import driver
+    previous = driver._active
+    driver.set_active(AscendDriver())
+    try:
+        kernel[(1, 1, 1)](*args)
+    finally:
+        driver.set_active(previous)
+
+
+@compile_check
+def check_ascend_without_toolchain():
+    import tempfile
+    with tempfile.TemporaryDirectory() as empty:
+        os.environ["PATH"] = empty  # surely no bishengir-compile
+        kernel = compile_for(_scale, ASCEND, {"x_ptr": "*fp32", "out_ptr": "*fp32", "N": "constexpr"}, {"N": 16})
+    assert "tt.func public @_scale" in kernel.asm["ttir"] and kernel.metadata.npu_toolchain is None
+    with pytest.raises(ascend_compiler.AscendToolchainError, match="`bishengir-compile` was not on PATH"):
+        _launch(kernel, torch.zeros(16), torch.zeros(16))
+
+
+def test_ascend_without_toolchain_compiles_ttir_and_launch_names_the_tool(compiled):
+    assert compiled["check_ascend_without_toolchain"] == "ok"
+
+
+@compile_check
+def check_ascend_with_toolchain():
+    import pathlib
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        tool = pathlib.Path(tmp) / "bishengir-compile"
+        tool.write_text(f"#!{sys.executable}\nimport sys\nsrc = open(sys.argv[1]).read()\n"
+                        "assert 'tt.func' in src and sys.argv[2] == '-o'\n"
+                        "open(sys.argv[3], 'wb').write(b'NPUBIN:' + str(len(src)).encode())\n")
+        tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+        os.environ["PATH"] = tmp
+        kernel = compile_for(_scale, ASCEND, {"x_ptr": "*fp32", "out_ptr": "*fp32", "N": "constexpr"}, {"N": 16})
+        assert kernel.metadata.npu_toolchain == str(tool)
+    assert kernel.asm["npubin"].startswith(b"NPUBIN:")
+    with pytest.raises(NotImplementedError, match="compile-only and has no NPU runtime launcher"):
+        _launch(kernel, torch.zeros(16), torch.zeros(16))
+
+
+def test_ascend_hands_ttir_to_the_toolchain_when_present(compiled):
+    assert compiled["check_ascend_with_toolchain"] == "ok"

@@ -1,0 +1,150 @@
+"""The shared module-replacement engine: install, record, report, undo — with small test layers only."""
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from tritonspec.nn import engine
+
+
+class Scale(nn.Module):
+    def __init__(self, s):
+        super().__init__()
+        self.s = s
+
+    def forward(self, x):
+        return x * self.s
+
+
+def _double(self, x):
+    return x * self.s * 2
+
+
+def _triple(self, x):
+    return x * self.s * 3
+
+
+def _model():
+    return nn.Sequential(Scale(1.0), nn.Sequential(Scale(2.0), Scale(3.0)))
+
+
+def test_replace_forward_and_revert_restore_class_forward():
+    m = _model()
+    x = torch.randn(4)
+    ref = m(x)
+    ch = engine.replace_forward(m, m[0], _double, path="0", kernel="k", source="test")
+    assert "forward" in vars(m[0]) and ch.path == "0" and ch.what == "forward"
+    torch.testing.assert_close(m(x), ref * 2)
+    undone = engine.revert(m)
+    assert [c.path for c in undone] == ["0"]
+    assert "forward" not in vars(m[0])  # the class method shows through again
+    torch.testing.assert_close(m(x), ref)
+    assert engine.report(m) == []
+
+
+def test_second_patch_keeps_first_original_and_updates_report():
+    m = _model()
+    x = torch.randn(3)
+    ref = m(x)
+    engine.replace_forward(m, m[0], _double, path="0", kernel="double", source="a")
+    engine.replace_forward(m, m[0], _triple, path="0", kernel="triple", source="b")
+    rep = engine.report(m)
+    assert len(rep) == 1 and rep[0].kernel == "triple" and rep[0].source == "b"
+    torch.testing.assert_close(m(x), ref * 3)
+    engine.revert(m)
+    torch.testing.assert_close(m(x), ref)
+
+
+def test_instance_forward_set_before_patching_comes_back():
+    m = _model()
+    custom = types.MethodType(_triple, m[0])
+    m[0].forward = custom
+    engine.replace_forward(m, m[0], _double, path="0", kernel="k", source="t")
+    engine.revert(m)
+    assert m[0].forward is custom
+
+
+def test_shared_patch_restored_only_after_last_owner_reverts():
+    holder = types.SimpleNamespace(fn=lambda: "orig")
+    orig = holder.fn
+    a, b = _model(), _model()
+    engine.patch_attr(a, holder, "fn", lambda: "new", path="holder.fn", kernel="k", source="t", shared=True)
+    engine.patch_attr(b, holder, "fn", lambda: "new2", path="holder.fn", kernel="k", source="t", shared=True)
+    assert engine.shared_original(holder, "fn") is orig
+    engine.revert(a)
+    assert holder.fn() == "new2"  # b still holds it
+    engine.revert(b)
+    assert holder.fn is orig
+    assert engine.shared_original(holder, "fn", "unpatched") == "unpatched"
+
+
+def test_replace_module_resolves_live_path_and_reverts():
+    m = _model()
+    x = torch.randn(5)
+    ref = m(x)
+    old = m[1][0]
+    engine.replace_module(m, "1.0", Scale(20.0), kernel="Scale", source="t")
+    torch.testing.assert_close(m(x), ref * 10)
+    engine.revert(m)
+    assert m[1][0] is old
+    torch.testing.assert_close(m(x), ref)
+
+
+def test_replace_root_is_refused():
+    with pytest.raises(ValueError, match="root"):
+        engine.replace_module(_model(), "", Scale(1.0), kernel="k", source="t")
+
+
+def test_transaction_rolls_back_on_error_and_reports_made_changes():
+    m = _model()
+    engine.replace_forward(m, m[0], _double, path="0", kernel="k", source="t")
+    with pytest.raises(RuntimeError, match="boom"):
+        with engine.transaction(m):
+            engine.replace_forward(m, m[1][0], _double, path="1.0", kernel="k", source="t")
+            raise RuntimeError("boom")
+    assert engine.report(m).paths() == ["0"]
+    assert "forward" not in vars(m[1][0])
+    with engine.transaction(m) as made:
+        engine.replace_forward(m, m[1][1], _double, path="1.1", kernel="k", source="t")
+    assert made.paths() == ["1.1"]
+    engine.revert(m)
+
+
+def test_restore_single_change():
+    m = _model()
+    engine.replace_forward(m, m[0], _double, path="0", kernel="k", source="t")
+    engine.replace_forward(m, m[1][0], _double, path="1.0", kernel="k", source="t")
+    assert engine.restore(m, m[0]) is True
+    assert engine.restore(m, m[0]) is False
+    assert engine.report(m).paths() == ["1.0"]
+    engine.revert(m)
+
+
+def test_record_custom_runs_undo_once():
+    m = _model()
+    calls = []
+    engine.record_custom(m, m, "thing", lambda: calls.append(1), path="", what="attribute", kernel="k", source="t")
+    engine.record_custom(m, m, "thing", lambda: calls.append(2), path="", what="attribute", kernel="k2", source="t")
+    assert engine.report(m)[0].kernel == "k2"
+    engine.revert(m)
+    assert calls == [1]
+
+
+def test_iter_modules_prunes_and_visits_shared_once():
+    shared = Scale(1.0)
+    m = nn.Sequential(nn.Sequential(shared, Scale(2.0)), shared)
+    assert [p for p, _ in engine.iter_modules(m)] == ["0", "0.0", "0.1"]
+    # Pruned below "0", the shared module is first reached as "1".
+    assert [p for p, _ in engine.iter_modules(m, prune=lambda p, mod: p == "0")] == ["0", "1"]
+
+
+def test_report_str_and_counts():
+    m = _model()
+    engine.replace_forward(m, m[0], _double, path="0", kernel="dbl", source="t", detail="why")
+    engine.replace_forward(m, m[1][0], _double, path="1.0", kernel="dbl", source="t")
+    rep = engine.report(m)
+    assert rep.counts() == {"dbl": 2}
+    assert "0: forward -> dbl [t (why)]" in str(rep)
+    engine.revert(m)
+    assert str(engine.report(m)) == "no replacements"

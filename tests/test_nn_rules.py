@@ -1,0 +1,247 @@
+"""YAML rule front end (seed 004): parsing errors, matching order, recursion, import safety, atomicity."""
+import pytest
+import torch
+from torch import nn
+
+import tritonspec.nn as tnn
+from tritonspec.nn import RuleError, apply_rules, load_rules
+
+HERE = __name__  # this test module, allowed explicitly where a test needs its own classes
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4).double()
+        self.act = Act()
+
+    def forward(self, x):
+        return self.act(self.proj(x))
+
+
+class Act(nn.Module):
+    def forward(self, x):
+        return torch.tanh(x)
+
+
+class FastAct(nn.Module):
+    """A pure layer: replaces Act.forward (same math)."""
+
+    def forward(self, x):
+        return torch.tanh(x) * 1.0
+
+
+class Doubler(nn.Module):
+    """A stateful replacement built from the original module via from_module."""
+
+    def __init__(self, inner, factor):
+        super().__init__()
+        self.inner, self.factor = inner, factor
+
+    @classmethod
+    def from_module(cls, orig, factor=2.0):
+        return cls(orig, factor)
+
+    def forward(self, x):
+        return self.inner(x) * self.factor
+
+
+class NoBuilder(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(Block(), Block())
+
+
+def _x():
+    return torch.randn(3, 4, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("rules, index, key", [
+    ("[]", None, "rules"),
+    ("- 3", 0, "rule"),
+    ("- {replace: {class: default}}", 0, "match"),
+    ("- {match: {}, replace: {class: default}}", 0, "match"),
+    ("- {match: {name: x, kind: y}, replace: {class: default}}", 0, "match.kind"),
+    ("- {match: {name: '('}, replace: {class: default}}", 0, "match.name"),
+    ("- {match: {name: 3}, replace: {class: default}}", 0, "match.name"),
+    ("- {match: {class: NotDotted}, replace: {class: default}}", 0, "match.class"),
+    ("- {match: {name: a}}", 0, "replace"),
+    ("- {match: {name: a}, replace: {}}", 0, "replace.class"),
+    ("- {match: {name: a}, replace: {class: 'os; rm'}}", 0, "replace.class"),
+    ("- {match: {name: a}, replace: {class: default, device: cuda}}", 0, "replace.device"),
+    ("- {match: {name: a}, replace: {class: default, kwargs: [1]}}", 0, "replace.kwargs"),
+    ("- {match: {name: a}, replace: {class: default}}\n- {match: {name: b}, replace: {class: default}, recursive: no_}",
+     1, "recursive"),
+    ("- {match: {name: a}, replace: {class: default}, optional: 1}", 0, "optional"),
+    ("- {match: {name: a}, replace: {class: default}, device: cpu}", 0, "device"),
+    ("- {match: {name: a}\n  replace: [", None, "yaml"),
+])
+def test_parse_errors_name_rule_and_key(rules, index, key):
+    with pytest.raises(RuleError) as ei:
+        load_rules(rules)
+    assert ei.value.index == index and ei.value.key == key
+    assert (f"rule {index}: {key}:" if index is not None else f"{key}:") in str(ei.value)
+
+
+def test_load_from_file_and_missing_file(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("- match: {name: '^0$'}\n  replace: {class: default}\n")
+    assert load_rules(p)[0].name.pattern == "^0$"
+    assert load_rules(str(p))[0].recursive is True
+    with pytest.raises(FileNotFoundError, match="source: rule file"):
+        load_rules(tmp_path / "missing.yaml")
+
+
+def test_pure_layer_replaces_forward_and_reverts():
+    model, x = _model(), _x()
+    ref = model(x)
+    rep = apply_rules(model, f"- match: {{class: {HERE}.Act}}\n  replace: {{class: {HERE}.FastAct}}\n",
+                      allowed_modules=[HERE])
+    assert rep.paths() == ["0.act", "1.act"] and all(c.what == "forward" and c.detail == "rule 0" for c in rep)
+    assert model[0].act.forward.__func__ is FastAct.forward
+    torch.testing.assert_close(model(x), ref)
+    tnn.revert(model)
+    assert "forward" not in vars(model[0].act)
+
+
+def test_module_replacement_with_kwargs_shares_original():
+    model, x = _model(), _x()
+    ref = model(x)
+    old = model[1].proj
+    rep = apply_rules(model, [{"match": {"name": r"^1\.proj$"},
+                               "replace": {"class": f"{HERE}.Doubler", "kwargs": {"factor": 3.0}}}],
+                      allowed_modules=[HERE])
+    assert rep[0].what == "module" and isinstance(model[1].proj, Doubler) and model[1].proj.inner is old
+    assert torch.allclose(model(x), ref) is False
+    tnn.revert(model)
+    assert model[1].proj is old
+    torch.testing.assert_close(model(x), ref)
+
+
+def test_first_match_wins_and_and_semantics():
+    model = _model()
+    rules = [
+        {"match": {"name": r"^0\.", "class": f"{HERE}.Act"}, "replace": {"class": "default"}},  # shields 0.act
+        {"match": {"class": f"{HERE}.Act"}, "replace": {"class": f"{HERE}.FastAct"}},
+    ]
+    rep = apply_rules(model, rules, allowed_modules=[HERE])
+    assert rep.paths() == ["1.act"]
+
+
+def test_recursive_false_stops_descent():
+    model = _model()
+    rules = [{"match": {"name": r"^0$"}, "replace": {"class": "default"}, "recursive": False},
+             {"match": {"class": f"{HERE}.Act"}, "replace": {"class": f"{HERE}.FastAct"}}]
+    assert apply_rules(model, rules, allowed_modules=[HERE]).paths() == ["1.act"]
+
+
+def test_child_of_replaced_module_is_found_in_new_parent():
+    model = _model()
+    rules = [{"match": {"name": r"^0$"}, "replace": {"class": f"{HERE}.Doubler"}},
+             {"match": {"class": f"{HERE}.Act"}, "replace": {"class": f"{HERE}.FastAct"}}]
+    rep = apply_rules(model, rules, allowed_modules=[HERE])
+    assert rep.paths() == ["0", "0.act", "1.act"]  # Doubler keeps the block under .inner; the rule
+    assert model[0].inner.act.forward.__func__ is FastAct.forward  # still reaches the matched Act
+    tnn.revert(model)
+    assert isinstance(model[0], Block) and "forward" not in vars(model[0].act)
+
+
+def test_rule_matching_nothing_fails_unless_optional():
+    model = _model()
+    rules = [{"match": {"class": f"{HERE}.Act"}, "replace": {"class": f"{HERE}.FastAct"}},
+             {"match": {"name": "nowhere"}, "replace": {"class": "default"}}]
+    with pytest.raises(RuleError, match="rule 1: match: matched no module"):
+        apply_rules(model, rules, allowed_modules=[HERE])
+    assert tnn.report(model) == []  # nothing applied
+    rules[1]["optional"] = True
+    assert len(apply_rules(model, rules, allowed_modules=[HERE])) == 2
+
+
+@pytest.mark.parametrize("cls", ["collections.OrderedDict", "torch.nn.Linear", "tritonspec_evil.Thing", f"{HERE}.Act"])
+def test_replace_class_outside_allowed_modules_is_never_imported(cls):
+    with pytest.raises(RuleError, match="rule 0: replace.class: .* is outside the allowed modules"):
+        apply_rules(_model(), [{"match": {"name": "act"}, "replace": {"class": cls}}])
+
+
+def test_match_class_imports_nothing():
+    # A dotted name that does not exist anywhere simply matches nothing: it is compared, not imported.
+    with pytest.raises(RuleError, match="rule 0: match: matched no module"):
+        apply_rules(_model(), [{"match": {"class": "evil.module.Payload"}, "replace": {"class": "default"}}])
+
+
+@pytest.mark.parametrize("replace, key, match", [
+    ({"class": "tritonspec.nn.engine.Nope"}, "replace.class", "cannot import"),
+    ({"class": "tritonspec.nn.engine.Change"}, "replace.class", "not a torch.nn.Module subclass"),
+    ({"class": f"{HERE}.FastAct", "kwargs": {"a": 1}}, "replace.kwargs", "stateless layer"),
+    ({"class": f"{HERE}.NoBuilder"}, "replace.class", "neither a stateless layer nor has a from_module"),
+    ({"class": f"{HERE}.Doubler", "kwargs": {"bogus": 1}}, "replace.kwargs", "building .*Doubler.* failed"),
+])
+def test_bad_replacements_name_rule_and_key(replace, key, match):
+    model = _model()
+    rules = [{"match": {"name": r"^1\.act$"}, "replace": {"class": "default"}},
+             {"match": {"name": r"act$"}, "replace": replace}]
+    with pytest.raises(RuleError, match=f"rule 1: {key}: .*{match}"):
+        apply_rules(model, rules, allowed_modules=[HERE])
+    assert tnn.report(model) == []
+
+
+def test_incompatible_pure_layer_is_rejected():
+    class TwoArgs(nn.Module):
+        def forward(self, x, y):
+            return x
+
+    import sys
+    sys.modules[HERE].TwoArgs = TwoArgs
+    try:
+        with pytest.raises(RuleError, match="rule 0: replace.class: cannot replace 0.act: .*takes 3 parameters"):
+            apply_rules(_model(), [{"match": {"name": r"^0\.act$"}, "replace": {"class": f"{HERE}.TwoArgs"}}],
+                        allowed_modules=[HERE])
+    finally:
+        del sys.modules[HERE].TwoArgs
+
+
+def test_register_module_converter(monkeypatch):
+    built = []
+
+    def build(orig, **kw):
+        built.append(kw)
+        return Doubler(orig, kw.get("factor", 2.0))
+
+    monkeypatch.setattr("tritonspec.nn.rules._CONVERTERS", {})
+    tnn.register_module_converter(NoBuilder, build)
+    model = _model()
+    apply_rules(model, [{"match": {"name": r"^0\.act$"}, "replace": {"class": f"{HERE}.NoBuilder",
+                                                                    "kwargs": {"factor": 5.0}}}],
+                allowed_modules=[HERE])
+    assert built == [{"factor": 5.0}] and isinstance(model[0].act, Doubler)
+
+
+class Rebuilt(nn.Module):
+    """A stateful replacement that reuses the original's children under the same names."""
+
+    def __init__(self, proj, act):
+        super().__init__()
+        self.proj, self.act = proj, act
+
+    @classmethod
+    def from_module(cls, orig):
+        return cls(orig.proj, orig.act)
+
+    def forward(self, x):
+        return self.act(self.proj(x))
+
+
+def test_child_module_replacement_lands_in_the_live_parent():
+    model, x = _model(), _x()
+    ref = model(x)
+    rules = [{"match": {"name": r"^0$"}, "replace": {"class": f"{HERE}.Rebuilt"}},
+             {"match": {"name": r"^0\.proj$"}, "replace": {"class": f"{HERE}.Doubler", "kwargs": {"factor": 1.0}}}]
+    apply_rules(model, rules, allowed_modules=[HERE])
+    assert isinstance(model[0], Rebuilt) and isinstance(model[0].proj, Doubler)
+    torch.testing.assert_close(model(x), ref)
+    tnn.revert(model)
+    assert isinstance(model[0], Block) and isinstance(model[0].proj, nn.Linear)
