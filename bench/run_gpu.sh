@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark in one command, for a lent H100 (no network):
+#   bash bench/run_gpu.sh OUTDIR [kernels|attention|models ...]
+# GPU tests first, then the named benchmarks (default: kernels and models); logs and tables go to OUTDIR.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: bench/run_gpu.sh OUTDIR [benchmarks...]}; shift
+mkdir -p "$out"
+source bench/gpu_env.sh
+if ls .whl/*.whl >/dev/null 2>&1; then  # Liger-Kernel (pure Python) as a baseline, when carried along
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/env.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/env.txt"
+TRITONSPEC_TEST_DEVICE=cuda python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -5
+for b in "${@:-kernels models}"; do
+  for name in $b; do
+    case $name in
+      kernels) python3 bench/bench_kernels.py --cudagraph --budget 150 --out "$out/results_kernels.md" 2>&1 | tee "$out/bench_kernels.log" | tail -30 ;;
+      attention) python3 bench/bench_attention.py --final 2>&1 | tee "$out/bench_attention.log" | tail -20 ;;
+      models) python3 bench/bench_training_step.py --out "$out/results_models.md" 2>&1 | tee "$out/bench_models.log" | tail -12 ;;
+    esac
+  done
+done
