@@ -1,7 +1,7 @@
 """Benchmark RMSNorm, SwiGLU and RoPE (forward, forward+backward) against torch eager, torch.compile and
 Liger-Kernel at Llama-3 8B/70B shapes, in bf16, on one GPU.
 
-    python bench/bench_kernels.py [--out bench/results_kernels.md] [--sweep] [--cudagraph] [--budget 300]
+    python bench/bench_kernels.py [--out FILE.md] [--sweep] [--cudagraph] [--budget 300]
 
 Per (op, shape, impl, mode): median / p20 / p80 time from ``triton.testing.do_bench``, achieved
 bandwidth over the minimal bytes, % of the device-to-device copy bandwidth measured in the same
@@ -438,7 +438,7 @@ def markdown(copy_bw, device, dispatch, sweep_lines) -> str:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results_kernels.md")
+    ap.add_argument("--out", default=None, help="also write the tables to this markdown file")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--budget", type=float, default=300.0, help="seconds after which optional parts are skipped")
     ap.add_argument("--smoke", action="store_true")
@@ -457,9 +457,12 @@ def main():
         rms_shapes = [(16384, 4096), (8192, 8192), (32768, 8192)]
         swiglu_shapes = [(16384, 14336), (16384, 28672)]
         rope_shapes = [(4, 32, 8, 4096, 128), (1, 64, 8, 8192, 128)]
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
 
     def write(dispatch=None, sweep_lines=()):  # after every part, so a timeout keeps what ran
+        if not args.out:
+            return
         with open(args.out, "w") as f:
             f.write(markdown(copy_bw, device, dispatch, list(sweep_lines)))
 
@@ -472,7 +475,7 @@ def main():
     write(dispatch)
     sweep_lines = sweep(args.budget) if args.sweep else []
     write(dispatch, sweep_lines)
-    print(f"# wrote {args.out} ({time.time() - T0:.0f} s)")
+    print(f"# done in {time.time() - T0:.0f} s" + (f"; tables in {args.out}" if args.out else ""))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import sys
 import types
 
 import pytest
+from offline import report, run_without_interpreter
 import torch
 import triton
 import triton.language as tl
@@ -60,7 +61,6 @@ def compile_check(fn):
 
 
 def run_compile_checks():
-    import json
     import traceback
     results = {}
     for name, fn in COMPILE_CHECKS.items():
@@ -69,20 +69,12 @@ def run_compile_checks():
             results[name] = "ok"
         except BaseException:
             results[name] = traceback.format_exc()
-    print("RESULTS " + json.dumps(results))
+    report(results)
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    import json
-    import subprocess
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import sys; sys.path.insert(0, %r); import test_backends as t; t.run_compile_checks()"
-            % os.path.dirname(__file__))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULTS "):])
+    return run_without_interpreter("test_backends", "run_compile_checks", timeout=600)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -6,12 +6,10 @@ hip gfx942, iluvatar and ascend (in one subprocess without TRITON_INTERPRET, whe
 against float64 references. ``tests/gpu/test_iluvatar_gpu.py`` runs the same ``CASES`` on a GPU
 under the iluvatar profile.
 """
-import json
 import os
-import subprocess
-import sys
 
 import pytest
+from offline import report, run_without_interpreter
 import torch
 import triton
 import triton.language as tl
@@ -196,18 +194,12 @@ def compile_everything():
                 results[key] = "ok"
             except Exception:
                 results[key] = traceback.format_exc()
-    print("RESULTS " + json.dumps(results))
+    report(results)
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import sys; sys.path.insert(0, %r); import test_one_source as t; t.compile_everything()"
-            % os.path.dirname(__file__))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULTS "):])
+    return run_without_interpreter("test_one_source", "compile_everything", timeout=900)
 
 
 @pytest.mark.parametrize("target", list(TARGETS))

@@ -3,7 +3,7 @@
 The nvidia spec's ``attention_config`` hook delegates here on sm90 devices; the op itself only knows
 its portable defaults. Tables are keyed by the padded head dim (64 covers 16..64, 128 covers
 65..128) and causality. Every entry was picked by ``bench/bench_attention.py --sweep`` on an H100
-(bf16, the four benchmark shapes; numbers in bench/notes_attention.md), not derived.
+(bf16, the four benchmark shapes; numbers in bench/NOTES.md), not derived.
 
 Keys: BLOCK_M/BLOCK_N (q rows / k-v rows per tile), num_warps, num_stages, TMA (host tensor
 descriptors), WARP_SPECIALIZE (Triton 3.6's Hopper auto warp specialization does not compile this
@@ -22,7 +22,7 @@ def _cfg(bm, bn, warps, stages, **flags):
 
 # kernel -> (padded head_dim, causal) -> config. Picked by `bench_attention.py --sweep` on an H100
 # (2026-11-22, torch 2.11, triton 3.6.0): best summed bf16 TFLOP/s over the group's benchmark shapes;
-# the same table then passed tests/gpu/test_attention_gpu.py and produced bench/results_attention.md.
+# the same table then passed tests/gpu/test_attention_gpu.py and produced bench/RESULTS.md.
 TABLES = {
     "attention_fwd": {
         (64, False): _cfg(128, 64, 4, 3, WARP_SPECIALIZE=False),

@@ -196,14 +196,14 @@ def _check_block_n(kernel: str, cfg: dict) -> int:
 
 def _fwd_default(n: int) -> dict:
     # ~4K-element tiles: short rows pack several per program. On the H100, BLOCK_M 1..4 x 4..16 warps
-    # all ran within 1% at N=4096 and 8192, except 4 rows at 4 warps, N=8192 (+10%) (bench/notes_kernels.md).
+    # all ran within 1% at N=4096 and 8192, except 4 rows at 4 warps, N=8192 (+10%) (bench/NOTES.md).
     block_n = min(next_pow2(n), MAX_FUSED_N)
     block_m = max(1, min(16, 4096 // block_n))
     return {"BLOCK_N": block_n, "BLOCK_M": block_m, "num_warps": min(16, max(4, block_m * block_n // 512))}
 
 
 def _bwd_default(n: int) -> dict:
-    # H100 sweep of the backward kernel (bench/notes_kernels.md): 2 programs per SM beat 4 (by 14%)
+    # H100 sweep of the backward kernel (bench/NOTES.md): 2 programs per SM beat 4 (by 14%)
     # and 8 (by 35%); 2 rows per program at N=8192 were 10% faster than 1, while at N=4096 1 row
     # was 10% faster than 2.
     block_n = min(next_pow2(n), MAX_FUSED_N)

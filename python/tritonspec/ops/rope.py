@@ -82,7 +82,7 @@ def _rope_kernel(Q, sqb, sqh, sqs, K, skb, skh, sks, QO, sqob, sqoh, sqos, KO, s
 
 
 def _default(hq: int, hk: int, half: int) -> dict:
-    # H100 sweep at q 4x32x4096x128 / k 8 heads (bench/notes_kernels.md): 8 positions x 4 heads x
+    # H100 sweep at q 4x32x4096x128 / k 8 heads (bench/NOTES.md): 8 positions x 4 heads x
     # 64 per half-tile at 8 warps ran at 91% of copy bandwidth; 8 heads at 4 warps at 84%.
     block_d = next_pow2(half)
     block_s = max(1, min(8, 512 // block_d))
