@@ -489,3 +489,26 @@ def test_check_command_passes_and_lists_providers():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name in ("nvidia", "amd", "cpu", "all checks passed"):
         assert name in proc.stdout
+
+
+def _exp_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.exp(tl.load(x_ptr + offs)))
+
+
+def test_cross_compiling_uses_the_target_backends_injections(registry):
+    """Compiling for hip in the same process applies the amd spec's tl injections, and only then."""
+    @tl.core.builtin
+    def exp(x, _semantic=None):
+        return _semantic.mul(x, x, False)
+
+    amd = make_spec("amd_inject_spec", exp=exp, math_ext_base_func_list=["exp"])
+    amd.__all__ = ["math_ext_base_func_list"]
+    tritonspec.register_spec("amd", amd)
+    stock_exp = tl.exp
+    sig = ({"x_ptr": "*fp32", "y_ptr": "*fp32", "BLOCK": "constexpr"}, {"BLOCK": 64})
+    hip_ttir = compile_for(_exp_kernel, *sig, target=HIP).asm["ttir"]
+    cuda_ttir = compile_for(_exp_kernel, *sig, target=CUDA).asm["ttir"]
+    assert "math.exp" not in hip_ttir and "arith.mulf" in hip_ttir
+    assert "math.exp" in cuda_ttir and "arith.mulf" not in cuda_ttir
+    assert tl.exp is stock_exp
