@@ -156,3 +156,26 @@ def test_opcheck_triton_ops():
 def test_cpu_tensor_without_interpreter_is_rejected():
     with pytest.raises(ValueError, match="'x' is on the CPU"):
         rms_norm(torch.randn(2, 8), torch.randn(8))
+
+
+def test_cached_launches_respecialize_on_alignment_dtype_and_spec():
+    """Repeated eager calls reuse compiled kernels only where Triton would: an unaligned view, another
+    dtype and another spec selection each get their own kernel, and every result stays correct."""
+    import tritonspec
+    assert _library.USE_CACHED_LAUNCH
+    torch.manual_seed(0)
+    base = torch.randn(65 * 4096 + 1, device=DEV)
+    w = 1 + 0.5 * torch.randn(4096, device=DEV)
+    aligned = base[: 64 * 4096].view(64, 4096)
+    unaligned = base[1: 64 * 4096 + 1].view(64, 4096)  # 4-byte offset: not 16-byte aligned
+    cases = [aligned, unaligned, aligned.bfloat16(), aligned, unaligned]
+    for x in cases:
+        for _ in range(2):  # the second call of each is a cache hit
+            wx = w.to(x.dtype)
+            assert_close(rms_norm(x, wx, 1e-6), rms_norm_ref(x, wx, 1e-6), "y", x.dtype)
+    with tritonspec.use_backend("iluvatar"):
+        y = rms_norm(unaligned, w, 1e-6)
+    assert_close(y, rms_norm_ref(unaligned, w, 1e-6), "y", torch.float32)
+    from tritonspec.ops.rms_norm import _rms_norm_fwd_kernel
+    cached = _library._cached_launchers[id(_rms_norm_fwd_kernel)]
+    assert len(cached.compiled) >= 3  # aligned fp32, unaligned fp32, bf16 (+ the iluvatar selection)

@@ -17,11 +17,16 @@ import torch
 from ..launch import launch_config
 from ..registry import REGISTRY
 from ._device import interpreting
+from ._launch_cache import CachedLauncher
 
 NAMESPACE = "tritonspec"
 
 # Chosen once, like ``@triton.jit`` chooses JIT vs interpreter when the kernels are defined.
 USE_TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton") and not interpreting()
+
+# Eager CUDA launches reuse the compiled kernel without Triton's per-call binding (_launch_cache).
+USE_CACHED_LAUNCH = os.environ.get("TRITONSPEC_CACHED_LAUNCH", "1") == "1"
+_cached_launchers: dict = {}
 
 # Tests set this to run eager calls through the registered ops as torch.compile would.
 FORCE_LIBRARY_OP = False
@@ -42,7 +47,12 @@ def launcher(kernel, traced: bool):
     """
     if traced and USE_TRITON_OP:
         return torch.library.wrap_triton(kernel)
-    return kernel
+    if interpreting() or not USE_CACHED_LAUNCH:
+        return kernel
+    cached = _cached_launchers.get(id(kernel))  # not hash(kernel): JITFunction hashes its source
+    if cached is None:
+        cached = _cached_launchers[id(kernel)] = CachedLauncher(kernel)
+    return cached
 
 
 def use_library_op() -> bool:
