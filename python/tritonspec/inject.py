@@ -10,10 +10,10 @@ from __future__ import annotations
 import threading
 
 from .hooks import SEMANTIC_PREFIX, SpecError
+from .patches import PatchLog
 
-_MISSING = object()
 _lock = threading.RLock()
-_applied: list[tuple[object, str, object]] = []  # (namespace, attr, original or _MISSING), in order
+_applied = PatchLog()
 _applied_spec = None  # the spec module whose injections are in place
 
 
@@ -44,21 +44,15 @@ def _inject(spec, group: str) -> None:
                 raise SpecError(f"{spec.__name__}.{list_name}: {name!r} does not exist in {_where(primary)}; "
                                 f"new names go in {group}_ext_spec_func_list")
             for ns in targets:
-                original = getattr(ns, name, _MISSING)
-                if original is not _MISSING and not replace and not _ours(ns, name):
+                if hasattr(ns, name) and not replace and not _applied.touched(ns, name):
                     raise SpecError(f"{spec.__name__}.{list_name}: {name!r} already exists in {_where(ns)}; list it "
                                     f"in {group}_ext_base_func_list to replace the mainline one")
                 with _lock:
-                    _applied.append((ns, name, original))
-                    setattr(ns, name, func)
+                    _applied.set(ns, name, func)
 
 
 def _where(ns) -> str:
     return getattr(ns, "__name__", str(ns))
-
-
-def _ours(ns, name) -> bool:
-    return any(a is ns and n == name for a, n, _ in _applied)
 
 
 def spec_core_func(spec) -> None:
@@ -93,12 +87,7 @@ def restore() -> None:
     """Undo every injection, newest first, restoring the original objects (or absence)."""
     global _applied_spec
     with _lock:
-        while _applied:
-            ns, name, original = _applied.pop()
-            if original is _MISSING:
-                delattr(ns, name)
-            else:
-                setattr(ns, name, original)
+        _applied.undo()
         _applied_spec = None
 
 

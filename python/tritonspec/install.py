@@ -23,19 +23,14 @@ from typing import Callable
 
 from . import inject
 from .hooks import SpecError
+from .patches import PatchLog
 from .registry import REGISTRY
 from .resolve import active_provider, compiling_for, current_backend, explicit_backend, lookup, spec
 
-_MISSING = object()
 _lock = threading.RLock()
-_patches: list[tuple[object, str, object]] = []  # (owner, attr, original) in install order
+_patches = PatchLog()
+_patch = _patches.set
 _active = False
-
-
-def _patch(owner, attr: str, value) -> None:
-    _patches.append((owner, attr, owner.__dict__.get(attr, _MISSING) if isinstance(owner, type)
-                     else getattr(owner, attr, _MISSING)))
-    setattr(owner, attr, value)
 
 
 def _version() -> tuple[int, int]:
@@ -190,8 +185,7 @@ def _install_compile(compiler_pkg):
     _patch(compiler_pkg, "compile", compile)
     top = sys.modules.get("triton")
     if top is not None:  # mid-import, triton/__init__ copies triton.compiler.compile a moment later
-        _patches.append((top, "compile", orig))
-        top.compile = compile
+        _patch(top, "compile", compile, original=orig)
 
 
 @functools.lru_cache(maxsize=None)
@@ -554,12 +548,7 @@ def deactivate() -> None:
         if not _active:
             return
         inject.restore()
-        while _patches:
-            owner, attr, original = _patches.pop()
-            if original is _MISSING:
-                delattr(owner, attr)
-            else:
-                setattr(owner, attr, original)
+        _patches.undo()
         if _finder in sys.meta_path:
             sys.meta_path.remove(_finder)
         STATUS.clear()
