@@ -5,6 +5,11 @@ DEVICE = os.environ.get("TRITONSPEC_TEST_DEVICE", "cpu")
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+# A cache of this run's own: kernels cached by another checkout (or Triton version) would carry
+# its file paths and hide compile-time behaviour from the tests.
+if "TRITON_CACHE_DIR" not in os.environ:
+    import tempfile
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="tritonspec-test-cache-")
 
 import pytest  # noqa: E402
 

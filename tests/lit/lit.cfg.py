@@ -31,4 +31,6 @@ for var in ("PATH", "HOME", "TMPDIR", "TRITONSPEC_BACKENDS", "TRITON_CACHE_DIR")
     if var in os.environ:
         config.environment[var] = os.environ[var]
 config.environment["TRITON_DEFAULT_FP_FUSION"] = "1"
+# IR comparisons must see fresh compiles: a cached kernel from another checkout carries its file paths.
+config.environment["TRITON_ALWAYS_COMPILE"] = "1"
 config.environment["PYTHONDONTWRITEBYTECODE"] = "1"
