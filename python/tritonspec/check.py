@@ -163,7 +163,7 @@ def main(argv=None) -> int:
                 rows.append([name, "not allowed by TRITONSPEC_BACKENDS", "", ""])
                 continue
             providers[name] = p
-            lists = sorted(n for n in p.exports if n.endswith("_func_list"))
+            lists = [f"{n}[{', '.join(getattr(p.module, n))}]" for n in sorted(p.exports) if n.endswith("_func_list")]
             rows.append([name, getattr(p.module, "_WHERE", "unknown"), p.origin, ", ".join(p.hooks + lists) or "-"])
         except Exception as e:
             failures.append(f"spec provider {name}: {e}")
