@@ -94,9 +94,14 @@ def backend_for_device(device) -> str | None:
         return chosen
     dev_type = getattr(device, "type", None) or str(device).split(":")[0]
     if dev_type == "cuda":
-        import torch
-        return "amd" if getattr(torch.version, "hip", None) else "nvidia"
+        return _cuda_backend()
     return dev_type  # "cpu" (interpreter), "npu", "xpu", ...
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_backend() -> str:
+    import torch
+    return "amd" if getattr(torch.version, "hip", None) else "nvidia"
 
 
 def _wrap(backend: str, name: str, fn):

@@ -13,6 +13,8 @@ import inspect
 
 import torch
 
+from .. import install
+
 _INT32 = range(-2 ** 31, 2 ** 31)
 
 
@@ -42,13 +44,13 @@ class CachedLauncher:
     def _launch(self, grid, args, kwargs):
         if callable(grid):
             return self.kernel[grid](*args, **kwargs)
-        from ..install import _jit_key  # the spec selection: kernels compiled under another stay apart
         bound = list(args)
         for i in range(len(args), len(self.names)):
             name = self.names[i]
             bound.append(kwargs[name] if name in kwargs else self.defaults[i])
         options = tuple((k, v) for k, v in kwargs.items() if k not in self.names)
-        key = (torch.cuda.current_device(), _jit_key, options,
+        # install._jit_key is the spec selection: kernels compiled under another one stay apart.
+        key = (torch.cuda.current_device(), install._jit_key, options,
                tuple(_arg_key(v, c) for v, c in zip(bound, self.constexpr)))
         compiled = self.compiled.get(key)
         if compiled is None:

@@ -15,7 +15,6 @@ import os
 import torch
 
 from ..launch import launch_config
-from ..registry import REGISTRY
 from ._device import interpreting
 from ._launch_cache import CachedLauncher
 
@@ -76,21 +75,7 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
-_configs: dict = {}
-REGISTRY.on_change(_configs.clear)  # also fired by use_backend()
-
-
 def kernel_config(kernel: str, device, default_fn, **problem) -> tuple[dict, dict]:
-    """``(config, launch keywords)`` for a kernel: ``launch_config`` memoized per call site.
-
-    ``launch_config`` builds sorted keys and copies dicts on every call (tens of microseconds per
-    op on the benchmark host); this memo keeps one lookup. It is dropped whenever the spec registry
-    or backend selection changes, and keyed on TRITONSPEC_BACKEND like the backend resolution.
-    ``default_fn()`` builds the kernel's own heuristic only on a miss. Treat the result as read-only.
-    """
-    key = (kernel, device, os.environ.get("TRITONSPEC_BACKEND"), *problem.values())
-    hit = _configs.get(key)
-    if hit is None:
-        cfg = launch_config(kernel, device, default_fn(), **problem)
-        hit = _configs[key] = (cfg, launch_options(cfg))
-    return hit
+    """``(config, launch keywords)`` for a kernel; ``default_fn()`` runs only on a cache miss."""
+    cfg = launch_config(kernel, device, default_fn, **problem)
+    return cfg, launch_options(cfg)
