@@ -12,8 +12,16 @@ import sys
 _TAG = "RESULTS "
 
 
-def report(results: dict) -> None:
-    """Called in the subprocess: hand ``results`` back to ``run_without_interpreter``."""
+def run_checks(checks: dict) -> None:
+    """Called in the subprocess: run each ``name -> fn()`` and hand back "ok" or its traceback."""
+    import traceback
+    results = {}
+    for name, fn in checks.items():
+        try:
+            fn()
+            results[name] = "ok"
+        except BaseException:
+            results[name] = traceback.format_exc()
     print(_TAG + json.dumps(results))
 
 

@@ -11,7 +11,7 @@ import sys
 import types
 
 import pytest
-from offline import report, run_without_interpreter
+from offline import run_checks, run_without_interpreter
 import torch
 import triton
 import triton.language as tl
@@ -61,15 +61,7 @@ def compile_check(fn):
 
 
 def run_compile_checks():
-    import traceback
-    results = {}
-    for name, fn in COMPILE_CHECKS.items():
-        try:
-            fn()
-            results[name] = "ok"
-        except BaseException:
-            results[name] = traceback.format_exc()
-    report(results)
+    run_checks(COMPILE_CHECKS)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ under the iluvatar profile.
 import os
 
 import pytest
-from offline import report, run_without_interpreter
+from offline import run_checks, run_without_interpreter
 import torch
 import triton
 import triton.language as tl
@@ -171,30 +171,27 @@ BINARY = {"cuda": "cubin", "hip": "hsaco", "iluvatar": "cubin", "ascend": "npubi
 TANH_SYMBOL = {"cuda": "__nv_tanhf", "hip": "__ocml_tanh_f32", "iluvatar": "__nv_tanhf", "ascend": "__hmf_tanhf"}
 
 
+def _compile_check(name, target_name):
+    def check():
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from triton.runtime.jit import JITFunction
+        signature, constexprs = SIGNATURES[name]
+        k = triton.compile(ASTSource(JITFunction(KERNELS[name]), signature, constexprs),
+                           target=GPUTarget(*TARGETS[target_name]))
+        assert "ttir" in k.asm and BINARY[target_name] in k.asm, sorted(k.asm)
+        ttir = k.asm["ttir"]
+        if name == "atomics":  # iluvatar: no 64-bit atomic; everyone else: the stock one
+            i64 = [line for line in ttir.splitlines() if "tt.atomic_rmw" in line and "xi64>" in line]
+            assert (not i64) if target_name == "iluvatar" else len(i64) == 1, i64
+        if name == "libdevice_math":
+            assert f'symbol = "{TANH_SYMBOL[target_name]}"' in ttir, "libdevice not mapped"
+    return check
+
+
 def compile_everything():
-    """Compile every kernel for every target; print {"kernel@target": "ok" | error} as JSON."""
-    import traceback
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-    results = {}
-    for target_name, target in TARGETS.items():
-        for name, (signature, constexprs) in SIGNATURES.items():
-            key = f"{name}@{target_name}"
-            try:
-                k = triton.compile(ASTSource(JITFunction(KERNELS[name]), signature, constexprs),
-                                   target=GPUTarget(*target))
-                assert "ttir" in k.asm and BINARY[target_name] in k.asm, sorted(k.asm)
-                ttir = k.asm["ttir"]
-                if name == "atomics":  # iluvatar: no 64-bit atomic; everyone else: the stock one
-                    i64 = [line for line in ttir.splitlines() if "tt.atomic_rmw" in line and "xi64>" in line]
-                    assert (not i64) if target_name == "iluvatar" else len(i64) == 1, i64
-                if name == "libdevice_math":
-                    assert f'symbol = "{TANH_SYMBOL[target_name]}"' in ttir, "libdevice not mapped"
-                results[key] = "ok"
-            except Exception:
-                results[key] = traceback.format_exc()
-    report(results)
+    """Compile every kernel for every target; report {"kernel@target": "ok" | error}."""
+    run_checks({f"{name}@{t}": _compile_check(name, t) for t in TARGETS for name in SIGNATURES})
 
 
 @pytest.fixture(scope="module")
