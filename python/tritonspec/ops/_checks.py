@@ -73,6 +73,18 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     return rows
 
 
+def rows_of(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(t or a copy, row stride)`` for kernels that take rows as a pointer plus a row stride.
+
+    A contiguous tensor needs no view (its row stride is its last dim); others go through
+    ``as_rows``. Saves a view per tensor on the eager hot path.
+    """
+    if t.is_contiguous():
+        return t, t.shape[-1]
+    rows = as_rows(t)
+    return rows, rows.stride(0)
+
+
 def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its last dim is contiguous, else a contiguous copy."""
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()

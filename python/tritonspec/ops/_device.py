@@ -47,6 +47,6 @@ def compute_units(device: torch.device) -> int:
 
 def check_launchable(op: str, name: str, t: torch.Tensor) -> None:
     """CPU tensors work only through the interpreter; say so instead of Triton's pointer error."""
-    if t.device.type == "cpu" and not interpreting():
+    if t.is_cpu and not _INTERPRETING:
         raise ValueError(f"{op}: argument '{name}' is on the CPU; Triton kernels need a GPU tensor, or set "
                          "TRITON_INTERPRET=1 before importing tritonspec to run them in the interpreter")

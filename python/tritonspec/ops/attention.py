@@ -127,7 +127,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, b, hk, skb, skh, sks, svb, svh, svs, lo, 
 @triton.jit
 def _attn_fwd_kernel(Q, K, V, O, LSE,
                      sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
-                     HQ, GROUP, SEQ_Q, SEQ_K, qk_scale,
+                     HQ, GROUP, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale,
                      D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, SCALE_POS: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -156,7 +156,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, b, hk, skb, skh, sks, svb, svh, svs, mid, hi, offs_m, SEQ_K,
                                qk_scale, D, DP, BLOCK_N, CAUSAL, True, SCALE_POS, TMA, False)
     lse = m_i + tl.math.log2(l_i)  # base-2 logsumexp of qk * scale * log2(e)
-    tl.store(LSE + bh.to(tl.int64) * SEQ_Q + offs_m, lse, mask=offs_m < SEQ_Q)
+    tl.store(LSE + bh.to(tl.int64) * SEQ_PAD + offs_m, lse, mask=offs_m < SEQ_Q)
     _tile_store(O, acc / l_i[:, None], b, h, start_m, sob, soh, sos, SEQ_Q, BLOCK_M, D, DP, TMA)
 
 
@@ -164,7 +164,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
 # backward
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_bwd_pre_kernel(O, DO, DELTA, DQA, sob, soh, sos, sdb, sdh, sds, HQ, SEQ_Q,
+def _attn_bwd_pre_kernel(O, DO, DELTA, DQA, sob, soh, sos, sdb, sdh, sds, HQ, SEQ_Q, SEQ_PAD,
                          D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_DQA: tl.constexpr):
     """delta = rowsum(dO * O) in fp32; also zeroes the fp32 dQ accumulator when dQ uses atomics."""
     pid_m = tl.program_id(0)
@@ -175,9 +175,9 @@ def _attn_bwd_pre_kernel(O, DO, DELTA, DQA, sob, soh, sos, sdb, sdh, sds, HQ, SE
     offs_m = start_m + tl.arange(0, BLOCK_M)
     o = _tile_load(O, b, h, start_m, sob, soh, sos, SEQ_Q, BLOCK_M, D, DP, False, True).to(tl.float32)
     do = _tile_load(DO, b, h, start_m, sdb, sdh, sds, SEQ_Q, BLOCK_M, D, DP, False, True).to(tl.float32)
-    row = bh.to(tl.int64) * SEQ_Q + offs_m
-    tl.store(DELTA + row, tl.sum(o * do, 1), mask=offs_m < SEQ_Q)
+    tl.store(DELTA + bh.to(tl.int64) * SEQ_PAD + offs_m, tl.sum(o * do, 1), mask=offs_m < SEQ_Q)
     if ZERO_DQA:
+        row = bh.to(tl.int64) * SEQ_Q + offs_m
         cols = tl.arange(0, DP)
         tl.store(DQA + row[:, None] * DP + cols[None, :], tl.zeros([BLOCK_M, DP], tl.float32),
                  mask=offs_m[:, None] < SEQ_Q)
@@ -185,25 +185,27 @@ def _attn_bwd_pre_kernel(O, DO, DELTA, DQA, sob, soh, sos, sdb, sdh, sds, HQ, SE
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, b, h, bh, sqb, sqh, sqs, sdb, sdh, sds, lo, hi, offs_n,
-                SEQ_Q, qk_scale, sm_scale,
-                D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                SEQ_Q, SEQ_PAD, qk_scale, sm_scale,
+                D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
                 TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr, DQ_TMA_REDUCE: tl.constexpr):
-    """Accumulate dK, dV of one key block over the q blocks [lo, hi) of q head (b, h).
+    """Accumulate dK, dV of one key block over the q blocks [lo, hi) of q head (b, h); CAUSAL masks
+    each tile (only the diagonal ones need it, but one loop beats two here: see the kernel).
 
-    Query rows past seq_q load as zero with lse = +inf, so their probabilities are exactly 0."""
+    Query rows past seq_q load as zero, and their padded lse rows hold +inf, so their probabilities
+    are exactly 0. LSE and DELTA rows are read unmasked (padded to SEQ_PAD): masked loads of them
+    kept two extra vectors per pipeline stage live and made the causal kernel spill."""
     for start_m in tl.range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < SEQ_Q
         q = _tile_load(Q, b, h, start_m, sqb, sqh, sqs, SEQ_Q, BLOCK_M, D, DP, TMA, True)
-        lse = tl.load(LSE + bh.to(tl.int64) * SEQ_Q + offs_m, mask=row_ok, other=float("inf"))
+        lse = tl.load(LSE + bh.to(tl.int64) * SEQ_PAD + offs_m)
         qkT = tl.dot(k, tl.trans(q))
         pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
-        if MASKED:
+        if CAUSAL:
             pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
         do = _tile_load(DO, b, h, start_m, sdb, sdh, sds, SEQ_Q, BLOCK_M, D, DP, TMA, True)
         dv = tl.dot(pT.to(do.dtype), do, dv)
-        delta = tl.load(DELTA + bh.to(tl.int64) * SEQ_Q + offs_m, mask=row_ok, other=0.0)
+        delta = tl.load(DELTA + bh.to(tl.int64) * SEQ_PAD + offs_m)
         dpT = tl.dot(v, tl.trans(do))
         dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
         dk = tl.dot(dsT, q, dk)
@@ -215,7 +217,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, b, h, bh, sqb, sqh, sqs, s
             else:
                 cols = tl.arange(0, DP)
                 ptrs = DQA + (bh.to(tl.int64) * SEQ_Q + offs_m)[:, None] * DP + cols[None, :]
-                tl.atomic_add(ptrs, dq, mask=row_ok[:, None], sem="relaxed")
+                tl.atomic_add(ptrs, dq, mask=offs_m[:, None] < SEQ_Q, sem="relaxed")
     return dk, dv
 
 
@@ -223,12 +225,16 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, b, h, bh, sqb, sqh, sqs, s
 def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DQA,
                           sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds,
                           skgb, skgh, skgs, svgb, svgh, svgs,
-                          HQ, HKV, GROUP, SEQ_Q, SEQ_K, qk_scale, sm_scale,
+                          HQ, HKV, GROUP, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, sm_scale,
                           D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           CAUSAL: tl.constexpr, TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
                           DQ_TMA_REDUCE: tl.constexpr):
     """One key block of one kv head; loops over the GROUP q heads that share it (GQA), so dK/dV are
-    reduced in registers without atomics."""
+    reduced in registers without atomics.
+
+    Causal: one masked loop from the diagonal on. Splitting off the unmasked blocks (as the
+    forward does) put two software pipelines in one kernel, which spilled at 64x128 tiles and ran
+    7-10% slower on the H100 (bench/NOTES.md)."""
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // HKV
@@ -239,23 +245,14 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DQA,
     v = _tile_load(V, b, hk, start_n, svb, svh, svs, SEQ_K, BLOCK_N, D, DP, TMA, True)
     dk = tl.zeros([BLOCK_N, DP], tl.float32)
     dv = tl.zeros([BLOCK_N, DP], tl.float32)
-    if CAUSAL:
-        # rows < start_n see none of these keys; rows in [lo, mid) see some; rows >= mid see all
-        lo = tl.minimum(start_n // BLOCK_M * BLOCK_M, SEQ_Q)
-        mid = tl.minimum(tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M, SEQ_Q)
-    else:
-        lo = 0
-        mid = 0
+    # causal: rows < start_n see none of these keys
+    lo = tl.minimum(start_n // BLOCK_M * BLOCK_M, SEQ_Q) if CAUSAL else 0
     for g in range(GROUP):
         h = hk * GROUP + g
         bh = b * HQ + h
-        if CAUSAL:
-            dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, b, h, bh, sqb, sqh, sqs, sdb, sdh, sds, lo,
-                                 mid, offs_n, SEQ_Q, qk_scale, sm_scale, D, DP, BLOCK_M, True, TMA, DQ_ATOMIC,
-                                 DQ_TMA_REDUCE)
-        dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, b, h, bh, sqb, sqh, sqs, sdb, sdh, sds, mid,
-                             SEQ_Q, offs_n, SEQ_Q, qk_scale, sm_scale, D, DP, BLOCK_M, False, TMA, DQ_ATOMIC,
-                             DQ_TMA_REDUCE)
+        dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, b, h, bh, sqb, sqh, sqs, sdb, sdh, sds, lo,
+                             SEQ_Q, offs_n, SEQ_Q, SEQ_PAD, qk_scale, sm_scale, D, DP, BLOCK_M, CAUSAL, TMA,
+                             DQ_ATOMIC, DQ_TMA_REDUCE)
     _tile_store(DK, dk * sm_scale, b, hk, start_n, skgb, skgh, skgs, SEQ_K, BLOCK_N, D, DP, TMA)
     _tile_store(DV, dv, b, hk, start_n, svgb, svgh, svgs, SEQ_K, BLOCK_N, D, DP, TMA)
 
@@ -286,7 +283,7 @@ def _dq_inner(dq, q, do, lse, delta, K, V, b, hk, skb, skh, sks, svb, svh, svs, 
 @triton.jit
 def _attn_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA,
                         sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, sqgb, sqgh, sqgs,
-                        HQ, GROUP, SEQ_Q, SEQ_K, qk_scale, sm_scale,
+                        HQ, GROUP, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, sm_scale,
                         D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         CAUSAL: tl.constexpr, TMA: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -298,11 +295,10 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA,
     hk = h // GROUP
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < SEQ_Q
     q = _tile_load(Q, b, h, start_m, sqb, sqh, sqs, SEQ_Q, BLOCK_M, D, DP, TMA, True)
     do = _tile_load(DO, b, h, start_m, sdb, sdh, sds, SEQ_Q, BLOCK_M, D, DP, TMA, True)
-    lse = tl.load(LSE + bh.to(tl.int64) * SEQ_Q + offs_m, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + bh.to(tl.int64) * SEQ_Q + offs_m, mask=row_ok, other=0.0)
+    lse = tl.load(LSE + bh.to(tl.int64) * SEQ_PAD + offs_m)
+    delta = tl.load(DELTA + bh.to(tl.int64) * SEQ_PAD + offs_m)
     dq = tl.zeros([BLOCK_M, DP], tl.float32)
     if CAUSAL:
         hi = tl.minimum(start_m + BLOCK_M, SEQ_K)
@@ -376,9 +372,9 @@ def _config(kernel: str, device, default: dict, **problem) -> dict:
     for key in _BLOCK_KEYS:
         if key in cfg:
             val = cfg[key]
-            if not isinstance(val, int) or val < 16 or val & (val - 1):
+            if not isinstance(val, int) or not 16 <= val <= MAX_BLOCK_M or val & (val - 1):
                 raise ValueError(f"attention: launch config for {kernel!r} has {key}={val!r}; "
-                                 "it must be a power of two >= 16")
+                                 f"it must be a power of two from 16 to {MAX_BLOCK_M}")
     return cfg
 
 
@@ -419,6 +415,20 @@ def _strides(t: torch.Tensor):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+# Per-row fp32 state (lse, delta) is stored with rows padded to a multiple of MAX_BLOCK_M, so the
+# backward reads whole tiles of it without masks; padded rows hold the value that makes a row
+# contribute nothing (lse = +inf: probability 0; delta = 0).
+MAX_BLOCK_M = 256
+
+
+def _padded_rows(b: int, h: int, s: int, fill: float, device) -> torch.Tensor:
+    pad = -(-s // MAX_BLOCK_M) * MAX_BLOCK_M
+    t = torch.empty((b, h, pad), device=device, dtype=torch.float32)
+    if pad > s:
+        t[..., s:].fill_(fill)
+    return t
+
+
 def _head_dim_pad(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
@@ -432,7 +442,7 @@ def attention_forward(q, k, v, causal: bool, scale: float):
     HKV, SK = k.shape[1], k.shape[2]
     DP = _head_dim_pad(D)
     o = torch.empty((B, HQ, SQ, D), device=q.device, dtype=q.dtype)
-    lse = torch.empty((B, HQ, SQ), device=q.device, dtype=torch.float32)
+    lse = _padded_rows(B, HQ, SQ, float("inf"), q.device)
     if o.numel() == 0:
         return o, lse
     cfg = _config("attention_fwd", q.device, _fwd_default(DP), **_problem(q, k, causal))
@@ -444,7 +454,7 @@ def attention_forward(q, k, v, causal: bool, scale: float):
         Qa, Ka, Va, Oa = q, k, v, o
     grid = (triton.cdiv(SQ, BM), B * HQ)
     _attn_fwd_kernel[grid](Qa, Ka, Va, Oa, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-                           HQ, HQ // HKV, SQ, SK, scale * LOG2E,
+                           HQ, HQ // HKV, SQ, SK, lse.shape[-1], scale * LOG2E,
                            D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), SCALE_POS=scale > 0, TMA=tma,
                            WARP_SPEC=bool(cfg["WARP_SPECIALIZE"]), **_launch_opts(cfg))
     return o, lse
@@ -467,11 +477,11 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     atomic = bool(cfg_kv["DQ_ATOMIC"])
     cfg_pre = _config("attention_bwd_preprocess", q.device, dict(BLOCK_M=64, num_warps=4, num_stages=1), **problem)
 
-    delta = torch.empty_like(lse)
+    delta = _padded_rows(B, HQ, SQ, 0.0, q.device)
     dqa = torch.empty((B, HQ, SQ, DP), device=q.device, dtype=torch.float32) if atomic else delta
     pre_bm = cfg_pre["BLOCK_M"]
     _attn_bwd_pre_kernel[(triton.cdiv(SQ, pre_bm), B * HQ)](
-        o, do, delta, dqa, *_strides(o), *_strides(do), HQ, SQ, D=D, DP=DP, BLOCK_M=pre_bm, ZERO_DQA=atomic,
+        o, do, delta, dqa, *_strides(o), *_strides(do), HQ, SQ, lse.shape[-1], D=D, DP=DP, BLOCK_M=pre_bm, ZERO_DQA=atomic,
         **_launch_opts(cfg_pre))
 
     qk_scale = scale * LOG2E
@@ -486,7 +496,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     dqa_arg = _desc(dqa, BM, DP) if tma_reduce else dqa
     _attn_bwd_dkdv_kernel[(triton.cdiv(SK, BN), B * HKV)](
         *args, lse, delta, dqa_arg, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
-        *_strides(dv), HQ, HKV, HQ // HKV, SQ, SK, qk_scale, scale,
+        *_strides(dv), HQ, HKV, HQ // HKV, SQ, SK, lse.shape[-1], qk_scale, scale,
         D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), TMA=tma, DQ_ATOMIC=atomic,
         DQ_TMA_REDUCE=tma_reduce, **_launch_opts(cfg_kv))
 
@@ -504,7 +514,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
         args = (q, k, v, do, dq)
     _attn_bwd_dq_kernel[(triton.cdiv(SQ, BM), B * HQ)](
         *args, lse, delta, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-        HQ, HQ // HKV, SQ, SK, qk_scale, scale,
+        HQ, HQ // HKV, SQ, SK, lse.shape[-1], qk_scale, scale,
         D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), TMA=tma, **_launch_opts(cfg_q))
     return dq, dk, dv
 

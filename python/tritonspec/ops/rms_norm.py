@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import as_rows, check_eps, check_same_device, check_same_dtype, check_same_shape, check_tensor
+from ._checks import check_eps, rows_of, check_same_device, check_same_dtype, check_same_shape, check_tensor
 from ._device import compute_units
 from ._library import cdiv, kernel_config, launcher, library_op, next_pow2, use_library_op
 
@@ -213,24 +213,27 @@ def _bwd_default(n: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# launchers: 2-D (rows, N) tensors with unit column stride in, fresh tensors out
+# launchers: (..., N) tensors in (rows of any stride with a unit column stride; see rows_of), fresh
+# contiguous tensors of the same shape out
 # ----------------------------------------------------------------------------------------------
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
                      *, traced: bool = False):
-    """Returns ``(y, new_residual or None, rstd)``; ``y`` has dtype promote(x, weight)."""
-    m, n = x.shape
-    y = torch.empty((m, n), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
-    s = torch.empty((m, n), dtype=x.dtype, device=x.device) if residual is not None else None
+    """Returns ``(y, new_residual or None, rstd)``; ``y`` has dtype promote(x, weight), rstd is (...,) fp32."""
+    n = x.shape[-1]
+    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    m = rstd.numel()
     if m == 0:
         return y, s, rstd
+    x2, sx = rows_of(x)
     n_ = int(n)  # a hidden size symbolic under torch.compile is specialized
     cfg, opts = kernel_config("rms_norm_fwd", x.device, lambda: _fwd_default(n_), N=n_, dtype=str(x.dtype))
     block_n = _check_block_n("rms_norm_fwd", cfg)
-    r = residual if residual is not None else x
-    s_arg = s if s is not None else y
+    r2, sr = rows_of(residual) if residual is not None else (x2, sx)
+    # y and s are contiguous: their row stride is n
     launcher(_rms_norm_fwd_kernel, traced)[(cdiv(m, cfg["BLOCK_M"]),)](
-        x, x.stride(0), r, r.stride(0), s_arg, s_arg.stride(0), y, y.stride(0), weight, rstd, m, n, eps,
+        x2, sx, r2, sr, s if s is not None else y, n, y, n, weight, rstd, m, n, eps,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, LOOPED=block_n < n_, **opts)
     return y, s, rstd
 
@@ -239,13 +242,15 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
                       dres: torch.Tensor | None = None, *, in_place: bool = False, traced: bool = False):
     """Returns ``(dx, dweight)``; ``x`` is the normalized input (the new residual for add_rms_norm).
 
-    ``in_place=True`` writes dx into ``dy`` (saves one activation; dy must be x's dtype).
+    ``in_place=True`` writes dx into ``dy`` (saves one activation; dy must be contiguous, of x's dtype).
     """
-    m, n = x.shape
-    dx = dy if in_place else torch.empty((m, n), dtype=x.dtype, device=x.device)
-    dw = torch.empty_like(weight)
+    n = x.shape[-1]
+    dx = dy if in_place else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    m = rstd.numel()
     if m == 0:
-        return dx, dw.zero_()
+        return dx, torch.zeros_like(weight)
+    (x2, sx), (dy2, sdy) = rows_of(x), rows_of(dy)
+    d2, sd = rows_of(dres) if dres is not None else (dy2, sdy)
     n_ = int(n)
     cfg, opts = kernel_config("rms_norm_bwd", x.device, lambda: _bwd_default(n_), N=n_, dtype=str(x.dtype))
     block_n = _check_block_n("rms_norm_bwd", cfg)
@@ -255,22 +260,21 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
         programs = max(1, min(programs, cdiv(m, cfg["BLOCK_M"])))
     alloc = torch.zeros if looped else torch.empty
     dw_part = alloc((programs, n), dtype=torch.float32, device=x.device)
-    d_arg = dres if dres is not None else dy
     launcher(_rms_norm_bwd_kernel, traced)[(programs,)](
-        dy, dy.stride(0), x, x.stride(0), weight, rstd, d_arg, d_arg.stride(0), dx, dx.stride(0), dw_part, m, n,
+        dy2, sdy, x2, sx, weight, rstd, d2, sd, dx, n, dw_part, m, n,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, HAS_DRES=dres is not None, LOOPED=looped, **opts)
-    block_p = min(32, next_pow2(programs))
+    dw = torch.empty_like(weight)  # after the main launch: the GPU starts sooner
     red_n = min(256, next_pow2(n_))
     launcher(_rms_norm_dw_kernel, traced)[(cdiv(n, red_n),)](
-        dw_part, dw, programs, n, BLOCK_P=block_p, BLOCK_N=red_n, num_warps=4)
+        dw_part, dw, programs, n, BLOCK_P=min(32, next_pow2(programs)), BLOCK_N=red_n, num_warps=4)
     return dx, dw
 
 
 # ----------------------------------------------------------------------------------------------
-# eager autograd (no dispatcher on the hot path)
+# eager autograd (no dispatcher, and no view nodes, on the hot path)
 # ----------------------------------------------------------------------------------------------
 class RMSNormFunction(torch.autograd.Function):
-    """Eager autograd for rms_norm (residual None) and add_rms_norm; inputs are 2-D rows."""
+    """Eager autograd for rms_norm (residual None) and add_rms_norm, on tensors of any leading dims."""
 
     @staticmethod
     def forward(ctx, x, weight, residual, eps, in_place_backward):
@@ -287,9 +291,7 @@ class RMSNormFunction(torch.autograd.Function):
         if dy is None:
             dy = torch.zeros(xs.shape, dtype=xs.dtype, device=xs.device)
         in_place = ctx.in_place and dy.dtype == xs.dtype and dy.is_contiguous()
-        if not in_place:
-            dy = as_rows(dy)
-        dx, dw = rms_norm_backward(dy, xs, weight, rstd, as_rows(ds) if ds is not None else None, in_place=in_place)
+        dx, dw = rms_norm_backward(dy, xs, weight, rstd, ds, in_place=in_place)
         if in_place:
             torch.autograd.graph.increment_version(dy)
             dx = dx.view_as(dx)  # a fresh alias, so a leaf adopts the buffer instead of copying it
@@ -308,7 +310,7 @@ def _rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple
 @_rms_norm_fwd_op.register_fake
 def _(x, weight, eps):
     return (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)),
-            x.new_empty(x.shape[:1], dtype=torch.float32))
+            x.new_empty(x.shape[:-1], dtype=torch.float32))
 
 
 @library_op("add_rms_norm_fwd")
@@ -321,7 +323,7 @@ def _add_rms_norm_fwd_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.
 @_add_rms_norm_fwd_op.register_fake
 def _(x, residual, weight, eps):
     return (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)), x.new_empty(x.shape),
-            x.new_empty(x.shape[:1], dtype=torch.float32))
+            x.new_empty(x.shape[:-1], dtype=torch.float32))
 
 
 @library_op("rms_norm_bwd")
@@ -342,7 +344,7 @@ def _setup_rms_norm(ctx, inputs, output):
 
 def _rms_norm_op_backward(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
-    dx, dw = _rms_norm_bwd_op(as_rows(dy), x, weight, rstd, None)
+    dx, dw = _rms_norm_bwd_op(dy, x, weight, rstd, None)
     return dx, dw, None
 
 
@@ -354,7 +356,7 @@ def _add_rms_norm_op_backward(ctx, dy, ds, _drstd):
     s, weight, rstd = ctx.saved_tensors
     if dy is None:
         dy = torch.zeros_like(s)
-    dx, dw = _rms_norm_bwd_op(as_rows(dy), s, weight, rstd, as_rows(ds) if ds is not None else None)
+    dx, dw = _rms_norm_bwd_op(dy, s, weight, rstd, ds)
     return dx, dx, dw, None
 
 
@@ -365,7 +367,7 @@ _add_rms_norm_fwd_op.register_autograd(_add_rms_norm_op_backward, setup_context=
 # ----------------------------------------------------------------------------------------------
 # public API
 # ----------------------------------------------------------------------------------------------
-def _check(op: str, x, weight, eps, residual=None) -> tuple[float, int]:
+def _check(op: str, x, weight, eps, residual=None) -> float:
     check_tensor(op, "x", x)
     check_tensor(op, "weight", weight, ndim=1)
     if residual is not None:
@@ -381,7 +383,7 @@ def _check(op: str, x, weight, eps, residual=None) -> tuple[float, int]:
     if weight.shape[0] != n:
         raise ValueError(f"{op}: argument 'weight' has shape {tuple(weight.shape)} but the hidden size "
                          f"(x.shape[-1]) is {n}")
-    return check_eps(op, eps), n
+    return check_eps(op, eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, in_place_backward: bool = False):
@@ -396,13 +398,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, in_pla
             Ignored under torch.compile.
     Returns: the normalized tensor, shaped like ``x``.
     """
-    eps, n = _check("rms_norm", x, weight, eps)
-    x2 = as_rows(x)
+    eps = _check("rms_norm", x, weight, eps)
     if use_library_op():
-        y, _ = _rms_norm_fwd_op(x2, weight, eps)
-    else:
-        y = RMSNormFunction.apply(x2, weight, None, eps, in_place_backward)
-    return y.view(x.shape[:-1] + (n,))
+        return _rms_norm_fwd_op(x, weight, eps)[0]
+    return RMSNormFunction.apply(x, weight, None, eps, in_place_backward)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
@@ -411,11 +410,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
     ``x`` and ``residual`` have the same shape and dtype; gradients of both are the same tensor.
     """
-    eps, n = _check("add_rms_norm", x, weight, eps, residual)
-    x2, r2 = as_rows(x), as_rows(residual)
+    eps = _check("add_rms_norm", x, weight, eps, residual)
     if use_library_op():
-        y, s, _ = _add_rms_norm_fwd_op(x2, r2, weight, eps)
-    else:
-        y, s = RMSNormFunction.apply(x2, weight, r2, eps, in_place_backward)
-    shape = x.shape[:-1] + (n,)
-    return y.view(shape), s.view(shape)
+        y, s, _ = _add_rms_norm_fwd_op(x, residual, weight, eps)
+        return y, s
+    return RMSNormFunction.apply(x, weight, residual, eps, in_place_backward)
