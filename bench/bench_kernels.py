@@ -311,15 +311,14 @@ def dispatch_overhead():
 @contextlib.contextmanager
 def override(module, cfg):
     """Every kernel named in ``cfg`` gets those keys on top of its default (``module`` is unused: the
-    ops share one config memo in ``_library``, which is emptied on the way in and out)."""
+    ops all ask ``_library.launch_config``, replaced here by a version without the memo)."""
     orig = _library.launch_config
-    _library.launch_config = lambda kernel, device, default, **p: {**default, **cfg.get(kernel, {})}
-    _library._configs.clear()
+    _library.launch_config = lambda kernel, device, default, **p: {
+        **(default() if callable(default) else default), **cfg.get(kernel, {})}
     try:
         yield
     finally:
         _library.launch_config = orig
-        _library._configs.clear()
 
 
 def sweep(budget_s):

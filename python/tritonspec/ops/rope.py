@@ -82,10 +82,11 @@ def _rope_kernel(Q, sqb, sqh, sqs, K, skb, skh, sks, QO, sqob, sqoh, sqos, KO, s
 
 
 def _default(hq: int, hk: int, half: int) -> dict:
-    # H100 sweep at q 4x32x4096x128 / k 8 heads (bench/NOTES.md): 8 positions x 4 heads x
-    # 64 per half-tile at 8 warps ran at 91% of copy bandwidth; 8 heads at 4 warps at 84%.
+    # H100 sweep (bench/NOTES.md), q 4x32x4096x128 and 1x64x8192x128, k 8 heads: 16 positions x
+    # 2 heads x 64 per half-tile at 8 warps led both (92.3% / 91.7% of copy bandwidth) against
+    # 8 positions x 4 heads (90.8% / 89.5%); ~2K elements per half-tile either way.
     block_d = next_pow2(half)
-    block_s = max(1, min(8, 512 // block_d))
+    block_s = max(1, min(16, 1024 // block_d))
     tile_heads = max(1, 2048 // (block_s * block_d))  # ~2K elements per half tile
     return {"BLOCK_S": block_s, "BLOCK_HQ": min(next_pow2(hq), tile_heads), "BLOCK_HK": min(next_pow2(hk), tile_heads),
             "num_warps": 8}
