@@ -203,11 +203,15 @@ def _fwd_default(n: int) -> dict:
 
 
 def _bwd_default(n: int) -> dict:
-    # H100 sweep of the backward kernel (bench/NOTES.md): 2 programs per SM beat 4 (by 14%)
-    # and 8 (by 35%); 2 rows per program at N=8192 were 10% faster than 1, while at N=4096 1 row
-    # was 10% faster than 2.
+    # H100 sweeps of the backward kernel (bench/NOTES.md). Rows of 4096 and longer: one program
+    # per SM on ~16K-element row blocks (4 rows at N=4096, 2 at 8192) ran at 88% of copy bandwidth
+    # against 82% / 81% for two programs per SM, and halves the fp32 dW partials. Shorter rows keep
+    # the earlier tuning: two programs per SM and ~2K-element blocks.
     block_n = min(next_pow2(n), MAX_FUSED_N)
-    block_m = 2 if block_n == 8192 else max(1, min(16, 2048 // block_n))
+    if block_n >= 4096:
+        return {"BLOCK_N": block_n, "BLOCK_M": max(1, 16384 // block_n), "num_warps": min(16, block_n // 512),
+                "programs_per_unit": 1}
+    block_m = max(1, min(16, 2048 // block_n))
     return {"BLOCK_N": block_n, "BLOCK_M": block_m, "num_warps": min(16, max(4, block_m * block_n // 256)),
             "programs_per_unit": 2}
 
