@@ -125,31 +125,40 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, b, hk, skb, skh, sks, svb, svh, svs, lo, 
 
 
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, O, LSE,
-                     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
-                     HQ, GROUP, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale,
-                     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     CAUSAL: tl.constexpr, SCALE_POS: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+def _q_block(HQ, GROUP, SEQ_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """The q block a forward / dQ program owns and the key range it walks.
+
+    Returns (b, h, hk, bh, start_m, offs_m, mid, hi): keys [0, mid) are whole unmasked blocks, [mid,
+    hi) need the causal / seq_k mask. Causal grids run longest rows first, so the tail of the grid
+    is made of short programs."""
     pid_m = tl.program_id(0)
-    if CAUSAL:  # longest rows first: the tail of the grid is then made of short programs
+    if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m
     bh = tl.program_id(1)
     b = bh // HQ
     h = bh % HQ
-    hk = h // GROUP
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
-
-    q = _tile_load(Q, b, h, start_m, sqb, sqh, sqs, SEQ_Q, BLOCK_M, D, DP, TMA, True)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DP], tl.float32)
     if CAUSAL:
         hi = tl.minimum(start_m + BLOCK_M, SEQ_K)
         mid = tl.minimum(start_m, SEQ_K) // BLOCK_N * BLOCK_N
     else:
         hi = SEQ_K
         mid = SEQ_K // BLOCK_N * BLOCK_N
+    return b, h, h // GROUP, bh, start_m, offs_m, mid, hi
+
+
+@triton.jit
+def _attn_fwd_kernel(Q, K, V, O, LSE,
+                     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
+                     HQ, GROUP, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale,
+                     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     CAUSAL: tl.constexpr, SCALE_POS: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+    b, h, hk, bh, start_m, offs_m, mid, hi = _q_block(HQ, GROUP, SEQ_K, BLOCK_M, BLOCK_N, CAUSAL)
+    q = _tile_load(Q, b, h, start_m, sqb, sqh, sqs, SEQ_Q, BLOCK_M, D, DP, TMA, True)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DP], tl.float32)
     # Every row sees key 0, so the first block a row processes has a finite max: no NaN guard needed.
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, b, hk, skb, skh, sks, svb, svh, svs, 0, mid, offs_m, SEQ_K,
                                qk_scale, D, DP, BLOCK_N, CAUSAL, False, SCALE_POS, TMA, WARP_SPEC)
@@ -286,26 +295,12 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA,
                         HQ, GROUP, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, sm_scale,
                         D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         CAUSAL: tl.constexpr, TMA: tl.constexpr):
-    pid_m = tl.program_id(0)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    bh = tl.program_id(1)
-    b = bh // HQ
-    h = bh % HQ
-    hk = h // GROUP
-    start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    b, h, hk, bh, start_m, offs_m, mid, hi = _q_block(HQ, GROUP, SEQ_K, BLOCK_M, BLOCK_N, CAUSAL)
     q = _tile_load(Q, b, h, start_m, sqb, sqh, sqs, SEQ_Q, BLOCK_M, D, DP, TMA, True)
     do = _tile_load(DO, b, h, start_m, sdb, sdh, sds, SEQ_Q, BLOCK_M, D, DP, TMA, True)
     lse = tl.load(LSE + bh.to(tl.int64) * SEQ_PAD + offs_m)
     delta = tl.load(DELTA + bh.to(tl.int64) * SEQ_PAD + offs_m)
     dq = tl.zeros([BLOCK_M, DP], tl.float32)
-    if CAUSAL:
-        hi = tl.minimum(start_m + BLOCK_M, SEQ_K)
-        mid = tl.minimum(start_m, SEQ_K) // BLOCK_N * BLOCK_N
-    else:
-        hi = SEQ_K
-        mid = SEQ_K // BLOCK_N * BLOCK_N
     dq = _dq_inner(dq, q, do, lse, delta, K, V, b, hk, skb, skh, sks, svb, svh, svs, 0, mid, offs_m, SEQ_K, qk_scale,
                    D, DP, BLOCK_N, CAUSAL, False, TMA)
     dq = _dq_inner(dq, q, do, lse, delta, K, V, b, hk, skb, skh, sks, svb, svh, svs, mid, hi, offs_m, SEQ_K, qk_scale,

@@ -49,6 +49,20 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 # kernels
 # ----------------------------------------------------------------------------------------------
 @triton.jit
+def _input_block(X, stride_x, R, stride_r, S, stride_s, rows, c, mask, in_ty, HAS_RESIDUAL: tl.constexpr,
+                 STORE_S: tl.constexpr):
+    """A block of x (or of x + residual, rounded to the input dtype as a decoder layer rounds it);
+    STORE_S also writes that sum to S, the new residual."""
+    x = tl.load(X + rows[:, None] * stride_x + c[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(R + rows[:, None] * stride_r + c[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(in_ty)
+        if STORE_S:
+            tl.store(S + rows[:, None] * stride_s + c[None, :], x, mask=mask)
+    return x
+
+
+@triton.jit
 def _rms_norm_fwd_kernel(X, stride_x, R, stride_r, S, stride_s, Y, stride_y, W, RSTD, M, N, eps,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                          LOOPED: tl.constexpr):
@@ -60,11 +74,7 @@ def _rms_norm_fwd_kernel(X, stride_x, R, stride_r, S, stride_s, Y, stride_y, W, 
     in_ty = X.dtype.element_ty
     if not LOOPED:
         mask = row_ok[:, None] & (cols < N)[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(in_ty)
-            tl.store(S + rows[:, None] * stride_s + cols[None, :], x, mask=mask)
+        x = _input_block(X, stride_x, R, stride_r, S, stride_s, rows, cols, mask, in_ty, HAS_RESIDUAL, True)
         xf = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / N + eps)
         tl.store(RSTD + rows, rstd, mask=row_ok)
@@ -78,11 +88,7 @@ def _rms_norm_fwd_kernel(X, stride_x, R, stride_r, S, stride_s, Y, stride_y, W, 
         for n0 in range(0, N, BLOCK_N):
             c = n0 + cols
             mask = row_ok[:, None] & (c < N)[None, :]
-            x = tl.load(X + rows[:, None] * stride_x + c[None, :], mask=mask, other=0.0)
-            if HAS_RESIDUAL:
-                r = tl.load(R + rows[:, None] * stride_r + c[None, :], mask=mask, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(in_ty)
-                tl.store(S + rows[:, None] * stride_s + c[None, :], x, mask=mask)
+            x = _input_block(X, stride_x, R, stride_r, S, stride_s, rows, c, mask, in_ty, HAS_RESIDUAL, True)
             xf = x.to(tl.float32)
             acc += xf * xf
         rstd = tl.rsqrt(tl.sum(acc, axis=1) / N + eps)
@@ -90,10 +96,7 @@ def _rms_norm_fwd_kernel(X, stride_x, R, stride_r, S, stride_s, Y, stride_y, W, 
         for n0 in range(0, N, BLOCK_N):
             c = n0 + cols
             mask = row_ok[:, None] & (c < N)[None, :]
-            x = tl.load(X + rows[:, None] * stride_x + c[None, :], mask=mask, other=0.0)
-            if HAS_RESIDUAL:
-                r = tl.load(R + rows[:, None] * stride_r + c[None, :], mask=mask, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(in_ty)
+            x = _input_block(X, stride_x, R, stride_r, S, stride_s, rows, c, mask, in_ty, HAS_RESIDUAL, False)
             w = tl.load(W + c, mask=c < N, other=0.0).to(tl.float32)
             xn = (x.to(tl.float32) * rstd[:, None]).to(in_ty).to(tl.float32)
             tl.store(Y + rows[:, None] * stride_y + c[None, :], (xn * w[None, :]).to(Y.dtype.element_ty),
