@@ -234,6 +234,10 @@ def test_bad_config_from_a_spec_is_rejected(use_configs):
     with use_configs({"attention_fwd": dict(BLOCK_M=24)}):
         with pytest.raises(ValueError, match="BLOCK_M=24"):
             attention(q, k, v)
+    with use_configs({"attention_bwd_dq": dict(BLOCK_M=512)}):  # beyond the padded lse/delta rows
+        out = attention(q.requires_grad_(), k, v)
+        with pytest.raises(ValueError, match="BLOCK_M=512.*from 16 to 256"):
+            out.sum().backward()
 
 
 def _t(*shape, dtype=torch.float32):

@@ -76,6 +76,22 @@ def test_rms_norm_long_rows_take_the_looped_path(device):
     _check_rms_norm(x, w, eps=1e-5)
 
 
+def test_rms_norm_rows_of_4096_and_longer_use_the_one_program_per_sm_blocks(device):
+    """N=4096 takes 4-row blocks in the backward; 7 rows leave a ragged last block."""
+    _check_rms_norm(*_inputs((7, 4096), torch.bfloat16, device))
+
+
+def test_rms_norm_adds_no_view_nodes_to_the_autograd_graph(device):
+    """Leading dims are handled inside the autograd Function: one node between y and the leaves."""
+    x, w = _inputs((2, 3, 40), torch.float32, device)
+    xl, wl = _leaf(x), _leaf(w)
+    y = rms_norm(xl, wl)
+    assert type(y.grad_fn).__name__ == "RMSNormFunctionBackward"
+    leaves = [fn.variable for fn, _ in y.grad_fn.next_functions if fn is not None and hasattr(fn, "variable")]
+    assert leaves[0] is xl and leaves[1] is wl
+    assert y.shape == x.shape and y.is_contiguous()
+
+
 def test_rms_norm_in_place_backward_reuses_the_gradient(device):
     x, w = _inputs((6, 72), torch.float32, device)
     _check_rms_norm(x, w, in_place_backward=True)

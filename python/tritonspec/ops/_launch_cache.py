@@ -26,6 +26,12 @@ _Tensor = torch.Tensor
 _INT32_MAX = 2 ** 31 - 1
 
 
+def _hooked(hook) -> bool:
+    """Whether a launch hook would run: Triton >= 3.6 keeps an always-present, possibly empty
+    ``HookChain`` (``.calls``); a plain callable counts as set."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 class CachedLauncher:
     """``CachedLauncher(kernel)[grid](*args, **kwargs)``, a drop-in for ``kernel[grid](...)`` in eager code."""
 
@@ -68,7 +74,7 @@ class CachedLauncher:
             return
         compiled, tail, run, function, metadata, stream_of = hit
         grid = grid if len(grid) == 3 else (*grid, *(1,) * (3 - len(grid)))
-        if knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None:
-            run(grid[0], grid[1], grid[2], stream_of(device), function, metadata, None, None, None, *args, *tail)
-        else:
+        if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
             compiled[grid](*args, *tail)
+        else:
+            run(grid[0], grid[1], grid[2], stream_of(device), function, metadata, None, None, None, *args, *tail)

@@ -1,0 +1,123 @@
+"""The eager launcher that reuses compiled kernels (ops/_launch_cache.py), against stand-ins.
+
+A stand-in JIT kernel records Triton's slow path (a miss) and hands back a stand-in compiled kernel
+that records launches, so the cache key and the launch arguments are checked without a GPU.
+"""
+import types
+
+import pytest
+import torch
+from triton import knobs
+
+from tritonspec.ops import _launch_cache
+from tritonspec.ops._launch_cache import CachedLauncher
+
+
+class FakeCompiled:
+    function, packed_metadata = "function-handle", "packed-metadata"
+
+    def __init__(self):
+        self.launches = []
+
+    def run(self, *args):
+        self.launches.append(("run", args))
+
+    def __getitem__(self, grid):
+        return lambda *args: self.launches.append(("hooked", grid, args))
+
+
+def _kernel_fn(X, n, Y, BLOCK: int = 4, FLAG: bool = False):  # the signature CachedLauncher reads
+    pass
+
+
+class FakeKernel:
+    """Triton's JITFunction as CachedLauncher sees it: params, fn, and kernel[grid](...)."""
+
+    params = [types.SimpleNamespace(name=n) for n in ("X", "n", "Y", "BLOCK", "FLAG")]
+    fn = staticmethod(_kernel_fn)
+
+    def __init__(self):
+        self.misses = []
+        self.compiled = FakeCompiled()
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.misses.append((grid, args, kwargs))
+            return self.compiled
+        return launch
+
+
+@pytest.fixture
+def launcher(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    stream_of = types.SimpleNamespace(get_current_stream=lambda device: 1234)
+    monkeypatch.setattr(_launch_cache, "driver", types.SimpleNamespace(active=stream_of))
+    kernel = FakeKernel()
+    return CachedLauncher(kernel), kernel
+
+
+def test_a_hit_calls_the_compiled_launcher_with_every_argument(launcher):
+    cl, kernel = launcher
+    x, y = torch.randn(64), torch.randn(64)
+    cl[(3,)](x, 64, y, BLOCK=8, num_warps=4)
+    assert len(kernel.misses) == 1 and kernel.compiled.launches == []  # the miss went through Triton
+    cl[(3,)](x, 64, y, BLOCK=8, num_warps=4)
+    assert len(kernel.misses) == 1
+    # grid padded to 3-D, the driver's stream, no launch hooks, then positional args + trailing
+    # params in order (BLOCK from the call, FLAG from the signature's default; num_warps is an option)
+    assert kernel.compiled.launches == [
+        ("run", (3, 1, 1, 1234, "function-handle", "packed-metadata", None, None, None, x, 64, y, 8, False))]
+
+
+@pytest.mark.parametrize("change", ["dtype", "int_residue", "int64", "constexpr", "option"])
+def test_what_triton_specializes_on_is_a_different_key(launcher, change):
+    cl, kernel = launcher
+    x, y = torch.randn(64), torch.randn(64)
+    cl[(1,)](x, 32, y, BLOCK=8, num_warps=4)
+    args, kwargs = [x, 32, y], dict(BLOCK=8, num_warps=4)
+    if change == "dtype":
+        args[0] = x.double()
+    elif change == "int_residue":
+        args[1] = 33  # not a multiple of 16 any more
+    elif change == "int64":
+        args[1] = 2 ** 32 + 32  # same residue, but needs 64 bits
+    elif change == "constexpr":
+        kwargs["BLOCK"] = 16
+    else:
+        kwargs["num_warps"] = 8
+    cl[(1,)](*args, **kwargs)
+    assert len(kernel.misses) == 2 and kernel.compiled.launches == []
+
+
+def test_a_misaligned_tensor_always_takes_tritons_path(launcher):
+    cl, kernel = launcher
+    x, y = torch.randn(65), torch.randn(64)
+    for _ in range(3):
+        cl[(1,)](x[1:], 64, y)  # 4 bytes past a 16-byte boundary
+    assert len(kernel.misses) == 3 and kernel.compiled.launches == []
+
+
+def test_no_launch_hook_is_set_by_default():
+    """Triton keeps empty hook chains; the direct launch is the default only if they count as unset."""
+    assert not _launch_cache._hooked(knobs.runtime.launch_enter_hook)
+    assert not _launch_cache._hooked(knobs.runtime.launch_exit_hook)
+
+
+@pytest.mark.parametrize("how", ["chain", "plain"])
+def test_a_launch_hook_sees_every_launch(launcher, monkeypatch, how):
+    """With a profiler's launch hook set, hits go through CompiledKernel[grid], which calls it."""
+    cl, kernel = launcher
+    x, y = torch.randn(64), torch.randn(64)
+    cl[(2, 2)](x, 64, y)
+    if how == "chain":
+        chain = knobs.runtime.launch_enter_hook
+        hook = lambda *a: None  # noqa: E731
+        chain.add(hook)
+    else:
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
+    try:
+        cl[(2, 2)](x, 64, y)
+    finally:
+        if how == "chain":
+            chain.remove(hook)
+    assert kernel.compiled.launches == [("hooked", (2, 2, 1), (x, 64, y, 4, False))]
