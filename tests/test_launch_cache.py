@@ -33,7 +33,8 @@ def _kernel_fn(X, n, Y, BLOCK: int = 4, FLAG: bool = False):  # the signature Ca
 class FakeKernel:
     """Triton's JITFunction as CachedLauncher sees it: params, fn, and kernel[grid](...)."""
 
-    params = [types.SimpleNamespace(name=n) for n in ("X", "n", "Y", "BLOCK", "FLAG")]
+    params = [types.SimpleNamespace(name=n, is_constexpr=n.isupper() and len(n) > 1)
+              for n in ("X", "n", "Y", "BLOCK", "FLAG")]
     fn = staticmethod(_kernel_fn)
 
     def __init__(self):
@@ -87,6 +88,15 @@ def test_what_triton_specializes_on_is_a_different_key(launcher, change):
         kwargs["num_warps"] = 8
     cl[(1,)](*args, **kwargs)
     assert len(kernel.misses) == 2 and kernel.compiled.launches == []
+
+
+def test_a_constexpr_passed_positionally_takes_tritons_path(launcher):
+    """BLOCK=16 and BLOCK=32 would share an int key; positional constexprs are never cached."""
+    cl, kernel = launcher
+    x, y = torch.randn(64), torch.randn(64)
+    for block in (16, 32, 16):
+        cl[(1,)](x, 64, y, block)
+    assert len(kernel.misses) == 3 and kernel.compiled.launches == []
 
 
 def test_a_misaligned_tensor_always_takes_tritons_path(launcher):

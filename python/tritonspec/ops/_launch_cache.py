@@ -10,7 +10,8 @@ directly with the remembered trailing arguments (through ``CompiledKernel[grid]`
 hook such as a profiler's is set); a miss, or any misaligned tensor, takes Triton's path.
 
 Call sites pass runtime arguments positionally and constexprs/options by keyword, always in the
-same order (the keyword order is part of the key).
+same order (the keyword order is part of the key); a constexpr passed positionally, or a callable
+grid, takes Triton's path.
 """
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ class CachedLauncher:
     def __init__(self, kernel):
         self.kernel = kernel
         self.names = [p.name for p in kernel.params]
+        # Positional ints are keyed by what Triton specializes on, which is right for runtime
+        # arguments only: a call passing a constexpr positionally takes Triton's path.
+        self.n_runtime = next((i for i, p in enumerate(kernel.params) if p.is_constexpr), len(self.names))
         self.defaults = [p.default for p in inspect.signature(kernel.fn).parameters.values()]
         # key -> (CompiledKernel, the arguments after the positional ones in parameter order,
         #         its launcher, function handle, packed metadata, the driver's stream getter)
@@ -47,7 +51,7 @@ class CachedLauncher:
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
     def _launch(self, grid, args, kwargs):
-        if callable(grid):
+        if callable(grid) or len(args) > self.n_runtime:
             return self.kernel[grid](*args, **kwargs)
         device = torch.cuda.current_device()
         key = [device, install._jit_key, *kwargs.items()]
