@@ -476,8 +476,8 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     dqa = torch.empty((B, HQ, SQ, DP), device=q.device, dtype=torch.float32) if atomic else delta
     pre_bm = cfg_pre["BLOCK_M"]
     _attn_bwd_pre_kernel[(triton.cdiv(SQ, pre_bm), B * HQ)](
-        o, do, delta, dqa, *_strides(o), *_strides(do), HQ, SQ, lse.shape[-1], D=D, DP=DP, BLOCK_M=pre_bm, ZERO_DQA=atomic,
-        **_launch_opts(cfg_pre))
+        o, do, delta, dqa, *_strides(o), *_strides(do), HQ, SQ, lse.shape[-1], D=D, DP=DP, BLOCK_M=pre_bm,
+        ZERO_DQA=atomic, **_launch_opts(cfg_pre))
 
     qk_scale = scale * LOG2E
     BM, BN = cfg_kv["BLOCK_M"], cfg_kv["BLOCK_N"]

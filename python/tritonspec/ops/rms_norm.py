@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_eps, rows_of, check_same_device, check_same_dtype, check_same_shape, check_tensor
+from ._checks import check_eps, check_same_device, check_same_dtype, check_same_shape, check_tensor, rows_of
 from ._device import compute_units
 from ._library import cdiv, kernel_config, launcher, library_op, next_pow2, use_library_op
 
