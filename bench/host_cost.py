@@ -1,7 +1,7 @@
 """Host microseconds per call of each piece of an eager forward+backward (tiny inputs, GPU idle).
 
-Eager fwd+bwd of RMSNorm and RoPE at Llama sizes is bounded by host time (bench/NOTES.md). This
-splits that time into PyTorch's floor (an autograd Function that does nothing, an allocation, a
+Eager fwd+bwd of RMSNorm and RoPE at Llama sizes sits close to the host's limit (bench/NOTES.md). This
+splits the host time into PyTorch's floor (an autograd Function that does nothing, an allocation, a
 raw launch of an already compiled kernel) and each layer of ours, so the next change aims at the
 largest piece. Inputs are tiny so the GPU never becomes the bottleneck. Also prints a timeline of
 one fwd+bwd (forward, hand-off to autograd's device thread, our backward, hand-off back) and the
@@ -10,6 +10,7 @@ torch profiler's per-op host time.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -18,6 +19,7 @@ import torch
 from tritonspec.ops import _library, rms_norm, rope
 
 rms_mod = sys.modules["tritonspec.ops.rms_norm"]
+rope_mod = sys.modules["tritonspec.ops.rope"]
 DEV, BF = "cuda", torch.bfloat16
 
 
@@ -47,6 +49,22 @@ class Nothing(torch.autograd.Function):
 
 def leaf(t):
     return t.requires_grad_(True)
+
+
+class _NoStore(dict):
+    def __setitem__(self, key, value):
+        pass
+
+
+@contextlib.contextmanager
+def plans_off():
+    """The ops' eager LaunchPlans disabled (every call takes the launch config + cached-launcher path)."""
+    saved = rms_mod._FWD_PLANS, rms_mod._BWD_PLANS, rope_mod._PLANS
+    rms_mod._FWD_PLANS, rms_mod._BWD_PLANS, rope_mod._PLANS = _NoStore(), _NoStore(), _NoStore()
+    try:
+        yield
+    finally:
+        rms_mod._FWD_PLANS, rms_mod._BWD_PLANS, rope_mod._PLANS = saved
 
 
 def main():
@@ -92,7 +110,10 @@ def main():
     rows["rms_norm_backward (allocs+2 launches)"] = per_call_us(lambda: rms_mod.rms_norm_backward(dy, x0, w0, rstd))
     rows["rms_norm no grad"] = per_call_us(lambda: rms_norm(x0, w0))
     rows["rms_norm fwd (grad)"] = per_call_us(lambda: rms_norm(x, w))
-    rows["rms_norm fwd+bwd"] = per_call_us(fb(lambda: rms_norm(x, w).backward(dy), x, w))
+    rms_fb = fb(lambda: rms_norm(x, w).backward(dy), x, w)
+    rows["rms_norm fwd+bwd"] = per_call_us(rms_fb)
+    with plans_off():
+        rows["rms_norm fwd+bwd, no launch plans"] = per_call_us(rms_fb)
     try:
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
         liger = fb(lambda: LigerRMSNormFunction.apply(x, w, 1e-6).backward(dy), x, w)
@@ -105,7 +126,10 @@ def main():
     cos, sin = torch.randn(1, 16, 128, device=DEV, dtype=BF), torch.randn(1, 16, 128, device=DEV, dtype=BF)
     dq, dk = torch.randn_like(q), torch.randn_like(k)
     rows["rope no grad"] = per_call_us(lambda: rope(q.detach(), k.detach(), cos, sin))
-    rows["rope fwd+bwd"] = per_call_us(fb(lambda: torch.autograd.backward(rope(q, k, cos, sin), (dq, dk)), q, k))
+    rope_fb = fb(lambda: torch.autograd.backward(rope(q, k, cos, sin), (dq, dk)), q, k)
+    rows["rope fwd+bwd"] = per_call_us(rope_fb)
+    with plans_off():
+        rows["rope fwd+bwd, no launch plans"] = per_call_us(rope_fb)
 
     # the ladder from PyTorch's floor to the full op
     class FwdOnly(torch.autograd.Function):
@@ -179,7 +203,8 @@ def main():
 
 
 def llama_shapes():
-    """Eager fwd+bwd at the issue's RMSNorm and RoPE shapes, % of copy bandwidth, 3 repeats."""
+    """Eager fwd+bwd at the issue's RMSNorm and RoPE shapes, % of copy bandwidth, with and without
+    the ops' launch plans (Liger's RMSNorm has no plans: its two columns show the host's drift)."""
     import triton
 
     def bench(fn, leaves):
@@ -213,11 +238,15 @@ def llama_shapes():
                       lambda q=q, k=k, c=cos, s_=sin, dq=dq, dk=dk:
                       torch.autograd.backward(rope(q, k, c, s_), (dq, dk)),
                       [q, k], 4 * (q.numel() + k.numel()) * 2))
-    print("| case | fwd+bwd ms (3 repeats) | % of copy |\n|---|---|---|")
+    print("| case | fwd+bwd % of copy, 5 rounds | same with launch plans off |\n|---|---|---|")
     for name, fn, leaves, nbytes in cases:
-        ms = [bench(fn, leaves) for _ in range(3)]
-        pct = [100 * nbytes / (t * 1e-3) / copy_bw for t in ms]
-        print(f"| {name} | {' / '.join(f'{t:.4f}' for t in ms)} | {' / '.join(f'{p:.1f}' for p in pct)} |")
+        pct = {True: [], False: []}
+        for _ in range(5):  # interleaved, so both columns see the same host
+            for on in (True, False):
+                with contextlib.nullcontext() if on else plans_off():
+                    pct[on].append(100 * nbytes / (bench(fn, leaves) * 1e-3) / copy_bw)
+        print(f"| {name} | {' / '.join(f'{p:.1f}' for p in pct[True])} | "
+              f"{' / '.join(f'{p:.1f}' for p in pct[False])} |")
 
 
 if __name__ == "__main__":

@@ -131,3 +131,74 @@ def test_a_launch_hook_sees_every_launch(launcher, monkeypatch, how):
         if how == "chain":
             chain.remove(hook)
     assert kernel.compiled.launches == [("hooked", (2, 2, 1), (x, 64, y, 4, False))]
+
+
+def _planned(launcher):
+    cl, kernel = launcher
+    x, y = torch.randn(64), torch.randn(64)
+    cl[(3,)](x, 64, y, BLOCK=8, num_warps=4)  # a miss: compiles through Triton
+    plan = cl.plan((3,), (x, 64, y), dict(BLOCK=8, num_warps=4))
+    assert plan is not None
+    return plan, kernel
+
+
+def test_a_plan_relaunches_with_new_tensors_and_the_recorded_arguments(launcher):
+    plan, kernel = _planned(launcher)
+    x2, y2 = torch.randn(64), torch.randn(64)
+    assert plan(x2, y2)
+    assert kernel.compiled.launches == [
+        ("run", (3, 1, 1, 1234, "function-handle", "packed-metadata", None, None, None, x2, 64, y2, 8, False))]
+    assert len(kernel.misses) == 1
+
+
+def test_no_plan_for_a_call_that_took_tritons_path(launcher):
+    cl, kernel = launcher
+    x, y = torch.randn(65), torch.randn(64)
+    cl[(1,)](x[1:], 64, y)  # misaligned: never cached
+    assert cl.plan((1,), (x[1:], 64, y), {}) is None
+    cl[(1,)](x[:64], 64, y, 16)  # a positional constexpr: never cached
+    assert cl.plan((1,), (x[:64], 64, y, 16), {}) is None
+
+
+@pytest.mark.parametrize("change", ["misaligned", "device", "spec", "hook"])
+def test_a_plan_declines_what_it_may_not_reuse(launcher, monkeypatch, change):
+    """The op then takes its ordinary path, which re-specializes as Triton would."""
+    plan, kernel = _planned(launcher)
+    x2, y2 = torch.randn(65), torch.randn(64)
+    x2 = x2[1:] if change == "misaligned" else x2[:64]
+    if change == "device":
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    elif change == "spec":
+        from tritonspec import install
+        monkeypatch.setattr(install, "_jit_key", ("another", "selection"))
+    elif change == "hook":
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
+    assert plan(x2, y2) is False
+    assert kernel.compiled.launches == []
+
+
+def test_a_plan_keeps_no_tensor_of_the_recorded_call_alive(launcher):
+    import weakref
+    cl, kernel = launcher
+    x, y = torch.randn(64), torch.randn(64)
+    cl[(1,)](x, 64, y)
+    plan = cl.plan((1,), (x, 64, y), {})
+    gone = weakref.ref(x)
+    kernel.misses.clear()  # the stand-in's record of the miss holds x too
+    del x
+    assert gone() is None and plan is not None
+
+
+def test_an_ops_plan_cache_is_bounded_and_dropped_with_the_spec_selection(monkeypatch):
+    import tritonspec
+    from tritonspec.ops._library import PlanCache
+    monkeypatch.setattr(PlanCache, "LIMIT", 3)
+    plans = PlanCache()
+    for shape in range(3):
+        plans[shape] = "plan"
+    plans[0] = "replaced"  # an existing key never starts it over
+    assert len(plans) == 3
+    plans[3] = "plan"  # full: starts over with the new entry
+    assert dict(plans) == {3: "plan"}
+    with tritonspec.use_backend("iluvatar"):
+        assert plans == {}

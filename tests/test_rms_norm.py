@@ -70,6 +70,25 @@ def test_rms_norm_noncontiguous_inputs(device):
     _check_rms_norm(torch.randn(7, 3, 123, device=device).transpose(0, 1), torch.randn(123, device=device))
 
 
+def test_rms_norm_strided_weight(device):
+    """A weight viewed with a stride (e.g. every other element of a buffer) is read as such, and its
+    gradient lands on the viewed elements only."""
+    torch.manual_seed(5)
+    x = torch.randn(3, 5, 64, device=device)
+    wbase = _leaf(1 + 0.5 * torch.randn(128, device=device))
+    w64 = _leaf(wbase.detach().double())
+    y = rms_norm(x, wbase[::2])
+    ref = rms_norm_ref(x.double(), w64[::2])
+    dy = torch.randn(y.shape, device=device)
+    y.backward(dy)
+    ref.backward(dy.double())
+    assert_close(y, ref, "y")
+    assert_close(wbase.grad, w64.grad, "dweight", scale=dweight_scale(x, dy))
+    r = torch.randn_like(x)
+    out, _ = add_rms_norm(x, r, wbase.detach()[1::2])
+    assert_close(out, add_rms_norm_ref(x.double(), r.double(), wbase.detach()[1::2].double())[0], "y")
+
+
 def test_rms_norm_long_rows_take_the_looped_path(device):
     """N above MAX_FUSED_N: rows are processed in chunks (two passes), both directions."""
     x, w = _inputs((2, 8 * MAX_FUSED_N), torch.float32, device)

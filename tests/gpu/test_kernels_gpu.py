@@ -179,3 +179,51 @@ def test_cached_launches_respecialize_on_alignment_dtype_and_spec():
     from tritonspec.ops.rms_norm import _rms_norm_fwd_kernel
     cached = _library._cached_launchers[id(_rms_norm_fwd_kernel)]
     assert len(cached.compiled) >= 3  # aligned fp32, unaligned fp32, bf16 (+ the iluvatar selection)
+
+
+def test_eager_launch_plans_are_keyed_by_what_they_fix():
+    """Repeated eager calls relaunch planned kernels; another eps, residual, in-place flag or layout
+    on the same shape is another plan, and every call's outputs and gradients stay correct."""
+    import sys
+    rms_mod, rope_mod = sys.modules["tritonspec.ops.rms_norm"], sys.modules["tritonspec.ops.rope"]
+    for plans in (rms_mod._FWD_PLANS, rms_mod._BWD_PLANS, rope_mod._PLANS):
+        plans.clear()  # earlier tests may have planned these shapes
+    torch.manual_seed(0)
+    x = torch.randn(64, 4096, device=DEV, dtype=torch.bfloat16)
+    w = (1 + 0.5 * torch.randn(4096, device=DEV)).bfloat16()
+    r = torch.randn_like(x)
+    for eps, in_place in [(1e-6, False), (1e-2, False), (1e-6, True), (1e-6, False)] * 2:
+        xl, wl = _leaf(x), _leaf(w)
+        y = rms_norm(xl, wl, eps, in_place_backward=in_place)
+        x64, w64 = _leaf(x.double()), _leaf(w.double())
+        ref = rms_norm_ref(x64, w64, eps)
+        dy = torch.randn_like(y)
+        y.backward(dy.clone())
+        ref.backward(dy.double())
+        assert_close(y, ref, "y")
+        assert_close(xl.grad, x64.grad, "dx")
+        out, s = add_rms_norm(x, r, w, eps)
+        ref_out, ref_s = add_rms_norm_ref(x.double(), r.double(), w.double(), eps)
+        assert_close(out, ref_out, "add y")
+        assert_close(s, ref_s, "add residual")
+    assert len(rms_mod._FWD_PLANS) == 4  # rms_norm and add_rms_norm, each at two eps
+    assert len(rms_mod._BWD_PLANS) == 2  # out of place and in place
+    d, s_len = 128, 64
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=DEV).float() / d))
+    emb = torch.cat([torch.arange(s_len, device=DEV).float()[:, None] * inv] * 2, -1)[None].expand(2, s_len, d)
+    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+    for hf_layout in (False, True, False, True):
+        q = torch.randn(2, s_len, 8, d, device=DEV, dtype=torch.bfloat16)
+        k = torch.randn(2, s_len, 2, d, device=DEV, dtype=torch.bfloat16)
+        q, k = (q.transpose(1, 2), k.transpose(1, 2)) if hf_layout else (q.transpose(1, 2).contiguous(),
+                                                                          k.transpose(1, 2).contiguous())
+        ql, kl = _leaf(q), _leaf(k)
+        qo, ko = rope(ql, kl, cos, sin)
+        q64, k64 = _leaf(q.double()), _leaf(k.double())
+        rq, rk = rope_ref(q64, k64, cos, sin)
+        dq, dk = torch.randn_like(qo), torch.randn_like(ko)
+        torch.autograd.backward((qo, ko), (dq, dk))
+        torch.autograd.backward((rq, rk), (dq.double(), dk.double()))
+        for name, a, ref in [("q", qo, rq), ("k", ko, rk), ("dq", ql.grad, q64.grad), ("dk", kl.grad, k64.grad)]:
+            assert_close(a, ref, name)
+    assert len(rope_mod._PLANS) == 4  # forward and backward, in both layouts

@@ -11,7 +11,8 @@ hook such as a profiler's is set); a miss, or any misaligned tensor, takes Trito
 
 Call sites pass runtime arguments positionally and constexprs/options by keyword, always in the
 same order (the keyword order is part of the key); a constexpr passed positionally, or a callable
-grid, takes Triton's path.
+grid, takes Triton's path. ``LaunchPlan`` goes one step further for an op's hot path: it fixes
+every argument but the tensors, so a repeated call builds no key at all.
 """
 from __future__ import annotations
 
@@ -50,10 +51,10 @@ class CachedLauncher:
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
-    def _launch(self, grid, args, kwargs):
-        if callable(grid) or len(args) > self.n_runtime:
-            return self.kernel[grid](*args, **kwargs)
-        device = torch.cuda.current_device()
+    def _key(self, args, kwargs, device):
+        """The cache key for a call, or None when it must take Triton's path."""
+        if len(args) > self.n_runtime:
+            return None
         key = [device, install._jit_key, *kwargs.items()]
         addresses = 0
         for a in args:
@@ -66,19 +67,82 @@ class CachedLauncher:
             else:
                 key.append(a if a is None or type(a) is bool else type(a))
         if addresses & 15:  # some tensor not 16-byte aligned: Triton's own path (and its cache)
+            return None
+        return tuple(key)
+
+    def _launch(self, grid, args, kwargs):
+        if callable(grid):
             return self.kernel[grid](*args, **kwargs)
-        key = tuple(key)
-        hit = self.compiled.get(key)
+        device = torch.cuda.current_device()
+        key = self._key(args, kwargs, device)
+        hit = None if key is None else self.compiled.get(key)
         if hit is None:
             compiled = self.kernel[grid](*args, **kwargs)
-            tail = tuple(kwargs[n] if n in kwargs else self.defaults[i]
-                         for i, n in enumerate(self.names) if i >= len(args))
-            self.compiled[key] = (compiled, tail, compiled.run, compiled.function, compiled.packed_metadata,
-                                  driver.active.get_current_stream)
+            if key is not None:
+                tail = tuple(kwargs[n] if n in kwargs else self.defaults[i]
+                             for i, n in enumerate(self.names) if i >= len(args))
+                self.compiled[key] = (compiled, tail, compiled.run, compiled.function, compiled.packed_metadata,
+                                      driver.active.get_current_stream)
             return
         compiled, tail, run, function, metadata, stream_of = hit
-        grid = grid if len(grid) == 3 else (*grid, *(1,) * (3 - len(grid)))
-        if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+        grid = _grid3(grid)
+        if _hooks_set():
             compiled[grid](*args, *tail)
         else:
             run(grid[0], grid[1], grid[2], stream_of(device), function, metadata, None, None, None, *args, *tail)
+
+    def plan(self, grid, args, kwargs) -> LaunchPlan | None:
+        """The compiled launch ``self[grid](*args, **kwargs)`` made (after it ran) as a LaunchPlan,
+        or None when that call did not go through this cache."""
+        if callable(grid):
+            return None
+        device = torch.cuda.current_device()
+        key = self._key(args, kwargs, device)
+        hit = None if key is None else self.compiled.get(key)
+        if hit is None:
+            return None
+        _, tail, run, function, metadata, stream_of = hit
+        slots = [i for i, a in enumerate(args) if isinstance(a, _Tensor)]
+        fixed = [None if isinstance(a, _Tensor) else a for a in args]  # hold no tensor alive
+        return LaunchPlan(run, _grid3(grid), device, stream_of, function, metadata, [*fixed, *tail], slots)
+
+
+def _grid3(grid):
+    return grid if len(grid) == 3 else (*grid, *(1,) * (3 - len(grid)))
+
+
+def _hooks_set() -> bool:
+    return _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)
+
+
+class LaunchPlan:
+    """One compiled launch with every argument fixed but its tensors: ``plan(*tensors)`` relaunches it.
+
+    For an op's eager hot path, keyed by the op on whatever fixes the other arguments (shapes,
+    dtypes, eps, ...), so a repeated call skips the launch config and the per-argument cache key.
+    The tensors come in the order they appear in the arguments. A call returns False and launches
+    nothing when the compiled kernel may not be reused as is (a tensor not 16-byte aligned, another
+    current device or spec selection, a launch hook set): the op then takes its ordinary path.
+    """
+
+    __slots__ = ("run", "grid", "device", "stream_of", "function", "metadata", "args", "slots", "jit_key")
+
+    def __init__(self, run, grid, device, stream_of, function, metadata, args, slots):
+        self.run, self.grid, self.device, self.stream_of = run, grid, device, stream_of
+        self.function, self.metadata, self.args, self.slots = function, metadata, args, slots
+        self.jit_key = install._jit_key
+
+    def __call__(self, *tensors) -> bool:
+        addresses = 0
+        for t in tensors:
+            addresses |= t.data_ptr()
+        if (addresses & 15 or self.jit_key != install._jit_key or torch.cuda.current_device() != self.device
+                or _hooks_set()):
+            return False
+        args = self.args.copy()
+        for i, t in zip(self.slots, tensors):
+            args[i] = t
+        g = self.grid
+        self.run(g[0], g[1], g[2], self.stream_of(self.device), self.function, self.metadata, None, None, None,
+                 *args)
+        return True

@@ -15,6 +15,7 @@ import os
 import torch
 
 from ..launch import launch_config
+from ..registry import REGISTRY
 from ._device import interpreting
 from ._launch_cache import CachedLauncher
 
@@ -52,6 +53,33 @@ def launcher(kernel, traced: bool):
     if cached is None:
         cached = _cached_launchers[id(kernel)] = CachedLauncher(kernel)
     return cached
+
+
+class PlanCache(dict):
+    """An op's eager LaunchPlans by the op's key. Dropped, like launch_config's memo, when the spec
+    registry or the backend selection changes; bounded, since variable-length batches add one plan
+    per shape (when full it starts over: a miss costs one ordinary launch)."""
+
+    LIMIT = 512
+
+    def __init__(self):
+        super().__init__()
+        REGISTRY.on_change(self.clear)
+
+    def __setitem__(self, key, plan):
+        if len(self) >= self.LIMIT and key not in self:
+            self.clear()
+        super().__setitem__(key, plan)
+
+
+def launch(kernel, grid, args: tuple, kwargs: dict, *, traced: bool = False, plan: bool = False):
+    """``launcher(kernel, traced)[grid](*args, **kwargs)``; with ``plan=True`` (eager calls) also
+    returns the LaunchPlan that relaunches this compiled call, or None where there is none."""
+    runner = launcher(kernel, traced)
+    runner[grid](*args, **kwargs)
+    if plan and isinstance(runner, CachedLauncher):
+        return runner.plan(grid, args, kwargs)
+    return None
 
 
 def use_library_op() -> bool:

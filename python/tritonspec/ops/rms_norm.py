@@ -21,9 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_eps, check_same_device, check_same_dtype, check_same_shape, check_tensor, rows_of
+from ._checks import (check_eps, check_same_device, check_same_dtype, check_same_shape, check_tensor, rows_of,
+                      unit_last_stride)
 from ._device import compute_units
-from ._library import cdiv, kernel_config, launcher, library_op, next_pow2, use_library_op
+from ._library import PlanCache, cdiv, kernel_config, launch, library_op, next_pow2, use_library_op
 
 # Row elements kept in registers: 16384 bf16 = 32 KB per row over 16 warps is ~32 fp32 values per
 # thread per live array; the backward keeps four (x, dy, w, dw partial), which still fits.
@@ -223,6 +224,13 @@ def _bwd_default(n: int) -> dict:
 # launchers: (..., N) tensors in (rows of any stride with a unit column stride; see rows_of), fresh
 # contiguous tensors of the same shape out
 # ----------------------------------------------------------------------------------------------
+# Eager LaunchPlans (see _launch_cache): a repeated call with the same shapes, dtypes and eps
+# relaunches the compiled kernels directly. Only contiguous tensors are planned, so their row
+# strides follow from the shape.
+_FWD_PLANS = PlanCache()
+_BWD_PLANS = PlanCache()
+
+
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
                      *, traced: bool = False):
     """Returns ``(y, new_residual or None, rstd)``; ``y`` has dtype promote(x, weight), rstd is (...,) fp32."""
@@ -233,15 +241,26 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
     m = rstd.numel()
     if m == 0:
         return y, s, rstd
+    r = x if residual is None else residual
+    key = None
+    if not traced and x.is_contiguous() and r.is_contiguous():
+        key = (x.shape, x.dtype, weight.dtype, residual is None, eps, x.device)
+        plan = _FWD_PLANS.get(key)
+        if plan is not None and plan(x, r, y if s is None else s, y, weight, rstd):
+            return y, s, rstd
     x2, sx = rows_of(x)
     n_ = int(n)  # a hidden size symbolic under torch.compile is specialized
     cfg, opts = kernel_config("rms_norm_fwd", x.device, lambda: _fwd_default(n_), N=n_, dtype=str(x.dtype))
     block_n = _check_block_n("rms_norm_fwd", cfg)
-    r2, sr = rows_of(residual) if residual is not None else (x2, sx)
+    r2, sr = rows_of(r)
     # y and s are contiguous: their row stride is n
-    launcher(_rms_norm_fwd_kernel, traced)[(cdiv(m, cfg["BLOCK_M"]),)](
-        x2, sx, r2, sr, s if s is not None else y, n, y, n, weight, rstd, m, n, eps,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, LOOPED=block_n < n_, **opts)
+    grid = (cdiv(m, cfg["BLOCK_M"]),)
+    args = (x2, sx, r2, sr, y if s is None else s, n, y, n, weight, rstd, m, n, eps)
+    kwargs = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, LOOPED=block_n < n_,
+                  **opts)
+    plan = launch(_rms_norm_fwd_kernel, grid, args, kwargs, traced=traced, plan=key is not None)
+    if plan is not None:
+        _FWD_PLANS[key] = plan
     return y, s, rstd
 
 
@@ -256,8 +275,20 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     m = rstd.numel()
     if m == 0:
         return dx, torch.zeros_like(weight)
+    d = dy if dres is None else dres
+    key = None
+    if not traced and x.is_contiguous() and dy.is_contiguous() and d.is_contiguous():
+        key = (x.shape, x.dtype, dy.dtype, d.dtype, weight.dtype, dres is None, in_place, x.device)
+        hit = _BWD_PLANS.get(key)
+        if hit is not None:
+            main, reduce, programs, alloc = hit
+            dw_part = alloc((programs, n), dtype=torch.float32, device=x.device)
+            if main(dy, x, weight, rstd, d, dx, dw_part):
+                dw = torch.empty_like(weight)
+                if reduce(dw_part, dw):
+                    return dx, dw
     (x2, sx), (dy2, sdy) = rows_of(x), rows_of(dy)
-    d2, sd = rows_of(dres) if dres is not None else (dy2, sdy)
+    d2, sd = rows_of(d)
     n_ = int(n)
     cfg, opts = kernel_config("rms_norm_bwd", x.device, lambda: _bwd_default(n_), N=n_, dtype=str(x.dtype))
     block_n = _check_block_n("rms_norm_bwd", cfg)
@@ -267,13 +298,18 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
         programs = max(1, min(programs, cdiv(m, cfg["BLOCK_M"])))
     alloc = torch.zeros if looped else torch.empty
     dw_part = alloc((programs, n), dtype=torch.float32, device=x.device)
-    launcher(_rms_norm_bwd_kernel, traced)[(programs,)](
-        dy2, sdy, x2, sx, weight, rstd, d2, sd, dx, n, dw_part, m, n,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, HAS_DRES=dres is not None, LOOPED=looped, **opts)
-    dw = torch.empty_like(weight)  # after the main launch: the GPU starts sooner
+    grid = (programs,)
+    args = (dy2, sdy, x2, sx, weight, rstd, d2, sd, dx, n, dw_part, m, n)
+    kwargs = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, HAS_DRES=dres is not None, LOOPED=looped, **opts)
     red_n = min(256, next_pow2(n_))
-    launcher(_rms_norm_dw_kernel, traced)[(cdiv(n, red_n),)](
-        dw_part, dw, programs, n, BLOCK_P=min(32, next_pow2(programs)), BLOCK_N=red_n, num_warps=4)
+    red_grid = (cdiv(n, red_n),)
+    red_kwargs = dict(BLOCK_P=min(32, next_pow2(programs)), BLOCK_N=red_n, num_warps=4)
+    main = launch(_rms_norm_bwd_kernel, grid, args, kwargs, traced=traced, plan=key is not None)
+    dw = torch.empty_like(weight)  # after the main launch: the GPU starts sooner
+    reduce = launch(_rms_norm_dw_kernel, red_grid, (dw_part, dw, programs, n), red_kwargs, traced=traced,
+                    plan=key is not None)
+    if main is not None and reduce is not None:
+        _BWD_PLANS[key] = (main, reduce, programs, alloc)
     return dx, dw
 
 
@@ -406,6 +442,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, in_pla
     Returns: the normalized tensor, shaped like ``x``.
     """
     eps = _check("rms_norm", x, weight, eps)
+    weight = unit_last_stride(weight)  # the kernels read weight with unit stride
     if use_library_op():
         return _rms_norm_fwd_op(x, weight, eps)[0]
     return RMSNormFunction.apply(x, weight, None, eps, in_place_backward)
@@ -418,6 +455,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     ``x`` and ``residual`` have the same shape and dtype; gradients of both are the same tensor.
     """
     eps = _check("add_rms_norm", x, weight, eps, residual)
+    weight = unit_last_stride(weight)
     if use_library_op():
         y, s, _ = _add_rms_norm_fwd_op(x, residual, weight, eps)
         return y, s

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ._checks import check_same_device, check_same_dtype, check_tensor, unit_last_stride
-from ._library import cdiv, kernel_config, launcher, library_op, next_pow2, use_library_op
+from ._library import PlanCache, cdiv, kernel_config, launch, library_op, next_pow2, use_library_op
 
 
 def rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -92,23 +92,36 @@ def _default(hq: int, hk: int, half: int) -> dict:
             "num_warps": 8}
 
 
+# Eager LaunchPlans (see _launch_cache), keyed by every shape and stride the launch passes.
+_PLANS = PlanCache()
+
+
 def _launch(q, k, qo, ko, cos, sin, backward: bool, traced: bool):
-    b, hq, s, d = q.shape
-    hk = k.shape[1]
     if q.numel() == 0 and k.numel() == 0:
         return
+    key = None
+    if not traced:
+        key = (q.shape, q.stride(), k.shape, k.stride(), qo.stride(), ko.stride(), cos.shape, cos.stride(),
+               sin.stride(), q.dtype, cos.dtype, backward, q.device)
+        plan = _PLANS.get(key)
+        if plan is not None and plan(q, k, qo, ko, cos, sin):
+            return
+    b, hq, s, d = q.shape
+    hk = k.shape[1]
     hq, hk, half = int(hq), int(hk), int(d) // 2  # specialized if torch.compile made them symbolic
     cfg, opts = kernel_config("rope", q.device, lambda: _default(hq, hk, half), heads_q=hq, heads_k=hk,
                               head_dim=2 * half, dtype=str(q.dtype))
     cb = 0 if cos.shape[0] == 1 else cos.stride(0)  # (1, seq, dim) broadcasts over the batch
     sb = 0 if sin.shape[0] == 1 else sin.stride(0)
     grid = (cdiv(s, cfg["BLOCK_S"]), b)
-    launcher(_rope_kernel, traced)[grid](
-        q, q.stride(0), q.stride(1), q.stride(2), k, k.stride(0), k.stride(1), k.stride(2),
-        qo, qo.stride(0), qo.stride(1), qo.stride(2), ko, ko.stride(0), ko.stride(1), ko.stride(2),
-        cos, cb, cos.stride(1), sin, sb, sin.stride(1), hq, hk, s, half,
-        BLOCK_HQ=cfg["BLOCK_HQ"], BLOCK_HK=cfg["BLOCK_HK"], BLOCK_S=cfg["BLOCK_S"],
-        BLOCK_D=next_pow2(half), BACKWARD=backward, **opts)
+    args = (q, q.stride(0), q.stride(1), q.stride(2), k, k.stride(0), k.stride(1), k.stride(2),
+            qo, qo.stride(0), qo.stride(1), qo.stride(2), ko, ko.stride(0), ko.stride(1), ko.stride(2),
+            cos, cb, cos.stride(1), sin, sb, sin.stride(1), hq, hk, s, half)
+    kwargs = dict(BLOCK_HQ=cfg["BLOCK_HQ"], BLOCK_HK=cfg["BLOCK_HK"], BLOCK_S=cfg["BLOCK_S"],
+                  BLOCK_D=next_pow2(half), BACKWARD=backward, **opts)
+    plan = launch(_rope_kernel, grid, args, kwargs, traced=traced, plan=key is not None)
+    if plan is not None:
+        _PLANS[key] = plan
 
 
 def rope_forward(q, k, cos, sin, *, traced: bool = False):
