@@ -279,3 +279,47 @@ def test_scale_default_is_inverse_sqrt_head_dim(use_configs):
         a = attention(q, k, v)
         b = attention(q, k, v, scale=1 / math.sqrt(32))
     assert torch.equal(a, b)
+
+
+def _library_ops():
+    import sys
+    mod = sys.modules["tritonspec.ops.attention"]
+    return mod._attention_fwd_op, mod._attention_bwd_op
+
+
+def test_library_op_path_in_eager(monkeypatch, use_configs):
+    """The registered ops (what torch.compile calls) and their autograd, without compiling."""
+    from tritonspec.ops import _library
+    monkeypatch.setattr(_library, "FORCE_LIBRARY_OP", True)
+    q, k, v, do = _inputs(1, 4, 2, 33, 33, 32, torch.float32, seed=3)
+    with use_configs(CONFIGS["small"]):
+        got = _ours(q, k, v, do, True)
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, _reference(q, k, v, do, True)):
+        _assert_close(name, g, r, _TOL[torch.float32])
+
+
+def test_torch_compile_fullgraph(use_configs):
+    """No graph break: the forward and backward run as custom ops inside one compiled graph."""
+    q, k, v, do = _inputs(1, 2, 1, 17, 17, 16, torch.float32, seed=4)
+    ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+
+    def f(q, k, v):
+        return attention(q * 0.5, k, v, causal=True) + q
+
+    out = torch.compile(f, fullgraph=True)(ql, kl, vl)
+    out.backward(do)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref = attention_ref(q64 * 0.5, k64, v64, causal=True) + q64
+    ref.backward(do.double())
+    for name, g, r in [("out", out, ref), ("dq", ql.grad, q64.grad), ("dk", kl.grad, k64.grad),
+                       ("dv", vl.grad, v64.grad)]:
+        _assert_close(name, g.detach(), r.detach(), _TOL[torch.float32])
+
+
+def test_opcheck():
+    fwd, bwd = _library_ops()
+    q, k, v, do = _inputs(1, 2, 1, 17, 17, 16, torch.float32, seed=5)
+    ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+    torch.library.opcheck(fwd, (ql, kl, vl, True, 0.25))
+    o, lse = fwd(q, k, v, False, 0.25)
+    torch.library.opcheck(bwd, (do, q, k, v, o, lse, False, 0.25))

@@ -87,14 +87,14 @@ def _run(q, k, v, do, causal, fn):
     return out.detach(), dq, dk, dv
 
 
-def _check(B, HQ, HKV, S, D, causal, dtype, q=None, k=None, v=None, do=None):
+def _check(B, HQ, HKV, S, D, causal, dtype, q=None, k=None, v=None, do=None, op=attention):
     g = torch.Generator(device="cuda").manual_seed(S * 7 + D)
     mk = lambda *shape: torch.randn(*shape, device="cuda", generator=g).to(dtype)  # noqa: E731
     q = mk(B, HQ, S, D) if q is None else q
     k = mk(B, HKV, S, D) if k is None else k
     v = mk(B, HKV, S, D) if v is None else v
     do = mk(B, HQ, S, D) if do is None else do
-    ours = _run(q, k, v, do, causal, lambda q, k, v, c: attention(q, k, v, causal=c))
+    ours = _run(q, k, v, do, causal, lambda q, k, v, c: op(q, k, v, causal=c))
     ref = _run(q.double(), k.double(), v.double(), do.double(), causal,
                lambda q, k, v, c: attention_ref(q, k, v, causal=c))
     sdpa = _run(q, k, v, do, causal, lambda q, k, v, c: F.scaled_dot_product_attention(
@@ -148,6 +148,14 @@ def test_hf_layout_and_odd_head_dim(spec, configs):
     with configs(spec):
         _check(B, HQ, HKV, S, D, True, torch.bfloat16, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                do.transpose(1, 2))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_compile_fullgraph(causal, configs):
+    """The custom ops run inside one Inductor graph (no graph break), forward and backward."""
+    torch._dynamo.reset()
+    with configs("h100" if _is_sm90() else "default"):
+        _check(2, 8, 2, 1000, 128, causal, torch.bfloat16, op=torch.compile(attention, fullgraph=True))
 
 
 def test_fp32_is_rejected_on_gpu():

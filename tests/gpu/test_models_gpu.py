@@ -127,13 +127,18 @@ def test_bf16_model_matches_original(name, front, references, worst):
 
 @pytest.mark.skipif(os.environ.get("TRITONSPEC_GPU_COMPILE", "1") != "1", reason="compile check disabled")
 def test_kernelized_model_under_torch_compile():
-    """can_torch_compile=True: layers stay installed for TRAINING|TORCH_COMPILE and Inductor compiles them."""
+    """can_torch_compile=True: layers stay installed for TRAINING|TORCH_COMPILE and Inductor compiles them,
+    with our attention function registered as the model's attention implementation."""
     cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=512)
     torch.manual_seed(0)
     with torch.device(DEVICE):
         ref = transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.float32)
-    model, base = copy.deepcopy(ref).to(torch.bfloat16), copy.deepcopy(ref).to(torch.bfloat16)
+        torch.manual_seed(0)  # the same weights, with our attention (a custom op under compile)
+        model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=tnn.register_attention(),
+                                                           dtype=torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
+    model, base = model.to(torch.bfloat16), copy.deepcopy(ref).to(torch.bfloat16)
     ref = ref.to(torch.float64)
     ids = torch.randint(0, 512, (2, 64), device=DEVICE)
     expected, original = _run(ref, ids), _run(base, ids)  # before kernelize patches the shared rope global

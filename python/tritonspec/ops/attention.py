@@ -30,6 +30,7 @@ import triton.language as tl
 import tritonspec
 
 from ._device import check_launchable
+from ._library import NAMESPACE, use_library_op
 
 try:  # host-side TMA descriptors (Triton >= 3.4); interpreted too
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -533,6 +534,54 @@ class AttentionFunction(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------
+# custom operators (what torch.compile traces)
+# ----------------------------------------------------------------------------------------------
+# Opaque custom ops, not triton_op: the sm90 launches pass host TensorDescriptors, which
+# torch.library's Triton kernel tracing does not take. Inductor calls them as they are, with no
+# graph break; eager calls keep AttentionFunction (no dispatcher on the hot path).
+@torch.library.custom_op(f"{NAMESPACE}::attention_fwd", mutates_args=())
+def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return attention_forward(q, k, v, causal, scale)
+
+
+@_attention_fwd_op.register_fake
+def _(q, k, v, causal, scale):
+    b, h, s, d = q.shape
+    pad = (s + MAX_BLOCK_M - 1) // MAX_BLOCK_M * MAX_BLOCK_M
+    return q.new_empty((b, h, s, d)), q.new_empty((b, h, pad), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::attention_bwd", mutates_args=())
+def _attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                      lse: torch.Tensor, causal: bool,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attention_backward(do, q, k, v, o, lse, causal, scale)
+
+
+@_attention_bwd_op.register_fake
+def _(do, q, k, v, o, lse, causal, scale):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))
+
+
+def _setup_attention(ctx, inputs, output):
+    q, k, v, causal, scale = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.causal, ctx.scale = causal, scale
+
+
+def _attention_op_backward(ctx, do, _dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = _attention_bwd_op(do, q, k, v, o, lse, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+_attention_fwd_op.register_autograd(_attention_op_backward, setup_context=_setup_attention)
+
+
+# ----------------------------------------------------------------------------------------------
 # public API
 # ----------------------------------------------------------------------------------------------
 def _check(q, k, v, causal, scale) -> float:
@@ -609,6 +658,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
+    if use_library_op():
+        return _attention_fwd_op(q, k, v, causal, scale)[0]
     return AttentionFunction.apply(q, k, v, causal, scale)
 
 
