@@ -94,8 +94,8 @@ def test_swiglu_more_than_2_31_elements():
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("b, hq, hk, s, hf_layout", [(4, 32, 8, 1024, False), (1, 64, 8, 2048, True)])
-def test_rope_model_shapes(b, hq, hk, s, hf_layout):
+def _check_rope(b, hq, hk, s, hf_layout, base=500000.0):
+    """rope forward and backward at head_dim 128 against the float64 reference."""
     d = 128
     if hf_layout:
         q = torch.randn(b, s, hq, d, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
@@ -103,7 +103,7 @@ def test_rope_model_shapes(b, hq, hk, s, hf_layout):
     else:
         q = torch.randn(b, hq, s, d, device=DEV, dtype=torch.bfloat16)
         k = torch.randn(b, hk, s, d, device=DEV, dtype=torch.bfloat16)
-    inv = 1.0 / (500000 ** (torch.arange(0, d, 2, device=DEV).float() / d))
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, device=DEV).float() / d))
     emb = torch.cat([torch.arange(s, device=DEV).float()[:, None] * inv] * 2, -1)[None].expand(b, s, d)
     cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
     ql, kl = _leaf(q), _leaf(k)
@@ -115,6 +115,11 @@ def test_rope_model_shapes(b, hq, hk, s, hf_layout):
     torch.autograd.backward((rq, rk), (dq.double(), dk.double()))
     for name, a, r in [("q", qo, rq), ("k", ko, rk), ("dq", ql.grad, q64.grad), ("dk", kl.grad, k64.grad)]:
         assert_close(a, r, name)
+
+
+@pytest.mark.parametrize("b, hq, hk, s, hf_layout", [(4, 32, 8, 1024, False), (1, 64, 8, 2048, True)])
+def test_rope_model_shapes(b, hq, hk, s, hf_layout):
+    _check_rope(b, hq, hk, s, hf_layout)
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
@@ -208,22 +213,6 @@ def test_eager_launch_plans_are_keyed_by_what_they_fix():
         assert_close(s, ref_s, "add residual")
     assert len(rms_mod._FWD_PLANS) == 4  # rms_norm and add_rms_norm, each at two eps
     assert len(rms_mod._BWD_PLANS) == 2  # out of place and in place
-    d, s_len = 128, 64
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=DEV).float() / d))
-    emb = torch.cat([torch.arange(s_len, device=DEV).float()[:, None] * inv] * 2, -1)[None].expand(2, s_len, d)
-    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
     for hf_layout in (False, True, False, True):
-        q = torch.randn(2, s_len, 8, d, device=DEV, dtype=torch.bfloat16)
-        k = torch.randn(2, s_len, 2, d, device=DEV, dtype=torch.bfloat16)
-        q, k = (q.transpose(1, 2), k.transpose(1, 2)) if hf_layout else (q.transpose(1, 2).contiguous(),
-                                                                          k.transpose(1, 2).contiguous())
-        ql, kl = _leaf(q), _leaf(k)
-        qo, ko = rope(ql, kl, cos, sin)
-        q64, k64 = _leaf(q.double()), _leaf(k.double())
-        rq, rk = rope_ref(q64, k64, cos, sin)
-        dq, dk = torch.randn_like(qo), torch.randn_like(ko)
-        torch.autograd.backward((qo, ko), (dq, dk))
-        torch.autograd.backward((rq, rk), (dq.double(), dk.double()))
-        for name, a, ref in [("q", qo, rq), ("k", ko, rk), ("dq", ql.grad, q64.grad), ("dk", kl.grad, k64.grad)]:
-            assert_close(a, ref, name)
+        _check_rope(2, 8, 2, 64, hf_layout, base=10000.0)
     assert len(rope_mod._PLANS) == 4  # forward and backward, in both layouts
