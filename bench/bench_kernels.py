@@ -177,42 +177,18 @@ def _compiled(fn):
 
 
 # -- verification (float64 references) ---------------------------------------------------------
-def verify_rms(x, w):
-    xl, wl = _leaf(x), _leaf(w)
-    y = rms_norm(xl, wl)
-    dy = torch.randn_like(y)
-    y.backward(dy)
-    x64, w64 = _leaf(x.double()), _leaf(w.double())
-    ref = rms_mod.rms_norm_ref(x64, w64)
-    ref.backward(dy.double())
-    assert_close(y, ref, "rms y")
-    assert_close(xl.grad, x64.grad, "rms dx")
-    assert_close(wl.grad, w64.grad, "rms dw")
-
-
-def verify_swiglu(g, u):
-    gl, ul = _leaf(g), _leaf(u)
-    y = swiglu(gl, ul)
-    dy = torch.randn_like(y)
-    y.backward(dy)
-    g64, u64 = _leaf(g.double()), _leaf(u.double())
-    ref = swiglu_mod.swiglu_ref(g64, u64)
-    ref.backward(dy.double())
-    assert_close(y, ref, "swiglu y")
-    assert_close(gl.grad, g64.grad, "swiglu dg")
-    assert_close(ul.grad, u64.grad, "swiglu du")
-
-
-def verify_rope(q, k, cos, sin):
-    ql, kl = _leaf(q), _leaf(k)
-    qo, ko = rope(ql, kl, cos, sin)
-    dq, dk = torch.randn_like(qo), torch.randn_like(ko)
-    torch.autograd.backward((qo, ko), (dq, dk))
-    q64, k64 = _leaf(q.double()), _leaf(k.double())
-    rq, rk = rope_mod.rope_ref(q64, k64, cos, sin)
-    torch.autograd.backward((rq, rk), (dq.double(), dk.double()))
-    for name, a, b in [("q", qo, rq), ("k", ko, rk), ("dq", ql.grad, q64.grad), ("dk", kl.grad, k64.grad)]:
-        assert_close(a, b, f"rope {name}")
+def verify(op, fn, ref, inputs, names):
+    """``fn(*inputs)`` and its input gradients against ``ref`` on float64 copies (outputs, then grads)."""
+    leaves, leaves64 = [_leaf(t) for t in inputs], [_leaf(t.double()) for t in inputs]
+    outs, refs = fn(*leaves), ref(*leaves64)
+    outs, refs = (outs, refs) if isinstance(outs, tuple) else ((outs,), (refs,))
+    grads = [torch.randn_like(o) for o in outs]
+    torch.autograd.backward(outs, grads)
+    torch.autograd.backward(refs, [g.double() for g in grads])
+    got = [*outs, *(t.grad for t in leaves)]
+    want = [*refs, *(t.grad for t in leaves64)]
+    for name, a, b in zip(names, got, want):
+        assert_close(a, b, f"{op} {name}")
 
 
 # -- cases -------------------------------------------------------------------------------------
@@ -221,7 +197,7 @@ def rms_cases(copy_bw, shapes):
         x = torch.randn(m, n, device=DEV, dtype=DT)
         w = (1 + 0.1 * torch.randn(n, device=DEV)).to(DT)
         if i == 0:
-            verify_rms(x, w)
+            verify("rms", rms_norm, rms_mod.rms_norm_ref, [x, w], ["y", "dx", "dw"])
         x, w = _leaf(x), _leaf(w)
         dy = torch.randn_like(x)
         impls = {"tritonspec": lambda x, w: rms_norm(x, w),
@@ -239,7 +215,7 @@ def swiglu_cases(copy_bw, shapes):
         g = torch.randn(m, n, device=DEV, dtype=DT)
         u = torch.randn(m, n, device=DEV, dtype=DT)
         if i == 0:
-            verify_swiglu(g, u)
+            verify("swiglu", swiglu, swiglu_mod.swiglu_ref, [g, u], ["y", "dg", "du"])
         g, u = _leaf(g), _leaf(u)
         dy = torch.randn_like(g)
         impls = {"tritonspec": lambda g, u: swiglu(g, u),
@@ -260,7 +236,8 @@ def rope_cases(copy_bw, shapes):
         emb = torch.cat([torch.arange(s, device=DEV).float()[:, None] * inv] * 2, -1)[None].repeat(b, 1, 1)
         cos, sin = emb.cos().to(DT), emb.sin().to(DT)
         if i == 0:
-            verify_rope(q, k, cos, sin)
+            verify("rope", lambda q, k: rope(q, k, cos, sin), lambda q, k: rope_mod.rope_ref(q, k, cos, sin),
+                   [q, k], ["q", "k", "dq", "dk"])
         q, k = _leaf(q), _leaf(k)
         dq, dk = torch.randn_like(q), torch.randn_like(k)
         impls = {"tritonspec": lambda q, k: rope(q, k, cos, sin),

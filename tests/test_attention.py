@@ -97,6 +97,14 @@ def _assert_close(name, got, ref, tol):
                                        f"{tuple(int(i) for i in (err == err.max()).nonzero()[0])}")
 
 
+def _check_against_reference(got, q, k, v, do, causal, scale=None):
+    """``got`` = (out, dq, dk, dv) within the dtype's tolerance of the float64 reference."""
+    ref = _reference(q, k, v, do, causal, scale)
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        assert g.dtype == q.dtype, f"{name}: dtype {g.dtype} != {q.dtype}"
+        _assert_close(name, g, r, _TOL[q.dtype])
+
+
 CASES = [
     # B, HQ, HKV, SQ, SK, D, causal
     (1, 1, 1, 1, 1, 16, False),
@@ -117,9 +125,7 @@ def test_matches_float64_reference(case, config, use_configs):
     q, k, v, do = _inputs(B, HQ, HKV, SQ, SK, D, dtype)
     with use_configs(CONFIGS[config]):
         got = _ours(q, k, v, do, causal)
-    ref = _reference(q, k, v, do, causal)
-    for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
-        _assert_close(name, g, r, _TOL[dtype])
+    _check_against_reference(got, q, k, v, do, causal)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -128,28 +134,21 @@ def test_half_precision(dtype, config, use_configs):
     q, k, v, do = _inputs(1, 4, 2, 33, 33, 64, dtype, seed=1)
     with use_configs(CONFIGS[config]):
         got = _ours(q, k, v, do, True)
-    ref = _reference(q, k, v, do, True)
-    for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
-        assert g.dtype == dtype
-        _assert_close(name, g, r, _TOL[dtype])
+    _check_against_reference(got, q, k, v, do, True)
 
 
 def test_head_dim_128_and_custom_scale(use_configs):
     q, k, v, do = _inputs(1, 2, 1, 9, 12, 128, torch.float32, seed=2)
     with use_configs(CONFIGS["small"]):
         got = _ours(q, k, v, do, False, scale=0.3)
-    ref = _reference(q, k, v, do, False, scale=0.3)
-    for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
-        _assert_close(name, g, r, _TOL[torch.float32])
+    _check_against_reference(got, q, k, v, do, False, scale=0.3)
 
 
 def test_head_dim_256_the_largest_supported(use_configs):
     q, k, v, do = _inputs(1, 2, 1, 7, 5, 256, torch.float32, seed=9)
     with use_configs(CONFIGS["small"]):
         got = _ours(q, k, v, do, True)
-    ref = _reference(q, k, v, do, True)
-    for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
-        _assert_close(name, g, r, _TOL[torch.float32])
+    _check_against_reference(got, q, k, v, do, True)
 
 
 def test_negative_scale_takes_the_exact_max_path(use_configs):
@@ -157,9 +156,7 @@ def test_negative_scale_takes_the_exact_max_path(use_configs):
     q, k, v, do = _inputs(1, 1, 1, 33, 33, 32, torch.float32, seed=3)
     with use_configs(CONFIGS["small"]):
         got = _ours(q, k, v, do, False, scale=-0.7)
-    ref = _reference(q, k, v, do, False, scale=-0.7)
-    for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
-        _assert_close(name, g, r, _TOL[torch.float32])
+    _check_against_reference(got, q, k, v, do, False, scale=-0.7)
 
 
 @pytest.mark.parametrize("config", ["small", "small_tma"])
@@ -174,9 +171,7 @@ def test_strided_hf_layout(config, use_configs):
     assert not q.is_contiguous()
     with use_configs(CONFIGS[config]):
         got = _ours(q, k, v, do, True)
-    ref = _reference(q, k, v, do, True)
-    for name, g_, r in zip(("out", "dq", "dk", "dv"), got, ref):
-        _assert_close(name, g_, r, _TOL[torch.float32])
+    _check_against_reference(got, q, k, v, do, True)
 
 
 def test_reference_agrees_with_sdpa():
@@ -195,9 +190,7 @@ def test_every_output_element_is_written(config, use_configs):
     q, k, v, do = _inputs(1, 2, 1, 21, 37, 24, torch.float32, seed=6)
     with use_configs(CONFIGS[config]), poisoned_allocations():
         got = _ours(q, k, v, do, True)
-    ref = _reference(q, k, v, do, True)
-    for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
-        _assert_close(name, g, r, _TOL[torch.float32])
+    _check_against_reference(got, q, k, v, do, True)
 
 
 def test_keys_no_query_sees_get_zero_grads(use_configs):
@@ -294,8 +287,7 @@ def test_library_op_path_in_eager(monkeypatch, use_configs):
     q, k, v, do = _inputs(1, 4, 2, 33, 33, 32, torch.float32, seed=3)
     with use_configs(CONFIGS["small"]):
         got = _ours(q, k, v, do, True)
-    for name, g, r in zip(("out", "dq", "dk", "dv"), got, _reference(q, k, v, do, True)):
-        _assert_close(name, g, r, _TOL[torch.float32])
+    _check_against_reference(got, q, k, v, do, True)
 
 
 def test_torch_compile_fullgraph(use_configs):

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ._checks import as_rows, check_same_device, check_same_dtype, check_same_shape, check_tensor
-from ._library import cdiv, kernel_config, launcher, library_op, next_pow2, use_library_op
+from ._library import cdiv, kernel_config, launch, library_op, next_pow2, use_library_op
 
 
 def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -96,9 +96,8 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, *, traced: bool = False
     m, n = g.shape
     cfg, opts = _config("swiglu_fwd", gate, n, flat)
     grid, n_col_blocks = _grid(m, n, cfg)
-    launcher(_swiglu_fwd_kernel, traced)[grid](
-        g, g.stride(0), u, u.stride(0), y, y.stride(0), m, n, n_col_blocks,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], **opts)
+    launch(_swiglu_fwd_kernel, grid, (g, g.stride(0), u, u.stride(0), y, y.stride(0), m, n, n_col_blocks),
+           dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], **opts), traced=traced)
     return out
 
 
@@ -117,9 +116,9 @@ def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, i
     m, n = g.shape
     cfg, opts = _config("swiglu_bwd", gate, n, flat)
     grid, n_col_blocks = _grid(m, n, cfg)
-    launcher(_swiglu_bwd_kernel, traced)[grid](
-        d, d.stride(0), g, g.stride(0), u, u.stride(0), dg2, dg2.stride(0), du2, du2.stride(0), m, n, n_col_blocks,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], **opts)
+    launch(_swiglu_bwd_kernel, grid,
+           (d, d.stride(0), g, g.stride(0), u, u.stride(0), dg2, dg2.stride(0), du2, du2.stride(0), m, n, n_col_blocks),
+           dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], **opts), traced=traced)
     return dg, du
 
 
