@@ -253,3 +253,32 @@ def test_layer_is_a_drop_in_for_llama_rms_norm(device):
 def test_bad_arguments_raise_naming_the_argument(call, match, device):
     with pytest.raises((TypeError, ValueError), match=match):
         call(device)
+
+
+def test_a_declined_dw_plan_never_reruns_the_backward_kernel(monkeypatch):
+    """The backward plans launch two kernels. If the dw reduction's plan declines after the main
+    kernel's plan ran (in place, dy already holds dx), only the reduction takes the ordinary path."""
+    import sys
+    mod = sys.modules["tritonspec.ops.rms_norm"]
+    calls = []
+
+    def main_plan(*tensors):
+        calls.append("main plan")
+        return True
+
+    def reduce_plan(*tensors):
+        calls.append("reduce plan declined")
+        return False
+
+    class Plans(dict):
+        def get(self, key):
+            return main_plan, reduce_plan, 2, torch.zeros
+
+    def launch(kernel, grid, args, kwargs, **kw):
+        calls.append(kernel.fn.__name__)
+
+    monkeypatch.setattr(mod, "_BWD_PLANS", Plans())
+    monkeypatch.setattr(mod, "launch", launch)
+    x, dy = torch.randn(3, 8), torch.randn(3, 8)
+    mod.rms_norm_backward(dy, x, torch.ones(8), torch.ones(3), in_place=True)
+    assert calls == ["main plan", "reduce plan declined", "_rms_norm_dw_kernel"]

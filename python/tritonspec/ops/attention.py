@@ -417,8 +417,12 @@ def _strides(t: torch.Tensor):
 MAX_BLOCK_M = 256
 
 
+def _padded_len(s: int) -> int:
+    return -(-s // MAX_BLOCK_M) * MAX_BLOCK_M
+
+
 def _padded_rows(b: int, h: int, s: int, fill: float, device) -> torch.Tensor:
-    pad = -(-s // MAX_BLOCK_M) * MAX_BLOCK_M
+    pad = _padded_len(s)
     t = torch.empty((b, h, pad), device=device, dtype=torch.float32)
     if pad > s:
         t[..., s:].fill_(fill)
@@ -548,8 +552,7 @@ def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
 @_attention_fwd_op.register_fake
 def _(q, k, v, causal, scale):
     b, h, s, d = q.shape
-    pad = (s + MAX_BLOCK_M - 1) // MAX_BLOCK_M * MAX_BLOCK_M
-    return q.new_empty((b, h, s, d)), q.new_empty((b, h, pad), dtype=torch.float32)
+    return q.new_empty((b, h, s, d)), q.new_empty((b, h, _padded_len(s)), dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::attention_bwd", mutates_args=())

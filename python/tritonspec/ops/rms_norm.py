@@ -264,6 +264,13 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
     return y, s, rstd
 
 
+def _launch_dw_reduce(dw_part, dw, programs, n, *, traced: bool = False, plan: bool = False):
+    """dw = the column sums of the (programs, n) fp32 partials; returns launch()'s plan."""
+    red_n = min(256, next_pow2(int(n)))
+    return launch(_rms_norm_dw_kernel, (cdiv(n, red_n),), (dw_part, dw, programs, n),
+                  dict(BLOCK_P=min(32, next_pow2(programs)), BLOCK_N=red_n, num_warps=4), traced=traced, plan=plan)
+
+
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
                       dres: torch.Tensor | None = None, *, in_place: bool = False, traced: bool = False):
     """Returns ``(dx, dweight)``; ``x`` is the normalized input (the new residual for add_rms_norm).
@@ -285,8 +292,10 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
             dw_part = alloc((programs, n), dtype=torch.float32, device=x.device)
             if main(dy, x, weight, rstd, d, dx, dw_part):
                 dw = torch.empty_like(weight)
-                if reduce(dw_part, dw):
-                    return dx, dw
+                if not reduce(dw_part, dw):
+                    # the main kernel has run (in place, dy now holds dx): never run it again
+                    _launch_dw_reduce(dw_part, dw, programs, n)
+                return dx, dw
     (x2, sx), (dy2, sdy) = rows_of(x), rows_of(dy)
     d2, sd = rows_of(d)
     n_ = int(n)
@@ -301,13 +310,9 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     grid = (programs,)
     args = (dy2, sdy, x2, sx, weight, rstd, d2, sd, dx, n, dw_part, m, n)
     kwargs = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, HAS_DRES=dres is not None, LOOPED=looped, **opts)
-    red_n = min(256, next_pow2(n_))
-    red_grid = (cdiv(n, red_n),)
-    red_kwargs = dict(BLOCK_P=min(32, next_pow2(programs)), BLOCK_N=red_n, num_warps=4)
     main = launch(_rms_norm_bwd_kernel, grid, args, kwargs, traced=traced, plan=key is not None)
     dw = torch.empty_like(weight)  # after the main launch: the GPU starts sooner
-    reduce = launch(_rms_norm_dw_kernel, red_grid, (dw_part, dw, programs, n), red_kwargs, traced=traced,
-                    plan=key is not None)
+    reduce = _launch_dw_reduce(dw_part, dw, programs, n, traced=traced, plan=key is not None)
     if main is not None and reduce is not None:
         _BWD_PLANS[key] = (main, reduce, programs, alloc)
     return dx, dw
