@@ -233,6 +233,48 @@ def test_bad_config_from_a_spec_is_rejected(use_configs):
             out.sum().backward()
 
 
+def _own_forward_spec(calls, run):
+    """A spec whose ``attention_forward`` records each call and, when ``run``, computes the forward in
+    float64 itself (out and the base-2 logsumexp the op's backward reads)."""
+    mod = types.ModuleType("own_forward_spec")
+
+    def attention_forward(q, k, v, o, lse, causal, scale):
+        calls.append((tuple(q.shape), tuple(k.shape), causal, scale))
+        if not run:
+            return False
+        group = q.shape[1] // k.shape[1]
+        kk, vv = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
+        s = q.double() @ kk.transpose(-1, -2) * scale
+        if causal:
+            s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+        o.copy_(torch.softmax(s, -1) @ vv)
+        lse[..., :q.shape[2]] = torch.logsumexp(s, -1) * (1 / math.log(2))
+        return True
+
+    mod.attention_config = lambda kernel, **problem: CONFIGS["small"].get(kernel)
+    mod.attention_forward = attention_forward
+    mod.__all__ = ["attention_config", "attention_forward"]
+    return mod
+
+
+@pytest.mark.parametrize("run", [True, False], ids=["runs", "declines"])
+def test_a_backend_may_run_its_own_forward(run):
+    """The forward asks the backend's ``attention_forward`` first: its o and lse are the op's (the
+    backward, still the op's kernels, reads that lse); declining leaves the portable kernel."""
+    calls = []
+    tritonspec.register_spec("own-forward-test", _own_forward_spec(calls, run))
+    try:
+        q, k, v, do = _inputs(1, 4, 2, 33, 21, 32, torch.float32, seed=11)
+        with tritonspec.use_backend("own-forward-test"):
+            got = _ours(q, k, v, do, True, scale=0.3)
+    finally:
+        tritonspec.REGISTRY.unregister("own-forward-test")
+    assert calls == [((1, 4, 33, 32), (1, 2, 21, 32), True, 0.3)]
+    _check_against_reference(got, q, k, v, do, True, scale=0.3)
+    if run:  # bit for bit what the spec computed, not a second run of the portable kernel
+        assert torch.equal(got[0], _reference(q, k, v, do, True, 0.3)[0].float())
+
+
 def _t(*shape, dtype=torch.float32):
     return torch.randn(*shape).to(dtype)
 

@@ -21,7 +21,7 @@ from .registry import REGISTRY
 
 # Targets compiled for each spec backend unless its spec module names one in ``_TARGET``.
 DEFAULT_TARGETS = {"nvidia": ("cuda", 90, 32), "amd": ("hip", "gfx942", 64)}
-KERNEL_POINT = "tritonspec.launch_config"  # hooks consulted by tritonspec's own ops, not by Triton
+OWN_POINTS = "tritonspec."  # hooks consulted by tritonspec's own ops (launch_config, ops.*), not by Triton
 
 
 # -- sample kernels: plain functions, wrapped as compiled or interpreted kernels below -----------
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     points = {p.name: p for p in install.INSTALL_POINTS}
     rows = []
     for hook in HOOKS.values():
-        if hook.point == KERNEL_POINT:
+        if hook.point.startswith(OWN_POINTS):
             status = "installed"
         elif hook.point not in points:
             status = f"failed: no install point {hook.point!r}"

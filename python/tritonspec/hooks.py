@@ -71,6 +71,10 @@ HOOKS: dict[str, Hook] = _table(
          "(kernel: str, **problem) -> dict | None: block sizes, num_warps, num_stages for a tritonspec kernel"),
     Hook("attention_config", F, "tritonspec.launch_config", "the kernel's own heuristic",
          "(kernel: str, **problem) -> dict | None: attention tile sizes, warps, stages, TMA / warp-spec flags"),
+    Hook("attention_forward", F, "tritonspec.ops.attention", "the portable Triton forward kernel",
+         "(q, k, v, o, lse, causal: bool, scale: float) -> bool: run the backend's own forward kernel, writing o "
+         "and lse (base-2 logsumexp of the scaled scores per row, padded rows already +inf); False keeps the "
+         "portable kernel"),
 )
 
 # The injector lists of seed 001 §4.3/4.4: each names functions the spec module also exports.

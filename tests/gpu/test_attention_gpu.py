@@ -2,7 +2,8 @@
 
 Tolerance model: our error must stay within a small multiple of the error PyTorch's own SDPA makes
 in the same dtype (both round P and dS to 16 bits before the matmuls), plus one ulp of the output's
-magnitude. Runs with the op's portable defaults and with the tuned sm90 table.
+magnitude. Runs with the op's portable defaults, with the tuned sm90 table for the ``tl`` kernels, and
+as the nvidia spec ships (that table plus Hopper's warp-specialized forward).
 """
 import json
 import os
@@ -15,16 +16,20 @@ import torch.nn.functional as F
 import tritonspec
 from tritonspec.ops.attention import attention, attention_ref
 from tritonspec.ops.attention_configs import h100_attention_config
+from tritonspec_backends.nvidia.backend.spec import attention_sm90
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 _EPS = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 
 
-def _spec(fn):
+def _spec(fn, forward=None):
     mod = types.ModuleType("attention_gpu_test_spec")
     mod.attention_config = fn
     mod.__all__ = ["attention_config"]
+    if forward is not None:
+        mod.attention_forward = forward
+        mod.__all__.append("attention_forward")
     return mod
 
 
@@ -58,8 +63,10 @@ def _atomic_ptr(kernel, **problem):
     return cfg
 
 
-SPECS = {"default": None, "h100": _tuned, "h100_atomic_reduce": _atomic_reduce,
-         "h100_atomic_ptr": _atomic_ptr}
+_HOPPER = attention_sm90.attention_forward
+# name -> (attention_config, attention_forward): "h100" is what the nvidia spec ships on sm90
+SPECS = {"default": (None, None), "h100": (_tuned, _HOPPER), "h100_tl": (_tuned, None),
+         "h100_atomic_reduce": (_atomic_reduce, _HOPPER), "h100_atomic_ptr": (_atomic_ptr, _HOPPER)}
 
 
 @pytest.fixture
@@ -67,13 +74,13 @@ def configs():
     name = "attention-gpu-test"
 
     def use(key):
-        fn = SPECS[key]
+        fn, forward = SPECS[key]
         if fn is None:
             tritonspec.register_spec(name, _spec(lambda kernel, **problem: None))
         else:
             if not _is_sm90():
                 pytest.skip("tuned table is for sm90")
-            tritonspec.register_spec(name, _spec(fn))
+            tritonspec.register_spec(name, _spec(fn, forward))
         return tritonspec.use_backend(name)
 
     yield use
@@ -108,11 +115,12 @@ def _check(B, HQ, HKV, S, D, causal, dtype, q=None, k=None, v=None, do=None, op=
         assert err <= bound, f"{name}: max error {err:.3e} > {bound:.3e} (SDPA's error {err_sdpa:.3e})"
 
 
+@pytest.mark.parametrize("spec", ["h100", "h100_tl"])
 @pytest.mark.parametrize("S", [1, 17, 1000, 4096])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 96, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_tuned_bf16(S, D, causal, configs):
-    with configs("h100"):
+def test_tuned_bf16(S, D, causal, spec, configs):
+    with configs(spec):
         _check(1, 2, 2, S, D, causal, torch.bfloat16)
 
 
@@ -124,21 +132,21 @@ def test_portable_defaults_bf16(S, D, causal, configs):
         _check(1, 2, 2, S, D, causal, torch.bfloat16)
 
 
-@pytest.mark.parametrize("spec", ["h100", "default"])
+@pytest.mark.parametrize("spec", ["h100", "h100_tl", "default"])
 @pytest.mark.parametrize("S", [17, 1000])
 def test_fp16(S, spec, configs):
     with configs(spec):
         _check(1, 2, 2, S, 128, True, torch.float16)
 
 
-@pytest.mark.parametrize("spec", ["h100", "h100_atomic_reduce", "h100_atomic_ptr", "default"])
+@pytest.mark.parametrize("spec", ["h100", "h100_tl", "h100_atomic_reduce", "h100_atomic_ptr", "default"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gqa(spec, causal, configs):
     with configs(spec):
         _check(2, 8, 2, 1000, 128, causal, torch.bfloat16)
 
 
-@pytest.mark.parametrize("spec", ["h100", "default"])
+@pytest.mark.parametrize("spec", ["h100", "h100_tl", "default"])
 def test_hf_layout_and_odd_head_dim(spec, configs):
     """Strided (batch, seq, heads, dim).transpose(1, 2) inputs; head_dim 80 is padded to 128."""
     B, S, HQ, HKV, D = 2, 333, 4, 2, 80
@@ -162,3 +170,56 @@ def test_fp32_is_rejected_on_gpu():
     x = torch.randn(1, 1, 8, 64, device="cuda")
     with pytest.raises(TypeError, match="float32 only on the CPU interpreter"):
         attention(x, x, x)
+
+
+class _Spy:
+    """Counts launches of a Gluon kernel (``kernel[grid](...)``) and passes them through."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("seq_q,seq_k,causal", [(1000, 1000, True), (700, 300, True), (300, 700, False),
+                                                (4096, 4096, False)])
+def test_hopper_forward_runs_as_shipped(seq_q, seq_k, causal, monkeypatch):
+    """No backend selected: the device resolves to the installed nvidia spec, whose Hopper kernel runs
+    the forward (seq_q != seq_k both ways: top-left causal as SDPA) and matches float64."""
+    if not _is_sm90():
+        pytest.skip("Hopper's own forward runs on sm90 only")
+    spy = _Spy(attention_sm90._attn_fwd_ws_kernel)
+    monkeypatch.setattr(attention_sm90, "_attn_fwd_ws_kernel", spy)
+    g = torch.Generator(device="cuda").manual_seed(seq_q + seq_k)
+    q = torch.randn(2, 4, seq_q, 128, device="cuda", generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(2, 2, seq_k, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    out = attention(q, k, v, causal=causal)
+    assert spy.launches == 1
+    ref = attention_ref(q.double(), k.double(), v.double(), causal=causal)
+    sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    err, err_sdpa = ((x.double() - ref).abs().max().item() for x in (out, sdpa))
+    assert err <= 3 * err_sdpa + _EPS[torch.bfloat16] * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("case", ["head_dim 64", "decode", "negative scale", "unaligned stride"])
+def test_hopper_forward_declines_what_it_was_not_measured_on(case, monkeypatch):
+    if not _is_sm90():
+        pytest.skip("Hopper's own forward runs on sm90 only")
+    spy = _Spy(attention_sm90._attn_fwd_ws_kernel)
+    monkeypatch.setattr(attention_sm90, "_attn_fwd_ws_kernel", spy)
+    B, H, S, D, scale = 1, 2, 300, 128, None
+    if case == "head_dim 64":
+        D = 64
+    elif case == "decode":
+        S = 64
+    elif case == "negative scale":
+        scale = -0.05
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    if case == "unaligned stride":  # 129-element rows: 258-byte strides TMA cannot address
+        q = torch.randn(B, H, S, D + 1, device="cuda", dtype=torch.bfloat16)[..., :D]
+    out = attention(q, k, v, scale=scale)
+    assert spy.launches == 0
+    ref = attention_ref(q.double(), k.double(), v.double(), scale=scale)
+    assert (out.double() - ref).abs().max().item() < 2e-2

@@ -7,8 +7,9 @@ looping over k blocks -- or dQ accumulated with fp32 atomics from the dK/dV kern
 
 Every launch parameter (tile sizes, warps, stages, TMA tensor descriptors, warp specialization,
 dQ strategy) comes from ``tritonspec.launch_config(..., hook="attention_config")``: the defaults
-below are portable (the CPU interpreter included) and a backend's spec may override any key. The
-op itself never asks which backend it runs on.
+below are portable (the CPU interpreter included) and a backend's spec may override any key. A
+backend may also run the forward with a kernel of its own (hook ``attention_forward``; NVIDIA's
+spec does on Hopper). The op itself never asks which backend it runs on.
 
 Semantics follow ``torch.nn.functional.scaled_dot_product_attention``:
 * q ``(batch, heads_q, seq_q, head_dim)``, k and v ``(batch, heads_kv, seq_k, head_dim)``;
@@ -29,6 +30,7 @@ import triton.language as tl
 
 import tritonspec
 
+from ..resolve import backend_for_device, lookup
 from ._device import check_launchable
 from ._library import NAMESPACE, use_library_op
 
@@ -445,6 +447,9 @@ def attention_forward(q, k, v, causal: bool, scale: float):
     lse = _padded_rows(B, HQ, SQ, float("inf"), q.device)
     if o.numel() == 0:
         return o, lse
+    own = lookup("attention_forward", backend=backend_for_device(q.device))
+    if own is not None and own(q, k, v, o, lse, bool(causal), scale):
+        return o, lse  # the backend's own kernel (e.g. Hopper's warp-specialized one) ran
     cfg = _config("attention_fwd", q.device, _fwd_default(DP), **_problem(q, k, causal))
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     tma = bool(cfg["TMA"]) and _tma_ok(q, k, v, o)

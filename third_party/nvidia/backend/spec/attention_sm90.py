@@ -1,0 +1,267 @@
+"""Hopper's attention forward: a warp-specialized Gluon kernel the portable ``tl`` kernel cannot express.
+
+Why a second kernel: in the portable kernel both warpgroups of a CTA share one software pipeline, so
+every key block ends in a CTA-wide barrier and the two run in lockstep: both wait on q.k^T, both
+compute the softmax while the tensor cores idle. Here the CTA holds 128 query rows split over two
+consumer warpgroups (64 rows each) and one producer warp that streams K/V through a TMA ring guarded
+by mbarriers. Nothing ties the consumers to each other, so one's softmax runs under the other's
+matmuls. On an H100 this took the head_dim-128 forward from 450-500 to 550-610 TFLOP/s, cuDNN's
+speed (bench/NOTES.md, "warp-specialized forward").
+
+The op asks for it through the ``attention_forward`` hook; :func:`attention_forward` declines (returns
+False, the op then runs its ``tl`` kernel) for anything it was not measured on: a device other than
+sm90, head_dim outside 65..128, dtypes other than fp16/bf16, scale <= 0, strides TMA cannot address,
+decode-sized queries, or a Triton without Gluon's Hopper API.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+try:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    _GLUON = hasattr(gl, "warp_specialize")
+except ImportError:  # a Triton without Gluon: the hook always declines
+    _GLUON = False
+
+__all__ = ["attention_forward", "eligible"]
+
+LOG2E = 1.4426950408889634
+HALF_M = 64  # query rows per consumer warpgroup; a CTA covers 2 * HALF_M
+BLOCK_N = 128  # keys per pipeline stage
+STAGES = 2  # K and V ring depth: 3 measured no faster and needs 229 KB of shared memory
+HEAD_DIM = 128  # the tile's head dim; smaller head dims are zero-filled by TMA
+# Registers: the worker consumer warpgroup takes 240 and the producer warp 24 (``warp_specialize``
+# below); the default partition (the other consumer) gets what is left of 12 warps x MAXNREG.
+MAXNREG = 168
+
+if _GLUON:
+    # Triton 3.7 renamed the TMA copies; the kernels call whichever this Triton has.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+    @gluon.jit
+    def _softmax(s, m_i, l_i, qk_scale, j, offs_m, SEQ_K, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                 MASKED: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, dtype: gl.constexpr):
+        """Online-softmax step on the raw scores of key block j: (p as p.v's A operand, alpha, m, l).
+
+        Valid only for qk_scale > 0 (the row max is taken before scaling); the launcher checks."""
+        if MASKED:
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            valid = gl.expand_dims(cols, 0) < SEQ_K
+            if CAUSAL:
+                valid = valid & (gl.expand_dims(cols, 0) <= gl.expand_dims(offs_m, 1))
+            s = gl.where(valid, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        p = gl.convert_layout(p.to(dtype), p_layout)
+        return p, alpha, m_new, l_i
+
+    @gluon.jit
+    def _consume_blocks(acc, p, m_i, l_i, s0, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, lo, hi,
+                        qk_scale, offs_m, SEQ_K, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
+                        s_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr):
+        """Steps lo..hi-1: q.k^T of block j+1 and p.v of block j in flight together, then the softmax of j+1."""
+        BLOCK_N: gl.constexpr = k_smem.shape[3]
+        D: gl.constexpr = k_smem.shape[4]
+        NSTAGES: gl.constexpr = k_smem.shape[0]
+        for j in range(lo, hi):
+            stage = j % NSTAGES
+            nstage = (j + 1) % NSTAGES
+            mbarrier.wait(k_ready.index(nstage), ((j + 1) // NSTAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(nstage).reshape([BLOCK_N, D]).permute((1, 0)), s0, use_acc=False,
+                              is_async=True)
+            mbarrier.wait(v_ready.index(stage), (j // NSTAGES) & 1)
+            acc = warpgroup_mma(p, v_smem.index(stage).reshape([BLOCK_N, D]), acc, is_async=True)
+            s, p = warpgroup_mma_wait(1, deps=(s, p))
+            mbarrier.arrive(k_empty.index(nstage), count=1)
+            p_next, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, j + 1, offs_m, SEQ_K, BLOCK_N, CAUSAL, MASKED,
+                                               s_layout, p_layout, q.dtype)
+            acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+            mbarrier.arrive(v_empty.index(stage), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            p = p_next
+        return acc, p, m_i, l_i
+
+    @gluon.jit
+    def _consumer(o_desc, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, b, h, bh,
+                  start_m, n, mask_from, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL: gl.constexpr, C: gl.constexpr):
+        """Warpgroup C: query rows start_m + C*HALF_M .. +HALF_M against the tile's n key blocks."""
+        HALF_M: gl.constexpr = q_smem.shape[3]
+        D: gl.constexpr = q_smem.shape[4]
+        BLOCK_N: gl.constexpr = k_smem.shape[3]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        q_tile = q_smem.index(C)
+        q = q_tile.reshape([HALF_M, D])
+        row0 = start_m + C * HALF_M
+        offs_m = row0 + gl.arange(0, HALF_M, layout=row_s)
+        m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.zeros([HALF_M], gl.float32, layout=row_s)
+        acc = gl.zeros([HALF_M, D], gl.float32, layout=o_layout)
+        s0 = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
+
+        mbarrier.wait(q_bars.index(C), 0)
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), s0, use_acc=False,
+                          is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        if mask_from == 0:
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, 0, offs_m, SEQ_K, BLOCK_N, CAUSAL, True, s_layout,
+                                          p_layout, q.dtype)
+        else:
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, 0, offs_m, SEQ_K, BLOCK_N, CAUSAL, False, s_layout,
+                                          p_layout, q.dtype)
+        # key block j+1 needs the mask iff j+1 >= mask_from: two loops keep the mask out of the first
+        split = gl.maximum(gl.minimum(mask_from - 1, n - 1), 0)
+        acc, p, m_i, l_i = _consume_blocks(acc, p, m_i, l_i, s0, q, k_smem, v_smem, k_ready, v_ready, k_empty,
+                                           v_empty, 0, split, qk_scale, offs_m, SEQ_K, CAUSAL, False, s_layout,
+                                           p_layout, row_o)
+        acc, p, m_i, l_i = _consume_blocks(acc, p, m_i, l_i, s0, q, k_smem, v_smem, k_ready, v_ready, k_empty,
+                                           v_empty, split, n - 1, qk_scale, offs_m, SEQ_K, CAUSAL, True, s_layout,
+                                           p_layout, row_o)
+        last = n - 1
+        stage = last % k_smem.shape[0]
+        mbarrier.wait(v_ready.index(stage), (last // k_smem.shape[0]) & 1)
+        acc = warpgroup_mma(p, v_smem.index(stage).reshape([BLOCK_N, D]), acc, is_async=True)
+        acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+
+        lse = m_i + gl.log2(l_i)
+        gl.store(LSE + bh.to(gl.int64) * SEQ_PAD + offs_m, lse, mask=offs_m < SEQ_Q)
+        out = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+        q.store(out.to(q_smem.dtype))  # this warpgroup's Q tile is dead: stage the output there
+        fence_async_shared()
+        _tma_store(o_desc, [b, h, row0, 0], q_tile)  # rows past seq_q are clipped by TMA
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, b, h,
+                  hk, start_m, n):
+        """One warp: both Q halves, then K and V block by block; a stage is refilled once both consumers
+        released it (the empty barriers count two arrivals)."""
+        HALF_M: gl.constexpr = q_desc.block_type.shape[2]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        NSTAGES: gl.constexpr = k_smem.shape[0]
+        for c in gl.static_range(2):
+            mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
+            _tma_load(q_desc, [b, h, start_m + c * HALF_M, 0], q_bars.index(c), q_smem.index(c))
+        for j in range(n):
+            stage = j % NSTAGES
+            phase = ((j // NSTAGES) & 1) ^ 1  # a fresh mbarrier counts as "previous phase complete"
+            mbarrier.wait(k_empty.index(stage), phase)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            _tma_load(k_desc, [b, hk, j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+            mbarrier.wait(v_empty.index(stage), phase)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            _tma_load(v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+
+    @gluon.jit
+    def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, HQ, GROUP, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale,
+                            CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+        HALF_M: gl.constexpr = q_desc.block_type.shape[2]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        dtype: gl.constexpr = q_desc.dtype
+
+        pid_m = gl.program_id(0)
+        if CAUSAL:  # longest rows first, so the grid's tail holds the short programs
+            pid_m = gl.num_programs(0) - 1 - pid_m
+        bh = gl.program_id(1)
+        b = bh // HQ
+        h = bh % HQ
+        hk = h // GROUP
+        start_m = pid_m * (2 * HALF_M)
+        if CAUSAL:  # top-left aligned, as SDPA's is_causal
+            hi = gl.minimum(start_m + 2 * HALF_M, SEQ_K)
+            mask_from = gl.minimum(start_m, SEQ_K) // BLOCK_N
+        else:
+            hi = SEQ_K
+            mask_from = SEQ_K // BLOCK_N
+        n = gl.cdiv(hi, BLOCK_N)
+
+        q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(q_bars.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(v_empty.index(i), count=2)
+        fence_async_shared()
+
+        # (argument tuples written out in the call: a tuple held in a variable would turn its
+        # constexprs into tensors)
+        gl.warp_specialize([
+            (_consumer, (o_desc, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, b, h, bh,
+                         start_m, n, mask_from, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL, 0)),
+            (_consumer, (o_desc, LSE, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, b, h, bh,
+                         start_m, n, mask_from, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL, 1)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
+                         b, h, hk, start_m, n)),
+        ], [4, 1], [240, 24])
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def _tma_addressable(t: torch.Tensor) -> bool:
+    """TMA: 16-byte aligned base and strides, unit innermost stride."""
+    size = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s > 0 and s * size % 16 == 0
+                                                                  for s in t.stride()[:-1]))
+
+
+def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, scale: float) -> bool:
+    """Whether this kernel runs the problem (what it was measured and tested on)."""
+    if not _GLUON or not q.is_cuda or getattr(torch.version, "hip", None):
+        return False
+    d = q.shape[-1]
+    return (q.dtype in (torch.float16, torch.bfloat16) and 64 < d <= HEAD_DIM and d * q.element_size() % 16 == 0
+            and scale > 0 and q.shape[2] > HALF_M and k.shape[2] > 0 and q.shape[1] * q.shape[0] < 65536
+            and _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device())
+            and all(_tma_addressable(t) for t in (q, k, v, o)))
+
+
+def _descriptor(t: torch.Tensor, rows: int):
+    block = [1, 1, rows, HEAD_DIM]
+    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block,
+                            gl.NVMMASharedLayout.get_default_for(block, dtype))
+
+
+def attention_forward(q, k, v, o, lse, causal: bool, scale: float) -> bool:
+    """The ``attention_forward`` hook: fill ``o`` and ``lse`` (base-2 logsumexp of the scaled scores,
+    rows padded with +inf beforehand) and return True, or return False to leave the problem to the op."""
+    if not eligible(q, k, v, o, scale):
+        return False
+    batch, heads_q, seq_q, _ = q.shape
+    grid = (triton.cdiv(seq_q, 2 * HALF_M), batch * heads_q)
+    _attn_fwd_ws_kernel[grid](_descriptor(q, HALF_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
+                              _descriptor(o, HALF_M), lse, heads_q, heads_q // k.shape[1], seq_q, k.shape[2],
+                              lse.shape[-1], scale * LOG2E, CAUSAL=bool(causal), STAGES=STAGES, num_warps=4,
+                              maxnreg=MAXNREG)
+    return True
