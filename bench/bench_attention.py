@@ -30,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import tritonspec
 from tritonspec.ops.attention import attention
 from tritonspec.ops.attention_configs import TABLES, h100_attention_config
-from tritonspec_backends.nvidia.backend.spec.attention_sm90 import attention_forward as attention_forward_sm90
+from tritonspec_backends.nvidia.backend.spec import attention_sm90 as hopper
 
 SHAPES = [(4, 32, 4096, 128), (2, 16, 8192, 128), (1, 16, 16384, 128), (8, 32, 2048, 64)]
 CASES = [(shape, causal) for shape in SHAPES for causal in (True, False)]
@@ -79,10 +79,10 @@ def table_from_json(data):
 
 
 # ---------------------------------------------------------------------------------------------
-def use_configs(override: dict | None = None, tables: dict | None = None, hopper_forward=attention_forward_sm90):
+def use_configs(override: dict | None = None, tables: dict | None = None, hopper_kernels=True):
     """Register an nvidia spec: the tuned table (or ``tables``), with ``override`` {kernel: cfg} on top.
 
-    The sweep tunes the ``tl`` kernels, so ``--sweep`` leaves Hopper's own forward out."""
+    The sweep tunes the ``tl`` kernels, so ``--sweep`` leaves Hopper's own kernels out."""
     override = override or {}
 
     def attention_config(kernel, **problem):
@@ -94,9 +94,9 @@ def use_configs(override: dict | None = None, tables: dict | None = None, hopper
     mod = types.ModuleType("bench_attention_spec")
     mod.attention_config = attention_config
     mod.__all__ = ["attention_config"]
-    if hopper_forward is not None:  # as the shipped spec: Hopper's own forward where it applies
-        mod.attention_forward = hopper_forward
-        mod.__all__.append("attention_forward")
+    if hopper_kernels:  # as the shipped spec: Hopper's own forward and dK/dV kernels where they apply
+        mod.attention_forward, mod.attention_bwd_dkdv = hopper.attention_forward, hopper.attention_bwd_dkdv
+        mod.__all__ += ["attention_forward", "attention_bwd_dkdv"]
     tritonspec.register_spec("nvidia", mod)  # re-registering also clears launch_config's memo
 
 
@@ -183,7 +183,7 @@ def warm_items():
 
 def warm(part: int, nparts: int):
     for shape, causal, override in warm_items()[part::nparts]:
-        use_configs(override, hopper_forward=None)
+        use_configs(override, hopper_kernels=False)
         q, k, v, do = make_inputs(shape)
         try:
             out = attention(q, k, v, causal=causal)
@@ -209,7 +209,7 @@ def sweep(out_dir: str):
         ref_out = ref_out.detach()
 
         for i, cfg in enumerate(FWD[dp]):
-            use_configs({"attention_fwd": cfg}, hopper_forward=None)
+            use_configs({"attention_fwd": cfg}, hopper_kernels=False)
             try:
                 o = attention(q, k, v, causal=causal)
                 err = rel_err(o, ref_out)
@@ -226,7 +226,7 @@ def sweep(out_dir: str):
         for i, pair in enumerate(BWD[dp]):
             override = bwd_override(pair)
             try:
-                use_configs(override, hopper_forward=None)
+                use_configs(override, hopper_kernels=False)
                 o = attention(q, k, v, causal=causal)
                 grads = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
                 err = max(rel_err(g, r) for g, r in zip(grads, ref_grads))
@@ -335,7 +335,7 @@ def table(results):
 def probe():
     """Does the driver accept 4-D TMA descriptors over a transposed (HF) layout? (_tma_ok refuses it.)"""
     A = importlib.import_module("tritonspec.ops.attention")  # the module, even if ops re-exports the function
-    use_configs(None, hopper_forward=None)
+    use_configs(None, hopper_kernels=False)
     g = torch.Generator(device="cuda").manual_seed(0)
     mk = lambda: torch.randn(2, 333, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)  # noqa
     q, k, v, do = mk(), mk(), mk(), mk()

@@ -233,46 +233,62 @@ def test_bad_config_from_a_spec_is_rejected(use_configs):
             out.sum().backward()
 
 
-def _own_forward_spec(calls, run):
-    """A spec whose ``attention_forward`` records each call and, when ``run``, computes the forward in
-    float64 itself (out and the base-2 logsumexp the op's backward reads)."""
-    mod = types.ModuleType("own_forward_spec")
+def _scores(q, k, causal, scale):
+    """float64 scaled scores with k's heads repeated for GQA, -inf above the top-left diagonal."""
+    s = q.double() @ k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1).transpose(-1, -2) * scale
+    return s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf")) if causal else s
+
+
+def _own_kernels_spec(calls, run):
+    """A spec whose ``attention_forward`` / ``attention_bwd_dkdv`` record each call and, when ``run``,
+    compute in float64 from exactly what the hooks promise: the forward writes out and the base-2
+    logsumexp; dK/dV read that lse and delta = rowsum(dO * O)."""
+    mod = types.ModuleType("own_kernels_spec")
 
     def attention_forward(q, k, v, o, lse, causal, scale):
-        calls.append((tuple(q.shape), tuple(k.shape), causal, scale))
-        if not run:
-            return False
-        group = q.shape[1] // k.shape[1]
-        kk, vv = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
-        s = q.double() @ kk.transpose(-1, -2) * scale
-        if causal:
-            s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
-        o.copy_(torch.softmax(s, -1) @ vv)
-        lse[..., :q.shape[2]] = torch.logsumexp(s, -1) * (1 / math.log(2))
-        return True
+        calls.append(("forward", tuple(q.shape), tuple(k.shape), causal, scale))
+        if run:
+            s = _scores(q, k, causal, scale)
+            o.copy_(torch.softmax(s, -1) @ v.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1))
+            lse[..., :q.shape[2]] = torch.logsumexp(s, -1) / math.log(2)
+        return run
+
+    def attention_bwd_dkdv(q, k, v, do, dk, dv, lse, delta, causal, scale):
+        calls.append(("dkdv", tuple(q.shape), tuple(k.shape), causal, scale))
+        if run:
+            sq, group = q.shape[2], q.shape[1] // k.shape[1]
+            p = torch.exp2(_scores(q, k, causal, scale) / math.log(2) - lse[..., :sq, None].double())
+            dp = do.double() @ v.double().repeat_interleave(group, dim=1).transpose(-1, -2)
+            ds = p * (dp - delta[..., :sq, None].double())
+            fold = lambda t: t.unflatten(1, (k.shape[1], group)).sum(2)  # noqa: E731 (sum a group's q heads)
+            dv.copy_(fold(p.transpose(-1, -2) @ do.double()))
+            dk.copy_(fold(ds.transpose(-1, -2) @ q.double()) * scale)
+        return run
 
     mod.attention_config = lambda kernel, **problem: CONFIGS["small"].get(kernel)
-    mod.attention_forward = attention_forward
-    mod.__all__ = ["attention_config", "attention_forward"]
+    mod.attention_forward, mod.attention_bwd_dkdv = attention_forward, attention_bwd_dkdv
+    mod.__all__ = ["attention_config", "attention_forward", "attention_bwd_dkdv"]
     return mod
 
 
 @pytest.mark.parametrize("run", [True, False], ids=["runs", "declines"])
-def test_a_backend_may_run_its_own_forward(run):
-    """The forward asks the backend's ``attention_forward`` first: its o and lse are the op's (the
-    backward, still the op's kernels, reads that lse); declining leaves the portable kernel."""
+def test_a_backend_may_run_its_own_kernels(run):
+    """The forward and the dK/dV pass ask the backend first: what its kernels write is the op's result
+    (dQ, still the op's kernel, reads the spec's lse); declining leaves the portable kernels."""
     calls = []
-    tritonspec.register_spec("own-forward-test", _own_forward_spec(calls, run))
+    tritonspec.register_spec("own-kernels-test", _own_kernels_spec(calls, run))
     try:
         q, k, v, do = _inputs(1, 4, 2, 33, 21, 32, torch.float32, seed=11)
-        with tritonspec.use_backend("own-forward-test"):
+        with tritonspec.use_backend("own-kernels-test"):
             got = _ours(q, k, v, do, True, scale=0.3)
     finally:
-        tritonspec.REGISTRY.unregister("own-forward-test")
-    assert calls == [((1, 4, 33, 32), (1, 2, 21, 32), True, 0.3)]
+        tritonspec.REGISTRY.unregister("own-kernels-test")
+    assert calls == [(kind, (1, 4, 33, 32), (1, 2, 21, 32), True, 0.3) for kind in ("forward", "dkdv")]
     _check_against_reference(got, q, k, v, do, True, scale=0.3)
     if run:  # bit for bit what the spec computed, not a second run of the portable kernel
-        assert torch.equal(got[0], _reference(q, k, v, do, True, 0.3)[0].float())
+        ref = _reference(q, k, v, do, True, 0.3)
+        assert torch.equal(got[0], ref[0].float())
+        assert all((g.double() - r).abs().max() < 1e-5 for g, r in zip(got[2:], ref[2:]))
 
 
 def _t(*shape, dtype=torch.float32):

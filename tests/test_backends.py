@@ -92,9 +92,9 @@ def test_new_triton_backends_are_discovered_next_to_the_stock_ones():
     assert [b for b, v in backends.items() if v.compiler.supports_target(ILUVATAR)] == ["iluvatar"]
 
 
-def test_nvidia_spec_changes_nothing_but_launch_configs_and_the_hopper_forward():
+def test_nvidia_spec_changes_nothing_but_launch_configs_and_hoppers_attention_kernels():
     provider = REGISTRY.get("nvidia")
-    assert sorted(provider.exports) == ["attention_config", "attention_forward", "kernel_config"]
+    assert sorted(provider.exports) == ["attention_bwd_dkdv", "attention_config", "attention_forward", "kernel_config"]
 
 
 def test_iluvatar_driver_is_active_only_when_selected(monkeypatch):
@@ -294,13 +294,13 @@ def test_nvidia_attention_config_uses_the_h100_table_on_sm90(monkeypatch):
     assert nvidia_configs.attention_config("attention_fwd", capability=90, head_dim=128) is None
 
 
-def test_hopper_attention_forward_compiles_for_sm90(compiled):
-    assert compiled["check_hopper_attention_forward_compiles"] == "ok"
+def test_hopper_attention_kernels_compile_for_sm90(compiled):
+    assert compiled["check_hopper_attention_kernels_compile"] == "ok"
 
 
 @compile_check
-def check_hopper_attention_forward_compiles():
-    """The Gluon kernel as the hook launches it: 12 warps (two consumer warpgroups, a producer warp
+def check_hopper_attention_kernels_compile():
+    """The Gluon kernels as the hooks launch them: 12 warps (two consumer warpgroups, a producer warp
     rounded up to a warpgroup), registers moved between partitions, async wgmma, within the SM's
     227 KB of shared memory."""
     from triton.experimental.gluon import language as gl
@@ -311,26 +311,33 @@ def check_hopper_attention_forward_compiles():
         layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, hopper.HEAD_DIM], dtype)
         return f"tensordesc<{name}[1,1,{rows},{hopper.HEAD_DIM}],{layout!r}>"
 
+    scalars = lambda *names, **types: {**{n: "i32" for n in names}, **types}  # noqa: E731
     for dtype, name, causal in ((gl.bfloat16, "bf16", True), (gl.float16, "fp16", False)):
-        sig = {"q_desc": desc(hopper.HALF_M, dtype, name), "k_desc": desc(hopper.BLOCK_N, dtype, name),
+        fwd = {"q_desc": desc(hopper.HALF_M, dtype, name), "k_desc": desc(hopper.BLOCK_N, dtype, name),
                "v_desc": desc(hopper.BLOCK_N, dtype, name), "o_desc": desc(hopper.HALF_M, dtype, name),
-               "LSE": "*fp32", "HQ": "i32", "GROUP": "i32", "SEQ_Q": "i32", "SEQ_K": "i32", "SEQ_PAD": "i32",
-               "qk_scale": "fp32", "CAUSAL": "constexpr", "STAGES": "constexpr"}
-        src = GluonASTSource(hopper._attn_fwd_ws_kernel, sig, constexprs={"CAUSAL": causal, "STAGES": hopper.STAGES})
-        kernel = triton.compile(src, target=CUDA, options={"num_warps": 4, "maxnreg": hopper.MAXNREG})
-        ptx = kernel.asm["ptx"]
-        assert kernel.metadata.num_warps == 12 and kernel.metadata.shared <= 227 * 1024
-        assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)  # the producer warp's budget
-        assert "wgmma.mma_async" in ptx and "wgmma.wait_group.sync.aligned 1" in ptx
-        assert kernel.asm["cubin"]
+               "LSE": "*fp32", **scalars("HQ", "GROUP", "SEQ_Q", "SEQ_K", "SEQ_PAD", qk_scale="fp32")}
+        rows = {"q_desc": hopper.DKDV_BLOCK_M, "k_desc": hopper.DKDV_HALF_N, "v_desc": hopper.DKDV_HALF_N,
+                "do_desc": hopper.DKDV_BLOCK_M, "dk_desc": hopper.DKDV_HALF_N, "dv_desc": hopper.DKDV_HALF_N}
+        dkdv = {**{arg: desc(n, dtype, name) for arg, n in rows.items()}, "LSE": "*fp32", "DELTA": "*fp32",
+                **scalars("HQ", "HKV", "GROUP", "SEQ_Q", "SEQ_PAD", qk_scale="fp32", sm_scale="fp32")}
+        for fn, sig in ((hopper._attn_fwd_ws_kernel, fwd), (hopper._attn_bwd_dkdv_ws_kernel, dkdv)):
+            sig.update(CAUSAL="constexpr", STAGES="constexpr")
+            src = GluonASTSource(fn, sig, constexprs={"CAUSAL": causal, "STAGES": hopper.STAGES})
+            kernel = triton.compile(src, target=CUDA, options={"num_warps": 4, "maxnreg": hopper.MAXNREG})
+            ptx = kernel.asm["ptx"]
+            assert kernel.metadata.num_warps == 12 and kernel.metadata.shared <= 227 * 1024
+            assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)  # the producer warp's budget
+            assert "wgmma.mma_async" in ptx and "wgmma.wait_group.sync.aligned 1" in ptx
+            assert kernel.asm["cubin"]
 
 
-def test_hopper_attention_forward_declines_off_gpu():
+def test_hopper_attention_kernels_decline_off_gpu():
     from tritonspec_backends.nvidia.backend.spec import attention_sm90 as hopper
     q = torch.randn(1, 2, 256, 128, dtype=torch.bfloat16)
     o, lse = torch.empty_like(q), torch.empty(1, 2, 256)
-    assert not hopper.eligible(q, q, q, o, 0.1)
+    assert not hopper.eligible(q, q, 0.1, q, o)
     assert hopper.attention_forward(q, q, q, o, lse, True, 0.1) is False
+    assert hopper.attention_bwd_dkdv(q, q, q, o, o, o, lse, lse, True, 0.1) is False
 
 
 # ------------------------------------------------------------------------------------------------

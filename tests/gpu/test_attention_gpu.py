@@ -23,13 +23,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 _EPS = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 
 
-def _spec(fn, forward=None):
+def _spec(fn, hopper=False):
     mod = types.ModuleType("attention_gpu_test_spec")
     mod.attention_config = fn
     mod.__all__ = ["attention_config"]
-    if forward is not None:
-        mod.attention_forward = forward
-        mod.__all__.append("attention_forward")
+    if hopper:  # as the nvidia spec ships: Hopper's own forward and dK/dV kernels where they apply
+        mod.attention_forward = attention_sm90.attention_forward
+        mod.attention_bwd_dkdv = attention_sm90.attention_bwd_dkdv
+        mod.__all__ += ["attention_forward", "attention_bwd_dkdv"]
     return mod
 
 
@@ -63,10 +64,9 @@ def _atomic_ptr(kernel, **problem):
     return cfg
 
 
-_HOPPER = attention_sm90.attention_forward
-# name -> (attention_config, attention_forward): "h100" is what the nvidia spec ships on sm90
-SPECS = {"default": (None, None), "h100": (_tuned, _HOPPER), "h100_tl": (_tuned, None),
-         "h100_atomic_reduce": (_atomic_reduce, _HOPPER), "h100_atomic_ptr": (_atomic_ptr, _HOPPER)}
+# name -> (attention_config, with Hopper's own kernels): "h100" is what the nvidia spec ships on sm90
+SPECS = {"default": (None, False), "h100": (_tuned, True), "h100_tl": (_tuned, False),
+         "h100_atomic_reduce": (_atomic_reduce, True), "h100_atomic_ptr": (_atomic_ptr, True)}
 
 
 @pytest.fixture
@@ -74,13 +74,13 @@ def configs():
     name = "attention-gpu-test"
 
     def use(key):
-        fn, forward = SPECS[key]
+        fn, hopper = SPECS[key]
         if fn is None:
             tritonspec.register_spec(name, _spec(lambda kernel, **problem: None))
         else:
             if not _is_sm90():
                 pytest.skip("tuned table is for sm90")
-            tritonspec.register_spec(name, _spec(fn, forward))
+            tritonspec.register_spec(name, _spec(fn, hopper))
         return tritonspec.use_backend(name)
 
     yield use
@@ -185,28 +185,34 @@ class _Spy:
 
 @pytest.mark.parametrize("seq_q,seq_k,causal", [(1000, 1000, True), (700, 300, True), (300, 700, False),
                                                 (4096, 4096, False)])
-def test_hopper_forward_runs_as_shipped(seq_q, seq_k, causal, monkeypatch):
-    """No backend selected: the device resolves to the installed nvidia spec, whose Hopper kernel runs
-    the forward (seq_q != seq_k both ways: top-left causal as SDPA) and matches float64."""
+def test_hopper_kernels_run_as_shipped(seq_q, seq_k, causal, monkeypatch):
+    """No backend selected: the device resolves to the installed nvidia spec, whose Hopper kernels run
+    the forward and the dK/dV pass (seq_q != seq_k both ways: top-left causal as SDPA); the outputs and
+    all gradients match float64."""
     if not _is_sm90():
-        pytest.skip("Hopper's own forward runs on sm90 only")
-    spy = _Spy(attention_sm90._attn_fwd_ws_kernel)
-    monkeypatch.setattr(attention_sm90, "_attn_fwd_ws_kernel", spy)
+        pytest.skip("Hopper's own kernels run on sm90 only")
+    spies = {}
+    for name in ("_attn_fwd_ws_kernel", "_attn_bwd_dkdv_ws_kernel"):
+        spies[name] = _Spy(getattr(attention_sm90, name))
+        monkeypatch.setattr(attention_sm90, name, spies[name])
     g = torch.Generator(device="cuda").manual_seed(seq_q + seq_k)
-    q = torch.randn(2, 4, seq_q, 128, device="cuda", generator=g).to(torch.bfloat16)
+    q, do = (torch.randn(2, 4, seq_q, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(2, 2, seq_k, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
-    out = attention(q, k, v, causal=causal)
-    assert spy.launches == 1
-    ref = attention_ref(q.double(), k.double(), v.double(), causal=causal)
-    sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-    err, err_sdpa = ((x.double() - ref).abs().max().item() for x in (out, sdpa))
-    assert err <= 3 * err_sdpa + _EPS[torch.bfloat16] * ref.abs().max().item()
+    ours = _run(q, k, v, do, causal, lambda q, k, v, c: attention(q, k, v, causal=c))
+    assert [spy.launches for spy in spies.values()] == [1, 1]
+    ref = _run(q.double(), k.double(), v.double(), do.double(), causal,
+               lambda q, k, v, c: attention_ref(q, k, v, causal=c))
+    sdpa = _run(q, k, v, do, causal, lambda q, k, v, c: F.scaled_dot_product_attention(
+        q, k, v, is_causal=c, enable_gqa=True))
+    for name, o, r, s in zip(("out", "dq", "dk", "dv"), ours, ref, sdpa):
+        err, err_sdpa = (o.double() - r).abs().max().item(), (s.double() - r).abs().max().item()
+        assert err <= 3 * err_sdpa + _EPS[torch.bfloat16] * r.abs().max().item(), name
 
 
 @pytest.mark.parametrize("case", ["head_dim 64", "decode", "negative scale", "unaligned stride"])
 def test_hopper_forward_declines_what_it_was_not_measured_on(case, monkeypatch):
     if not _is_sm90():
-        pytest.skip("Hopper's own forward runs on sm90 only")
+        pytest.skip("Hopper's own kernels run on sm90 only")
     spy = _Spy(attention_sm90._attn_fwd_ws_kernel)
     monkeypatch.setattr(attention_sm90, "_attn_fwd_ws_kernel", spy)
     B, H, S, D, scale = 1, 2, 300, 128, None

@@ -8,8 +8,9 @@ looping over k blocks -- or dQ accumulated with fp32 atomics from the dK/dV kern
 Every launch parameter (tile sizes, warps, stages, TMA tensor descriptors, warp specialization,
 dQ strategy) comes from ``tritonspec.launch_config(..., hook="attention_config")``: the defaults
 below are portable (the CPU interpreter included) and a backend's spec may override any key. A
-backend may also run the forward with a kernel of its own (hook ``attention_forward``; NVIDIA's
-spec does on Hopper). The op itself never asks which backend it runs on.
+backend may also run the forward or the dK/dV pass with kernels of its own (hooks
+``attention_forward`` / ``attention_bwd_dkdv``; NVIDIA's spec does on Hopper). The op itself never asks
+which backend it runs on.
 
 Semantics follow ``torch.nn.functional.scaled_dot_product_attention``:
 * q ``(batch, heads_q, seq_q, head_dim)``, k and v ``(batch, heads_kv, seq_k, head_dim)``;
@@ -490,20 +491,23 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
         ZERO_DQA=atomic, **_launch_opts(cfg_pre))
 
     qk_scale = scale * LOG2E
-    BM, BN = cfg_kv["BLOCK_M"], cfg_kv["BLOCK_N"]
-    tma = bool(cfg_kv["TMA"]) and _tma_ok(q, k, v, do, dk, dv)
-    tma_reduce = atomic and tma and bool(cfg_kv.get("DQ_TMA_REDUCE", False))
-    if tma:
-        args = (_desc(q, BM, DP), _desc(k, BN, DP), _desc(v, BN, DP), _desc(do, BM, DP), _desc(dk, BN, DP),
-                _desc(dv, BN, DP))
-    else:
-        args = (q, k, v, do, dk, dv)
-    dqa_arg = _desc(dqa, BM, DP) if tma_reduce else dqa
-    _attn_bwd_dkdv_kernel[(triton.cdiv(SK, BN), B * HKV)](
-        *args, lse, delta, dqa_arg, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
-        *_strides(dv), HQ, HKV, HQ // HKV, SQ, SK, lse.shape[-1], qk_scale, scale,
-        D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), TMA=tma, DQ_ATOMIC=atomic,
-        DQ_TMA_REDUCE=tma_reduce, **_launch_opts(cfg_kv))
+    # a backend's own dK/dV kernel (e.g. Hopper's warp-specialized one), unless dQ rides on this pass
+    own = None if atomic else lookup("attention_bwd_dkdv", backend=backend_for_device(q.device))
+    if own is None or not own(q, k, v, do, dk, dv, lse, delta, bool(causal), scale):
+        BM, BN = cfg_kv["BLOCK_M"], cfg_kv["BLOCK_N"]
+        tma = bool(cfg_kv["TMA"]) and _tma_ok(q, k, v, do, dk, dv)
+        tma_reduce = atomic and tma and bool(cfg_kv.get("DQ_TMA_REDUCE", False))
+        if tma:
+            args = (_desc(q, BM, DP), _desc(k, BN, DP), _desc(v, BN, DP), _desc(do, BM, DP), _desc(dk, BN, DP),
+                    _desc(dv, BN, DP))
+        else:
+            args = (q, k, v, do, dk, dv)
+        dqa_arg = _desc(dqa, BM, DP) if tma_reduce else dqa
+        _attn_bwd_dkdv_kernel[(triton.cdiv(SK, BN), B * HKV)](
+            *args, lse, delta, dqa_arg, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
+            *_strides(dv), HQ, HKV, HQ // HKV, SQ, SK, lse.shape[-1], qk_scale, scale,
+            D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), TMA=tma, DQ_ATOMIC=atomic,
+            DQ_TMA_REDUCE=tma_reduce, **_launch_opts(cfg_kv))
 
     if atomic:
         _attn_bwd_dq_convert_kernel[(triton.cdiv(SQ, pre_bm), B * HQ)](

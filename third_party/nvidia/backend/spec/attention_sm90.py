@@ -1,4 +1,4 @@
-"""Hopper's attention forward: a warp-specialized Gluon kernel the portable ``tl`` kernel cannot express.
+"""Hopper's attention forward and dK/dV pass: warp-specialized Gluon kernels the ``tl`` kernels cannot express.
 
 Why a second kernel: in the portable kernel both warpgroups of a CTA share one software pipeline, so
 every key block ends in a CTA-wide barrier and the two run in lockstep: both wait on q.k^T, both
@@ -8,10 +8,14 @@ by mbarriers. Nothing ties the consumers to each other, so one's softmax runs un
 matmuls. On an H100 this took the head_dim-128 forward from 450-500 to 550-610 TFLOP/s, cuDNN's
 speed (bench/NOTES.md, "warp-specialized forward").
 
-The op asks for it through the ``attention_forward`` hook; :func:`attention_forward` declines (returns
-False, the op then runs its ``tl`` kernel) for anything it was not measured on: a device other than
-sm90, head_dim outside 65..128, dtypes other than fp16/bf16, scale <= 0, strides TMA cannot address,
-decode-sized queries, or a Triton without Gluon's Hopper API.
+The backward's dK/dV kernel is built the same way: a CTA holds 128 keys of one kv head, 64 per consumer
+warpgroup, and the producer streams 64-row Q and dO blocks of every q head of the group. The dK/dV
+pass went from ~520-600 to ~580-655 TFLOP/s of real work; dQ stays the portable kernel's.
+
+The op asks for them through the ``attention_forward`` / ``attention_bwd_dkdv`` hooks; both decline
+(return False, the op then runs its ``tl`` kernel) for anything they were not measured on: a device
+other than sm90, head_dim outside 65..128, dtypes other than fp16/bf16, scale <= 0, strides TMA cannot
+address, decode-sized queries (forward), or a Triton without Gluon's Hopper API.
 """
 from __future__ import annotations
 
@@ -31,13 +35,15 @@ try:
 except ImportError:  # a Triton without Gluon: the hook always declines
     _GLUON = False
 
-__all__ = ["attention_forward", "eligible"]
+__all__ = ["attention_forward", "attention_bwd_dkdv", "eligible"]
 
 LOG2E = 1.4426950408889634
 HALF_M = 64  # query rows per consumer warpgroup; a CTA covers 2 * HALF_M
 BLOCK_N = 128  # keys per pipeline stage
 STAGES = 2  # K and V ring depth: 3 measured no faster and needs 229 KB of shared memory
 HEAD_DIM = 128  # the tile's head dim; smaller head dims are zero-filled by TMA
+DKDV_HALF_N = 64  # dK/dV: keys per consumer warpgroup; a CTA covers 2 * DKDV_HALF_N
+DKDV_BLOCK_M = 64  # dK/dV: query rows per pipeline stage (Q and dO rings)
 # Registers: the worker consumer warpgroup takes 240 and the producer warp 24 (``warp_specialize``
 # below); the default partition (the other consumer) gets what is left of 12 warps x MAXNREG.
 MAXNREG = 168
@@ -222,6 +228,153 @@ if _GLUON:
                          b, h, hk, start_m, n)),
         ], [4, 1], [240, 24])
 
+    @gluon.jit
+    def _dkdv_steps(dk, dv, s0, k_tile, v_tile, q_smem, do_smem, q_ready, do_ready, q_empty, do_empty, LSE, DELTA,
+                    bh, t0, lo, i0, i1, offs_n, SEQ_PAD, qk_scale, MASKED: gl.constexpr):
+        """q blocks lo+i0 .. lo+i1-1 of one head (ring steps t0+i): dV += P^T dO, dK += dS^T Q."""
+        BLOCK_M: gl.constexpr = q_smem.shape[3]
+        D: gl.constexpr = q_smem.shape[4]
+        NSTAGES: gl.constexpr = q_smem.shape[0]
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = s0.type.layout
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
+        cols_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+        for i in range(i0, i1):
+            t = t0 + i
+            stage = t % NSTAGES
+            phase = (t // NSTAGES) & 1
+            q_t = q_smem.index(stage).reshape([BLOCK_M, D])
+            do_t = do_smem.index(stage).reshape([BLOCK_M, D])
+            offs_m = (lo + i) * BLOCK_M + gl.arange(0, BLOCK_M, layout=cols_l)
+            lse = gl.load(LSE + bh.to(gl.int64) * SEQ_PAD + offs_m)  # padded rows: +inf, so p = 0 there
+            delta = gl.load(DELTA + bh.to(gl.int64) * SEQ_PAD + offs_m)
+            mbarrier.wait(q_ready.index(stage), phase)
+            s_t = warpgroup_mma(k_tile, q_t.permute((1, 0)), s0, use_acc=False, is_async=True)
+            mbarrier.wait(do_ready.index(stage), phase)
+            dp_t = warpgroup_mma(v_tile, do_t.permute((1, 0)), s0, use_acc=False, is_async=True)
+            s_t = warpgroup_mma_wait(1, deps=(s_t, ))
+            p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
+            if MASKED:
+                p_t = gl.where(gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1), p_t, 0.0)
+            p_a = gl.convert_layout(p_t.to(dtype), a_layout)
+            dv = warpgroup_mma(p_a, do_t, dv, is_async=True)
+            dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
+            ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+            ds_a = gl.convert_layout(ds_t.to(dtype), a_layout)
+            dk = warpgroup_mma(ds_a, q_t, dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+            mbarrier.arrive(q_empty.index(stage), count=1)
+            mbarrier.arrive(do_empty.index(stage), count=1)
+        return dk, dv
+
+    @gluon.jit
+    def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready,
+                       q_empty, do_empty, b, hk, start_n, lo, n_m, GROUP, HQ, SEQ_PAD, qk_scale, sm_scale,
+                       CAUSAL: gl.constexpr, C: gl.constexpr):
+        """Warpgroup C: keys start_n + C*HALF_N .. +HALF_N of one kv head, against every q block of the
+        GROUP q heads that read it (GQA reduced in registers)."""
+        HALF_N: gl.constexpr = k_smem.shape[3]
+        D: gl.constexpr = k_smem.shape[4]
+        BLOCK_M: gl.constexpr = q_smem.shape[3]
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D, 16])
+        rows_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+        k_tile = k_smem.index(C).reshape([HALF_N, D])
+        v_tile = v_smem.index(C).reshape([HALF_N, D])
+        key0 = start_n + C * HALF_N
+        offs_n = key0 + gl.arange(0, HALF_N, layout=rows_l)
+        dk = gl.zeros([HALF_N, D], gl.float32, layout=o_layout)
+        dv = gl.zeros([HALF_N, D], gl.float32, layout=o_layout)
+        s0 = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
+        mbarrier.wait(kv_bar, 0)
+        # per q head: the q blocks that cross this CTA's keys need the causal mask, the rest do not
+        n_diag = gl.minimum(n_m, 2 * HALF_N // BLOCK_M) if CAUSAL else 0
+        for g in range(GROUP):
+            bh = b * HQ + hk * GROUP + g
+            dk, dv = _dkdv_steps(dk, dv, s0, k_tile, v_tile, q_smem, do_smem, q_ready, do_ready, q_empty, do_empty,
+                                 LSE, DELTA, bh, g * n_m, lo, 0, n_diag, offs_n, SEQ_PAD, qk_scale, CAUSAL)
+            dk, dv = _dkdv_steps(dk, dv, s0, k_tile, v_tile, q_smem, do_smem, q_ready, do_ready, q_empty, do_empty,
+                                 LSE, DELTA, bh, g * n_m, lo, n_diag, n_m, offs_n, SEQ_PAD, qk_scale, False)
+        k_tile.store((dk * sm_scale).to(dtype))  # K and V are dead: stage dK and dV in their tiles
+        v_tile.store(dv.to(dtype))
+        fence_async_shared()
+        _tma_store(dk_desc, [b, hk, key0, 0], k_smem.index(C))  # rows past seq_k are clipped by TMA
+        _tma_store(dv_desc, [b, hk, key0, 0], v_smem.index(C))
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _dkdv_producer(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready,
+                       q_empty, do_empty, b, hk, start_n, lo, n_m, GROUP):
+        """One warp: both K and V halves once, then Q and dO block by block for every q head of the group."""
+        HALF_N: gl.constexpr = k_desc.block_type.shape[2]
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        NSTAGES: gl.constexpr = q_smem.shape[0]
+        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+        for c in gl.static_range(2):
+            _tma_load(k_desc, [b, hk, start_n + c * HALF_N, 0], kv_bar, k_smem.index(c))
+            _tma_load(v_desc, [b, hk, start_n + c * HALF_N, 0], kv_bar, v_smem.index(c))
+        for t in range(GROUP * n_m):
+            h = hk * GROUP + t // n_m
+            row = (lo + t % n_m) * BLOCK_M
+            stage = t % NSTAGES
+            phase = ((t // NSTAGES) & 1) ^ 1
+            mbarrier.wait(q_empty.index(stage), phase)
+            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+            _tma_load(q_desc, [b, h, row, 0], q_ready.index(stage), q_smem.index(stage))
+            mbarrier.wait(do_empty.index(stage), phase)
+            mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+            _tma_load(do_desc, [b, h, row, 0], do_ready.index(stage), do_smem.index(stage))
+
+    @gluon.jit
+    def _attn_bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, HQ, HKV, GROUP,
+                                 SEQ_Q, SEQ_PAD, qk_scale, sm_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+        """dK/dV as the forward: two consumer warpgroups (64 keys each, one CTA tile of 128) and a TMA
+        producer warp; the dQ pass stays the portable kernel's."""
+        HALF_N: gl.constexpr = k_desc.block_type.shape[2]
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        dtype: gl.constexpr = q_desc.dtype
+        pid_n = gl.program_id(0)
+        bhk = gl.program_id(1)
+        b = bhk // HKV
+        hk = bhk % HKV
+        start_n = pid_n * (2 * HALF_N)
+        if CAUSAL:  # q rows < start_n see none of these keys
+            lo = gl.minimum(start_n, SEQ_Q) // BLOCK_M
+        else:
+            lo = 0
+        n_m = gl.cdiv(SEQ_Q, BLOCK_M) - lo
+
+        k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(do_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)
+            mbarrier.init(do_empty.index(i), count=2)
+        fence_async_shared()
+        gl.warp_specialize([
+            (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready,
+                              do_ready, q_empty, do_empty, b, hk, start_n, lo, n_m, GROUP, HQ, SEQ_PAD, qk_scale,
+                              sm_scale, CAUSAL, 0)),
+            (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready,
+                              do_ready, q_empty, do_empty, b, hk, start_n, lo, n_m, GROUP, HQ, SEQ_PAD, qk_scale,
+                              sm_scale, CAUSAL, 1)),
+            (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready,
+                              do_ready, q_empty, do_empty, b, hk, start_n, lo, n_m, GROUP)),
+        ], [4, 1], [240, 24])
+
 
 @functools.lru_cache(maxsize=None)
 def _is_sm90(index: int) -> bool:
@@ -235,15 +388,16 @@ def _tma_addressable(t: torch.Tensor) -> bool:
                                                                   for s in t.stride()[:-1]))
 
 
-def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, scale: float) -> bool:
-    """Whether this kernel runs the problem (what it was measured and tested on)."""
+def eligible(q: torch.Tensor, k: torch.Tensor, scale: float, *tensors: torch.Tensor) -> bool:
+    """Whether these kernels take the problem: what they were measured and tested on. ``tensors`` are
+    the others the kernel reads or writes through TMA (v, o or dO, dK, dV)."""
     if not _GLUON or not q.is_cuda or getattr(torch.version, "hip", None):
         return False
     d = q.shape[-1]
     return (q.dtype in (torch.float16, torch.bfloat16) and 64 < d <= HEAD_DIM and d * q.element_size() % 16 == 0
-            and scale > 0 and q.shape[2] > HALF_M and k.shape[2] > 0 and q.shape[1] * q.shape[0] < 65536
+            and scale > 0 and k.shape[2] > 0 and q.shape[0] * q.shape[1] < 65536
             and _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device())
-            and all(_tma_addressable(t) for t in (q, k, v, o)))
+            and all(_tma_addressable(t) for t in (q, k, *tensors)))
 
 
 def _descriptor(t: torch.Tensor, rows: int):
@@ -256,7 +410,7 @@ def _descriptor(t: torch.Tensor, rows: int):
 def attention_forward(q, k, v, o, lse, causal: bool, scale: float) -> bool:
     """The ``attention_forward`` hook: fill ``o`` and ``lse`` (base-2 logsumexp of the scaled scores,
     rows padded with +inf beforehand) and return True, or return False to leave the problem to the op."""
-    if not eligible(q, k, v, o, scale):
+    if q.shape[2] <= HALF_M or not eligible(q, k, scale, v, o):  # decode-sized queries: half a tile idles
         return False
     batch, heads_q, seq_q, _ = q.shape
     grid = (triton.cdiv(seq_q, 2 * HALF_M), batch * heads_q)
@@ -264,4 +418,20 @@ def attention_forward(q, k, v, o, lse, causal: bool, scale: float) -> bool:
                               _descriptor(o, HALF_M), lse, heads_q, heads_q // k.shape[1], seq_q, k.shape[2],
                               lse.shape[-1], scale * LOG2E, CAUSAL=bool(causal), STAGES=STAGES, num_warps=4,
                               maxnreg=MAXNREG)
+    return True
+
+
+def attention_bwd_dkdv(q, k, v, do, dk, dv, lse, delta, causal: bool, scale: float) -> bool:
+    """The ``attention_bwd_dkdv`` hook: fill ``dk`` and ``dv`` from the forward's lse and the op's delta
+    (rowsum(dO * O)), both per q row with padded rows +inf and 0; or return False."""
+    if not eligible(q, k, scale, v, do, dk, dv):
+        return False
+    batch, heads_q, seq_q, _ = q.shape
+    heads_kv = k.shape[1]
+    grid = (triton.cdiv(k.shape[2], 2 * DKDV_HALF_N), batch * heads_kv)
+    _attn_bwd_dkdv_ws_kernel[grid](_descriptor(q, DKDV_BLOCK_M), _descriptor(k, DKDV_HALF_N),
+                                   _descriptor(v, DKDV_HALF_N), _descriptor(do, DKDV_BLOCK_M),
+                                   _descriptor(dk, DKDV_HALF_N), _descriptor(dv, DKDV_HALF_N), lse, delta, heads_q,
+                                   heads_kv, heads_q // heads_kv, seq_q, lse.shape[-1], scale * LOG2E, scale,
+                                   CAUSAL=bool(causal), STAGES=STAGES, num_warps=4, maxnreg=MAXNREG)
     return True
