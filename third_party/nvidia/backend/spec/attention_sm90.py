@@ -20,7 +20,6 @@ address, decode-sized queries (forward), or a Triton without Gluon's Hopper API.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
