@@ -195,6 +195,17 @@ def test_spec_errors_name_backend_and_hook(registry):
     assert any(isinstance(e, SpecHookError) for e in chain)  # Triton's CompilationError wraps it
 
 
+def test_a_hook_is_wrapped_once_per_spec_function(registry):
+    """Ops look hooks up on every call: the error-naming wrapper is built once, and a new spec
+    function (re-registration) gets its own."""
+    tritonspec.register_spec("wrapped", make_spec("wrapped_spec", do_bench=lambda *a, **k: 1.0))
+    first = resolve.lookup("do_bench", backend="wrapped")
+    assert resolve.lookup("do_bench", backend="wrapped") is first
+    tritonspec.register_spec("wrapped", make_spec("wrapped_spec", do_bench=lambda *a, **k: 2.0))
+    second = resolve.lookup("do_bench", backend="wrapped")
+    assert second is not first and second() == 2.0 and first() == 1.0
+
+
 def test_injectors_install_and_restore_exact_objects(registry):
     from triton.language import core, math, semantic, standard
     orig = {"tl.exp": tl.exp, "math.exp": math.exp, "tl.maximum": tl.maximum}

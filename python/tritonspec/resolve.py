@@ -104,10 +104,25 @@ def _cuda_backend() -> str:
     return "amd" if getattr(torch.version, "hip", None) else "nvidia"
 
 
+# Wrapped spec functions, built once per (backend, hook, function): ops look hooks up on every call,
+# and functools.wraps alone costs more than the rest of a lookup. The entry keeps the function alive,
+# so its id cannot be reused while cached; dropped on any registry change.
+_wrapped: dict = {}
+REGISTRY.on_change(_wrapped.clear)
+
+
 def _wrap(backend: str, name: str, fn):
     if not callable(fn):
         return fn
+    key = (backend, name, id(fn))
+    hit = _wrapped.get(key)
+    if hit is None:
+        hit = _wrapped[key] = (fn, _error_naming(backend, name, fn))
+    return hit[1]
 
+
+def _error_naming(backend: str, name: str, fn):
+    """``fn`` whose exceptions name the backend and the hook (Triton's compile errors pass through)."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
         try:
