@@ -21,7 +21,8 @@ from .registry import REGISTRY
 
 # Targets compiled for each spec backend unless its spec module names one in ``_TARGET``.
 DEFAULT_TARGETS = {"nvidia": ("cuda", 90, 32), "amd": ("hip", "gfx942", 64)}
-OWN_POINTS = "tritonspec."  # hooks consulted by tritonspec's own ops (launch_config, ops.*), not by Triton
+# Points in tritonspec's own code (consulted by its ops, not installed into Triton).
+OWN_POINTS = frozenset({"tritonspec.launch_config", "tritonspec.ops.attention"})
 
 
 # -- sample kernels: plain functions, wrapped as compiled or interpreted kernels below -----------
@@ -174,7 +175,7 @@ def main(argv=None) -> int:
     points = {p.name: p for p in install.INSTALL_POINTS}
     rows = []
     for hook in HOOKS.values():
-        if hook.point.startswith(OWN_POINTS):
+        if hook.point in OWN_POINTS:
             status = "installed"
         elif hook.point not in points:
             status = f"failed: no install point {hook.point!r}"
