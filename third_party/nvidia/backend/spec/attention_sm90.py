@@ -23,6 +23,8 @@ import functools
 
 import torch
 
+from tritonspec.ops.attention import LOG2E, _tma_ok
+
 try:
     import triton
     from triton.experimental import gluon
@@ -36,10 +38,9 @@ except ImportError:  # a Triton without Gluon: the hook always declines
 
 __all__ = ["attention_forward", "attention_bwd_dkdv", "eligible"]
 
-LOG2E = 1.4426950408889634
 HALF_M = 64  # query rows per consumer warpgroup; a CTA covers 2 * HALF_M
 BLOCK_N = 128  # keys per pipeline stage
-STAGES = 2  # K and V ring depth: 3 measured no faster and needs 229 KB of shared memory
+STAGES = 2  # ring depth (forward K/V, dK/dV Q/dO): 3 measured no faster in either
 HEAD_DIM = 128  # the tile's head dim; smaller head dims are zero-filled by TMA
 DKDV_HALF_N = 64  # dK/dV: keys per consumer warpgroup; a CTA covers 2 * DKDV_HALF_N
 DKDV_BLOCK_M = 64  # dK/dV: query rows per pipeline stage (Q and dO rings)
@@ -380,23 +381,16 @@ def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
-def _tma_addressable(t: torch.Tensor) -> bool:
-    """TMA: 16-byte aligned base and strides, unit innermost stride."""
-    size = t.element_size()
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s > 0 and s * size % 16 == 0
-                                                                  for s in t.stride()[:-1]))
-
-
 def eligible(q: torch.Tensor, k: torch.Tensor, scale: float, *tensors: torch.Tensor) -> bool:
     """Whether these kernels take the problem: what they were measured and tested on. ``tensors`` are
     the others the kernel reads or writes through TMA (v, o or dO, dK, dV)."""
     if not _GLUON or not q.is_cuda or getattr(torch.version, "hip", None):
         return False
     d = q.shape[-1]
-    return (q.dtype in (torch.float16, torch.bfloat16) and 64 < d <= HEAD_DIM and d * q.element_size() % 16 == 0
-            and scale > 0 and k.shape[2] > 0 and q.shape[0] * q.shape[1] < 65536
+    return (q.dtype in (torch.float16, torch.bfloat16) and 64 < d <= HEAD_DIM and scale > 0 and k.shape[2] > 0
+            and q.shape[0] * q.shape[1] < 65536
             and _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device())
-            and all(_tma_addressable(t) for t in (q, k, *tensors)))
+            and _tma_ok(q, k, *tensors))  # the op's own TMA rules: aligned base and strides, unit last stride
 
 
 def _descriptor(t: torch.Tensor, rows: int):
