@@ -331,6 +331,19 @@ def check_hopper_attention_kernels_compile():
             assert kernel.asm["cubin"]
 
 
+def test_hopper_descriptors():
+    """The requested block of rows, the tensor's own strides (HF's transposed layout too), and the
+    swizzled layout get_default_for gives, though built once per (rows, dtype)."""
+    from triton.experimental.gluon import language as gl
+    from tritonspec_backends.nvidia.backend.spec import attention_sm90 as hopper
+    for dtype, gl_dtype in ((torch.bfloat16, gl.bfloat16), (torch.float16, gl.float16)):
+        t = torch.randn(1, 300, 2, 128).to(dtype).transpose(1, 2)
+        for rows in (hopper.HALF_M, hopper.BLOCK_N):
+            desc = hopper._descriptor(t, rows)
+            assert desc.block_shape == [1, 1, rows, hopper.HEAD_DIM] and list(desc.strides) == list(t.stride())
+            assert desc.layout == gl.NVMMASharedLayout.get_default_for([1, 1, rows, hopper.HEAD_DIM], gl_dtype)
+
+
 def test_hopper_attention_kernels_decline_off_gpu():
     from tritonspec_backends.nvidia.backend.spec import attention_sm90 as hopper
     q = torch.randn(1, 2, 256, 128, dtype=torch.bfloat16)
