@@ -6,6 +6,8 @@ Modes:
   --sweep      time every candidate on every shape; per (head dim, causal) keep the one with the best
                summed TFLOP/s (and a correct result); write table.json
   --final      time our tuned table (or --table table.json) against FLASH and cuDNN
+  --gap        per provider: do_bench ms vs GPU-only ms (host kept ahead) and host ms per call, so
+               the host latency inside each timed interval shows; plus a host profile of our backward
 
 TFLOP/s: forward 4*b*h*s*s*d (halved when causal), backward 2.5x forward. Timings are do_bench
 medians (L2 flushed between runs); the backward is torch.autograd.grad on a saved graph, so it
@@ -20,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+import time
 import types
 
 import torch
@@ -94,9 +97,9 @@ def use_configs(override: dict | None = None, tables: dict | None = None, hopper
     mod = types.ModuleType("bench_attention_spec")
     mod.attention_config = attention_config
     mod.__all__ = ["attention_config"]
-    if hopper_kernels:  # as the shipped spec: Hopper's own forward and dK/dV kernels where they apply
-        mod.attention_forward, mod.attention_bwd_dkdv = hopper.attention_forward, hopper.attention_bwd_dkdv
-        mod.__all__ += ["attention_forward", "attention_bwd_dkdv"]
+    if hopper_kernels:  # as the shipped spec: Hopper's own forward and backward kernels where they apply
+        mod.attention_forward, mod.attention_backward = hopper.attention_forward, hopper.attention_backward
+        mod.__all__ += ["attention_forward", "attention_backward"]
     tritonspec.register_spec("nvidia", mod)  # re-registering also clears launch_config's memo
 
 
@@ -332,6 +335,58 @@ def table(results):
     return "\n".join(lines)
 
 
+def gpu_only_ms(fn, n=20):
+    """Median event time of ``fn`` with the host ahead of the GPU (a sleep kernel queued first), so
+    no host latency lands inside the interval; also the host ms each call took meanwhile."""
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    gpu, host = [], []
+    for _ in range(n):
+        flush.zero_()
+        torch.cuda._sleep(10_000_000)  # ~5 ms of GPU time: the host runs ahead meanwhile
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        t = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t) * 1e3)
+        e.record()
+        torch.cuda.synchronize()
+        gpu.append(s.elapsed_time(e))
+    return statistics.median(gpu), statistics.median(host)
+
+
+def gap(shapes=((2, 16, 8192, 128), (4, 32, 4096, 128))):
+    """Where do_bench's interval exceeds the GPU's own time: host latency before the first long kernel."""
+    import cProfile
+    import pstats
+    use_configs(None)
+    rows = []
+    for shape in shapes:
+        for causal in (False, True):
+            q, k, v, do = make_inputs(shape, seed=1)
+            for name, fn in (("cudnn", sdpa_fn(SDPBackend.CUDNN_ATTENTION, causal)), ("ours", ours_fn(causal))):
+                out = fn(q, k, v)
+                bwd = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)  # noqa: E731
+                fwd = lambda: fn(q, k, v)  # noqa: E731
+                for mode, call in (("fwd", fwd), ("bwd", bwd)):
+                    g, h = gpu_only_ms(call)
+                    rows.append((case_label(shape, causal), name, mode, bench(call), g, h))
+            torch.cuda._sleep(50_000_000)
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(5):
+                torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+            prof.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
+            del q, k, v, do, out
+    print(env())
+    print("| case | provider | pass | do_bench ms | GPU-only ms | host ms/call |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.3f} | {r[4]:.3f} | {r[5]:.3f} |")
+
+
 def probe():
     """Does the driver accept 4-D TMA descriptors over a transposed (HF) layout? (_tma_ok refuses it.)"""
     A = importlib.import_module("tritonspec.ops.attention")  # the module, even if ops re-exports the function
@@ -361,6 +416,7 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--final", action="store_true")
     ap.add_argument("--probe", action="store_true")
+    ap.add_argument("--gap", action="store_true")
     ap.add_argument("--table", help="table.json from --sweep to use instead of attention_configs.TABLES")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
@@ -377,6 +433,8 @@ def main(argv=None):
         compare(args.out, tables)
     elif args.probe:
         probe()
+    elif args.gap:
+        gap()
     else:
         ap.print_help()
         return 2

@@ -7,9 +7,13 @@ if DEVICE == "cpu":
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 # A cache of this run's own: kernels cached by another checkout (or Triton version) would carry
 # its file paths and hide compile-time behaviour from the tests.
+# It is removed when the run ends: every CI run would otherwise leave one behind.
 if "TRITON_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="tritonspec-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["TRITON_CACHE_DIR"], ignore_errors=True)
 
 import pytest  # noqa: E402
 

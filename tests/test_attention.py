@@ -240,9 +240,9 @@ def _scores(q, k, causal, scale):
 
 
 def _own_kernels_spec(calls, written, run):
-    """A spec whose ``attention_forward`` / ``attention_bwd_dkdv`` record each call and, when ``run``,
+    """A spec whose ``attention_forward`` / ``attention_backward`` record each call and, when ``run``,
     compute in float64 from exactly what the hooks promise (the forward writes out and the base-2
-    logsumexp; dK/dV read that lse and delta = rowsum(dO * O)), keeping copies in ``written``."""
+    logsumexp; the backward reads that lse and delta = rowsum(dO * O)), keeping copies in ``written``."""
     mod = types.ModuleType("own_kernels_spec")
 
     def attention_forward(q, k, v, o, lse, causal, scale):
@@ -254,29 +254,30 @@ def _own_kernels_spec(calls, written, run):
             written["out"] = o.clone()
         return run
 
-    def attention_bwd_dkdv(q, k, v, do, dk, dv, lse, delta, causal, scale):
-        calls.append(("dkdv", tuple(q.shape), tuple(k.shape), causal, scale))
+    def attention_backward(q, k, v, do, dq, dk, dv, lse, delta, causal, scale):
+        calls.append(("backward", tuple(q.shape), tuple(k.shape), causal, scale))
         if run:
             sq, group = q.shape[2], q.shape[1] // k.shape[1]
             p = torch.exp2(_scores(q, k, causal, scale) / math.log(2) - lse[..., :sq, None].double())
             dp = do.double() @ v.double().repeat_interleave(group, dim=1).transpose(-1, -2)
             ds = p * (dp - delta[..., :sq, None].double())
             fold = lambda t: t.unflatten(1, (k.shape[1], group)).sum(2)  # noqa: E731 (sum a group's q heads)
+            dq.copy_(ds @ k.double().repeat_interleave(group, dim=1) * scale)
             dv.copy_(fold(p.transpose(-1, -2) @ do.double()))
             dk.copy_(fold(ds.transpose(-1, -2) @ q.double()) * scale)
-            written["dk"], written["dv"] = dk.clone(), dv.clone()
+            written["dq"], written["dk"], written["dv"] = dq.clone(), dk.clone(), dv.clone()
         return run
 
     mod.attention_config = lambda kernel, **problem: CONFIGS["small"].get(kernel)
-    mod.attention_forward, mod.attention_bwd_dkdv = attention_forward, attention_bwd_dkdv
-    mod.__all__ = ["attention_config", "attention_forward", "attention_bwd_dkdv"]
+    mod.attention_forward, mod.attention_backward = attention_forward, attention_backward
+    mod.__all__ = ["attention_config", "attention_forward", "attention_backward"]
     return mod
 
 
 @pytest.mark.parametrize("run", [True, False], ids=["runs", "declines"])
 def test_a_backend_may_run_its_own_kernels(run):
-    """The forward and the dK/dV pass ask the backend first: what its kernels write is the op's result
-    (dQ, still the op's kernel, reads the spec's lse); declining leaves the portable kernels."""
+    """The forward and the backward ask the backend first: what its kernels write is the op's result;
+    declining leaves the portable kernels."""
     calls, written = [], {}
     tritonspec.register_spec("own-kernels-test", _own_kernels_spec(calls, written, run))
     try:
@@ -285,11 +286,11 @@ def test_a_backend_may_run_its_own_kernels(run):
             got = _ours(q, k, v, do, True, scale=0.3)
     finally:
         tritonspec.REGISTRY.unregister("own-kernels-test")
-    assert calls == [(kind, (1, 4, 33, 32), (1, 2, 21, 32), True, 0.3) for kind in ("forward", "dkdv")]
+    assert calls == [(kind, (1, 4, 33, 32), (1, 2, 21, 32), True, 0.3) for kind in ("forward", "backward")]
     _check_against_reference(got, q, k, v, do, True, scale=0.3)
     if run:  # bit for bit what the spec wrote, not a second run of the portable kernels
-        assert written.keys() == {"out", "dk", "dv"}
-        assert all(torch.equal(got[i], written[name]) for i, name in ((0, "out"), (2, "dk"), (3, "dv")))
+        assert written.keys() == {"out", "dq", "dk", "dv"}
+        assert all(torch.equal(got[i], written[name]) for i, name in enumerate(("out", "dq", "dk", "dv")))
 
 
 def _t(*shape, dtype=torch.float32):

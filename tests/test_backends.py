@@ -94,7 +94,7 @@ def test_new_triton_backends_are_discovered_next_to_the_stock_ones():
 
 def test_nvidia_spec_changes_nothing_but_launch_configs_and_hoppers_attention_kernels():
     provider = REGISTRY.get("nvidia")
-    assert sorted(provider.exports) == ["attention_bwd_dkdv", "attention_config", "attention_forward", "kernel_config"]
+    assert sorted(provider.exports) == ["attention_backward", "attention_config", "attention_forward", "kernel_config"]
 
 
 def test_iluvatar_driver_is_active_only_when_selected(monkeypatch):
@@ -307,20 +307,21 @@ def check_hopper_attention_kernels_compile():
     from triton.experimental.gluon._runtime import GluonASTSource
     from tritonspec_backends.nvidia.backend.spec import attention_sm90 as hopper
 
-    def desc(rows, dtype, name):
-        layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, hopper.HEAD_DIM], dtype)
-        return f"tensordesc<{name}[1,1,{rows},{hopper.HEAD_DIM}],{layout!r}>"
+    def desc(rows, dtype, name, cols=hopper.HEAD_DIM):
+        layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], dtype)
+        return f"tensordesc<{name}[1,1,{rows},{cols}],{layout!r}>"
 
     scalars = lambda *names, **types: {**{n: "i32" for n in names}, **types}  # noqa: E731
     for dtype, name, causal in ((gl.bfloat16, "bf16", True), (gl.float16, "fp16", False)):
         fwd = {"q_desc": desc(hopper.HALF_M, dtype, name), "k_desc": desc(hopper.BLOCK_N, dtype, name),
                "v_desc": desc(hopper.BLOCK_N, dtype, name), "o_desc": desc(hopper.HALF_M, dtype, name),
                "LSE": "*fp32", **scalars("HQ", "GROUP", "SEQ_Q", "SEQ_K", "SEQ_PAD", qk_scale="fp32")}
-        rows = {"q_desc": hopper.DKDV_BLOCK_M, "k_desc": hopper.DKDV_HALF_N, "v_desc": hopper.DKDV_HALF_N,
-                "do_desc": hopper.DKDV_BLOCK_M, "dk_desc": hopper.DKDV_HALF_N, "dv_desc": hopper.DKDV_HALF_N}
-        dkdv = {**{arg: desc(n, dtype, name) for arg, n in rows.items()}, "LSE": "*fp32", "DELTA": "*fp32",
-                **scalars("HQ", "HKV", "GROUP", "SEQ_Q", "SEQ_PAD", qk_scale="fp32", sm_scale="fp32")}
-        for fn, sig in ((hopper._attn_fwd_ws_kernel, fwd), (hopper._attn_bwd_dkdv_ws_kernel, dkdv)):
+        rows = {"q_desc": hopper.BWD_BLOCK_M, "k_desc": hopper.BWD_HALF_N, "v_desc": hopper.BWD_HALF_N,
+                "do_desc": hopper.BWD_BLOCK_M, "dk_desc": hopper.BWD_HALF_N, "dv_desc": hopper.BWD_HALF_N}
+        bwd = {**{arg: desc(n, dtype, name) for arg, n in rows.items()},
+               "dqa_desc": desc(hopper.BWD_BLOCK_M, gl.float32, "fp32", hopper.HEAD_DIM // 2), "LSE": "*fp32",
+               "DELTA": "*fp32", **scalars("HQ", "HKV", "GROUP", "SEQ_Q", "SEQ_PAD", qk_scale="fp32", sm_scale="fp32")}
+        for fn, sig in ((hopper._attn_fwd_ws_kernel, fwd), (hopper._attn_bwd_ws_kernel, bwd)):
             sig.update(CAUSAL="constexpr", STAGES="constexpr")
             src = GluonASTSource(fn, sig, constexprs={"CAUSAL": causal, "STAGES": hopper.STAGES})
             kernel = triton.compile(src, target=CUDA, options={"num_warps": 4, "maxnreg": hopper.MAXNREG})
@@ -328,6 +329,9 @@ def check_hopper_attention_kernels_compile():
             assert kernel.metadata.num_warps == 12 and kernel.metadata.shared <= 227 * 1024
             assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)  # the producer warp's budget
             assert "wgmma.mma_async" in ptx and "wgmma.wait_group.sync.aligned 1" in ptx
+            if fn is hopper._attn_bwd_ws_kernel:  # dQ leaves as bulk reduce-adds, not per-element atomics
+                assert "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in ptx
+                assert not re.search(r"\b(red|atom)\.global", ptx)
             assert kernel.asm["cubin"]
 
 
@@ -350,7 +354,7 @@ def test_hopper_attention_kernels_decline_off_gpu():
     o, lse = torch.empty_like(q), torch.empty(1, 2, 256)
     assert not hopper.eligible(q, q, 0.1, q, o)
     assert hopper.attention_forward(q, q, q, o, lse, True, 0.1) is False
-    assert hopper.attention_bwd_dkdv(q, q, q, o, o, o, lse, lse, True, 0.1) is False
+    assert hopper.attention_backward(q, q, q, o, o, o, o, lse, lse, True, 0.1) is False
 
 
 # ------------------------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ looping over k blocks -- or dQ accumulated with fp32 atomics from the dK/dV kern
 Every launch parameter (tile sizes, warps, stages, TMA tensor descriptors, warp specialization,
 dQ strategy) comes from ``tritonspec.launch_config(..., hook="attention_config")``: the defaults
 below are portable (the CPU interpreter included) and a backend's spec may override any key. A
-backend may also run the forward or the dK/dV pass with kernels of its own (hooks
-``attention_forward`` / ``attention_bwd_dkdv``; NVIDIA's spec does on Hopper). The op itself never asks
+backend may also run the forward or the whole backward with kernels of its own (hooks
+``attention_forward`` / ``attention_backward``; NVIDIA's spec does on Hopper). The op itself never asks
 which backend it runs on.
 
 Semantics follow ``torch.nn.functional.scaled_dot_product_attention``:
@@ -490,24 +490,25 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
         o, do, delta, dqa, *_strides(o), *_strides(do), HQ, SQ, lse.shape[-1], D=D, DP=DP, BLOCK_M=pre_bm,
         ZERO_DQA=atomic, **_launch_opts(cfg_pre))
 
+    # a backend's own backward (e.g. Hopper's one-pass warp-specialized kernel), else the portable kernels
+    own = lookup("attention_backward", backend=backend_for_device(q.device))
+    if own is not None and own(q, k, v, do, dq, dk, dv, lse, delta, bool(causal), scale):
+        return dq, dk, dv
     qk_scale = scale * LOG2E
-    # a backend's own dK/dV kernel (e.g. Hopper's warp-specialized one), unless dQ rides on this pass
-    own = None if atomic else lookup("attention_bwd_dkdv", backend=backend_for_device(q.device))
-    if own is None or not own(q, k, v, do, dk, dv, lse, delta, bool(causal), scale):
-        BM, BN = cfg_kv["BLOCK_M"], cfg_kv["BLOCK_N"]
-        tma = bool(cfg_kv["TMA"]) and _tma_ok(q, k, v, do, dk, dv)
-        tma_reduce = atomic and tma and bool(cfg_kv.get("DQ_TMA_REDUCE", False))
-        if tma:
-            args = (_desc(q, BM, DP), _desc(k, BN, DP), _desc(v, BN, DP), _desc(do, BM, DP), _desc(dk, BN, DP),
-                    _desc(dv, BN, DP))
-        else:
-            args = (q, k, v, do, dk, dv)
-        dqa_arg = _desc(dqa, BM, DP) if tma_reduce else dqa
-        _attn_bwd_dkdv_kernel[(triton.cdiv(SK, BN), B * HKV)](
-            *args, lse, delta, dqa_arg, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
-            *_strides(dv), HQ, HKV, HQ // HKV, SQ, SK, lse.shape[-1], qk_scale, scale,
-            D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), TMA=tma, DQ_ATOMIC=atomic,
-            DQ_TMA_REDUCE=tma_reduce, **_launch_opts(cfg_kv))
+    BM, BN = cfg_kv["BLOCK_M"], cfg_kv["BLOCK_N"]
+    tma = bool(cfg_kv["TMA"]) and _tma_ok(q, k, v, do, dk, dv)
+    tma_reduce = atomic and tma and bool(cfg_kv.get("DQ_TMA_REDUCE", False))
+    if tma:
+        args = (_desc(q, BM, DP), _desc(k, BN, DP), _desc(v, BN, DP), _desc(do, BM, DP), _desc(dk, BN, DP),
+                _desc(dv, BN, DP))
+    else:
+        args = (q, k, v, do, dk, dv)
+    dqa_arg = _desc(dqa, BM, DP) if tma_reduce else dqa
+    _attn_bwd_dkdv_kernel[(triton.cdiv(SK, BN), B * HKV)](
+        *args, lse, delta, dqa_arg, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
+        *_strides(dv), HQ, HKV, HQ // HKV, SQ, SK, lse.shape[-1], qk_scale, scale,
+        D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), TMA=tma, DQ_ATOMIC=atomic,
+        DQ_TMA_REDUCE=tma_reduce, **_launch_opts(cfg_kv))
 
     if atomic:
         _attn_bwd_dq_convert_kernel[(triton.cdiv(SQ, pre_bm), B * HQ)](

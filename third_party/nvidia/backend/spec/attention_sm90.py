@@ -1,4 +1,4 @@
-"""Hopper's attention forward and dK/dV pass: warp-specialized Gluon kernels the ``tl`` kernels cannot express.
+"""Hopper's attention forward and backward: warp-specialized Gluon kernels the ``tl`` kernels cannot express.
 
 Why a second kernel: in the portable kernel both warpgroups of a CTA share one software pipeline, so
 every key block ends in a CTA-wide barrier and the two run in lockstep: both wait on q.k^T, both
@@ -8,12 +8,15 @@ by mbarriers. Nothing ties the consumers to each other, so one's softmax runs un
 matmuls. On an H100 this took the head_dim-128 forward from 450-500 to 550-610 TFLOP/s, cuDNN's
 speed (bench/NOTES.md, "warp-specialized forward").
 
-The backward's dK/dV kernel is built the same way: a CTA holds 128 keys of one kv head, 64 per consumer
-warpgroup, and the producer streams 64-row Q and dO blocks of every q head of the group. The dK/dV
-pass went from ~520-600 to ~580-655 TFLOP/s of real work; dQ stays the portable kernel's.
+The backward is one pass over the keys, built the same way: a CTA holds 128 keys of one kv head, 64
+per consumer warpgroup, and the producer streams 64-row Q and dO blocks of every q head of the group.
+dK and dV stay in registers; dQ = dS K goes out every step, each warpgroup taking half the head dim
+over all 128 keys (the dS^T halves meet in shared memory), as TMA reduce-adds into an fp32
+accumulator. That is 5 matmuls per step where the portable kernels' separate dQ pass spends 7;
+per-element atomics instead of TMA cost a third more time (bench/NOTES.md, "one-pass backward").
 
-The op asks for them through the ``attention_forward`` / ``attention_bwd_dkdv`` hooks; both decline
-(return False, the op then runs its ``tl`` kernel) for anything they were not measured on: a device
+The op asks for them through the ``attention_forward`` / ``attention_backward`` hooks; both decline
+(return False, the op then runs its ``tl`` kernels) for anything they were not measured on: a device
 other than sm90, head_dim outside 65..128, dtypes other than fp16/bf16, scale <= 0, strides TMA cannot
 address, decode-sized queries (forward), or a Triton without Gluon's Hopper API.
 """
@@ -36,22 +39,34 @@ try:
 except ImportError:  # a Triton without Gluon: the hook always declines
     _GLUON = False
 
-__all__ = ["attention_forward", "attention_bwd_dkdv", "eligible"]
+__all__ = ["attention_forward", "attention_backward", "eligible"]
 
 HALF_M = 64  # query rows per consumer warpgroup; a CTA covers 2 * HALF_M
 BLOCK_N = 128  # keys per pipeline stage
-STAGES = 2  # ring depth (forward K/V, dK/dV Q/dO): 3 measured no faster in either
+STAGES = 2  # ring depth (forward K/V, backward Q/dO): 3 measured no faster in either
 HEAD_DIM = 128  # the tile's head dim; smaller head dims are zero-filled by TMA
-DKDV_HALF_N = 64  # dK/dV: keys per consumer warpgroup; a CTA covers 2 * DKDV_HALF_N
-DKDV_BLOCK_M = 64  # dK/dV: query rows per pipeline stage (Q and dO rings)
+BWD_HALF_N = 64  # backward: keys per consumer warpgroup; a CTA covers 2 * BWD_HALF_N
+BWD_BLOCK_M = 64  # backward: query rows per pipeline stage (Q and dO rings)
 # Registers: the worker consumer warpgroup takes 240 and the producer warp 24 (``warp_specialize``
 # below); the default partition (the other consumer) gets what is left of 12 warps x MAXNREG.
 MAXNREG = 168
 
 if _GLUON:
-    # Triton 3.7 renamed the TMA copies; the kernels call whichever this Triton has.
+    # Later Tritons renamed the TMA copies and the barrier; the kernels call whichever this Triton has.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    _barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # a partition's own threads (named barrier)
+    _tma_add = getattr(tma, "async_atomic_add", None)
+    if _tma_add is None:  # Triton 3.6 has the IR op but no Gluon wrapper for it
+        from triton._C.libtriton import ir as _ir
+        from triton.experimental.gluon.language._core import builtin as _builtin
+
+        @_builtin
+        def _tma_add(tensor_desc, coord, src, _semantic=None):
+            """Bulk reduce-add of a shared-memory tile into global memory (cp.reduce.async.bulk.tensor)."""
+            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+            _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                      src.handle)
 
     @gluon.jit
     def _softmax(s, m_i, l_i, qk_scale, j, offs_m, SEQ_K, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
@@ -229,23 +244,33 @@ if _GLUON:
         ], [4, 1], [240, 24])
 
     @gluon.jit
-    def _dkdv_steps(dk, dv, s0, k_tile, v_tile, q_smem, do_smem, q_ready, do_ready, q_empty, do_empty, LSE, DELTA,
-                    bh, t0, lo, i0, i1, offs_n, SEQ_PAD, qk_scale, MASKED: gl.constexpr):
-        """q blocks lo+i0 .. lo+i1-1 of one head (ring steps t0+i): dV += P^T dO, dK += dS^T Q."""
+    def _bwd_steps(dk, dv, s0, dq0, k_tile, v_tile, k_dq0, k_dq1, q_smem, do_smem, ds_smem, dq_smem, q_ready,
+                   do_ready, q_empty, do_empty, ds_bar, dqa_desc, LSE, DELTA, b, h, bh, t0, lo, i0, i1, offs_n,
+                   SEQ_PAD, qk_scale, sm_scale, MASKED: gl.constexpr, C: gl.constexpr):
+        """q blocks lo+i0 .. lo+i1-1 of q head h (ring steps t0+i): dV += P^T dO, dK += dS^T Q, and this
+        warpgroup's half C of the head dim of dQ = dS K over the CTA's 128 keys, reduce-added to the
+        fp32 accumulator by TMA.
+
+        dQ needs the other warpgroup's dS^T too: each stages its half in ds_smem (two buffers) and both
+        wait on that buffer's barrier. A buffer is rewritten two steps later, by which time the other
+        warpgroup has passed the next step's barrier, so it has finished reading it."""
         BLOCK_M: gl.constexpr = q_smem.shape[3]
         D: gl.constexpr = q_smem.shape[4]
+        HALF_N: gl.constexpr = k_tile.shape[0]
         NSTAGES: gl.constexpr = q_smem.shape[0]
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = s0.type.layout
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
         cols_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+        dq_tile = dq_smem.index(C)
         for i in range(i0, i1):
             t = t0 + i
             stage = t % NSTAGES
             phase = (t // NSTAGES) & 1
             q_t = q_smem.index(stage).reshape([BLOCK_M, D])
             do_t = do_smem.index(stage).reshape([BLOCK_M, D])
-            offs_m = (lo + i) * BLOCK_M + gl.arange(0, BLOCK_M, layout=cols_l)
+            row0 = (lo + i) * BLOCK_M
+            offs_m = row0 + gl.arange(0, BLOCK_M, layout=cols_l)
             lse = gl.load(LSE + bh.to(gl.int64) * SEQ_PAD + offs_m)  # padded rows: +inf, so p = 0 there
             delta = gl.load(DELTA + bh.to(gl.int64) * SEQ_PAD + offs_m)
             mbarrier.wait(q_ready.index(stage), phase)
@@ -259,20 +284,36 @@ if _GLUON:
             p_a = gl.convert_layout(p_t.to(dtype), a_layout)
             dv = warpgroup_mma(p_a, do_t, dv, is_async=True)
             dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
-            ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
-            ds_a = gl.convert_layout(ds_t.to(dtype), a_layout)
-            dk = warpgroup_mma(ds_a, q_t, dk, is_async=True)
-            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+            ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+            dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_t, dk, is_async=True)
+
+            ds_buf = ds_smem.index(t % 2)
+            ds_buf.slice(C * HALF_N, HALF_N, dim=0).store(ds_t)
+            fence_async_shared()
+            _barrier()  # the whole warpgroup's half is written before its one arrival
+            mbarrier.arrive(ds_bar.index(t % 2), count=1)
+            mbarrier.wait(ds_bar.index(t % 2), (t // 2) & 1)
+            dq = warpgroup_mma(ds_buf.slice(0, HALF_N, dim=0).permute((1, 0)), k_dq0, dq0, use_acc=False,
+                               is_async=True)
+            dq = warpgroup_mma(ds_buf.slice(HALF_N, HALF_N, dim=0).permute((1, 0)), k_dq1, dq, is_async=True)
+            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
             mbarrier.arrive(q_empty.index(stage), count=1)
             mbarrier.arrive(do_empty.index(stage), count=1)
+
+            tma.store_wait(0)  # the previous step's reduce has read the staging tile
+            _barrier()
+            dq_tile.reshape([BLOCK_M, D // 2]).store(dq * sm_scale)
+            fence_async_shared()
+            _barrier()
+            _tma_add(dqa_desc, [b, h, row0, C * (D // 2)], dq_tile)  # rows past seq_q are clipped by TMA
         return dk, dv
 
     @gluon.jit
-    def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready,
-                       q_empty, do_empty, b, hk, start_n, lo, n_m, GROUP, HQ, SEQ_PAD, qk_scale, sm_scale,
-                       CAUSAL: gl.constexpr, C: gl.constexpr):
+    def _bwd_consumer(dk_desc, dv_desc, dqa_desc, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem,
+                      kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, end_bar, b, hk, start_n, lo, n_m, GROUP,
+                      HQ, SEQ_PAD, qk_scale, sm_scale, CAUSAL: gl.constexpr, C: gl.constexpr):
         """Warpgroup C: keys start_n + C*HALF_N .. +HALF_N of one kv head, against every q block of the
-        GROUP q heads that read it (GQA reduced in registers)."""
+        GROUP q heads that read it (GQA reduced in registers); dQ for half C of the head dim."""
         HALF_N: gl.constexpr = k_smem.shape[3]
         D: gl.constexpr = k_smem.shape[4]
         BLOCK_M: gl.constexpr = q_smem.shape[3]
@@ -281,25 +322,37 @@ if _GLUON:
                                                            instr_shape=[16, BLOCK_M, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, D, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, D // 2, 16])
         rows_l: gl.constexpr = gl.SliceLayout(1, s_layout)
 
         k_tile = k_smem.index(C).reshape([HALF_N, D])
         v_tile = v_smem.index(C).reshape([HALF_N, D])
+        # dQ's B operands: both key halves of the CTA, this warpgroup's half of the head dim
+        k_dq0 = k_smem.index(0).reshape([HALF_N, D]).slice(C * (D // 2), D // 2, dim=1)
+        k_dq1 = k_smem.index(1).reshape([HALF_N, D]).slice(C * (D // 2), D // 2, dim=1)
         key0 = start_n + C * HALF_N
         offs_n = key0 + gl.arange(0, HALF_N, layout=rows_l)
         dk = gl.zeros([HALF_N, D], gl.float32, layout=o_layout)
         dv = gl.zeros([HALF_N, D], gl.float32, layout=o_layout)
         s0 = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
+        dq0 = gl.zeros([BLOCK_M, D // 2], gl.float32, layout=dq_layout)
         mbarrier.wait(kv_bar, 0)
         # per q head: the q blocks that cross this CTA's keys need the causal mask, the rest do not
         n_diag = gl.minimum(n_m, 2 * HALF_N // BLOCK_M) if CAUSAL else 0
         for g in range(GROUP):
-            bh = b * HQ + hk * GROUP + g
-            dk, dv = _dkdv_steps(dk, dv, s0, k_tile, v_tile, q_smem, do_smem, q_ready, do_ready, q_empty, do_empty,
-                                 LSE, DELTA, bh, g * n_m, lo, 0, n_diag, offs_n, SEQ_PAD, qk_scale, CAUSAL)
-            dk, dv = _dkdv_steps(dk, dv, s0, k_tile, v_tile, q_smem, do_smem, q_ready, do_ready, q_empty, do_empty,
-                                 LSE, DELTA, bh, g * n_m, lo, n_diag, n_m, offs_n, SEQ_PAD, qk_scale, False)
-        k_tile.store((dk * sm_scale).to(dtype))  # K and V are dead: stage dK and dV in their tiles
+            h = hk * GROUP + g
+            bh = b * HQ + h
+            dk, dv = _bwd_steps(dk, dv, s0, dq0, k_tile, v_tile, k_dq0, k_dq1, q_smem, do_smem, ds_smem, dq_smem,
+                                q_ready, do_ready, q_empty, do_empty, ds_bar, dqa_desc, LSE, DELTA, b, h, bh, g * n_m,
+                                lo, 0, n_diag, offs_n, SEQ_PAD, qk_scale, sm_scale, CAUSAL, C)
+            dk, dv = _bwd_steps(dk, dv, s0, dq0, k_tile, v_tile, k_dq0, k_dq1, q_smem, do_smem, ds_smem, dq_smem,
+                                q_ready, do_ready, q_empty, do_empty, ds_bar, dqa_desc, LSE, DELTA, b, h, bh, g * n_m,
+                                lo, n_diag, n_m, offs_n, SEQ_PAD, qk_scale, sm_scale, False, C)
+        # K and V are dead: stage dK and dV in their tiles, once the other warpgroup's last dQ has read K
+        mbarrier.arrive(end_bar, count=1)
+        mbarrier.wait(end_bar, 0)
+        k_tile.store((dk * sm_scale).to(dtype))
         v_tile.store(dv.to(dtype))
         fence_async_shared()
         _tma_store(dk_desc, [b, hk, key0, 0], k_smem.index(C))  # rows past seq_k are clipped by TMA
@@ -307,8 +360,8 @@ if _GLUON:
         tma.store_wait(0)
 
     @gluon.jit
-    def _dkdv_producer(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready,
-                       q_empty, do_empty, b, hk, start_n, lo, n_m, GROUP):
+    def _bwd_producer(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready,
+                      q_empty, do_empty, b, hk, start_n, lo, n_m, GROUP):
         """One warp: both K and V halves once, then Q and dO block by block for every q head of the group."""
         HALF_N: gl.constexpr = k_desc.block_type.shape[2]
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
@@ -330,10 +383,10 @@ if _GLUON:
             _tma_load(do_desc, [b, h, row, 0], do_ready.index(stage), do_smem.index(stage))
 
     @gluon.jit
-    def _attn_bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, HQ, HKV, GROUP,
-                                 SEQ_Q, SEQ_PAD, qk_scale, sm_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
-        """dK/dV as the forward: two consumer warpgroups (64 keys each, one CTA tile of 128) and a TMA
-        producer warp; the dQ pass stays the portable kernel's."""
+    def _attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc, LSE, DELTA, HQ, HKV, GROUP,
+                            SEQ_Q, SEQ_PAD, qk_scale, sm_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+        """The whole backward in one pass over the keys: two consumer warpgroups (64 keys each, one CTA
+        tile of 128) and a TMA producer warp; dQ is reduce-added into an fp32 accumulator."""
         HALF_N: gl.constexpr = k_desc.block_type.shape[2]
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         dtype: gl.constexpr = q_desc.dtype
@@ -352,27 +405,35 @@ if _GLUON:
         v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * HALF_N, BLOCK_M], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, 2 * HALF_N, BLOCK_M], ds_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dqa_desc.block_type.shape, dqa_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        end_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(do_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=2)
             mbarrier.init(do_empty.index(i), count=2)
+        for i in gl.static_range(2):
+            mbarrier.init(ds_bar.index(i), count=2)
+        mbarrier.init(end_bar, count=2)
         fence_async_shared()
         gl.warp_specialize([
-            (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready,
-                              do_ready, q_empty, do_empty, b, hk, start_n, lo, n_m, GROUP, HQ, SEQ_PAD, qk_scale,
-                              sm_scale, CAUSAL, 0)),
-            (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready,
-                              do_ready, q_empty, do_empty, b, hk, start_n, lo, n_m, GROUP, HQ, SEQ_PAD, qk_scale,
-                              sm_scale, CAUSAL, 1)),
-            (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready,
-                              do_ready, q_empty, do_empty, b, hk, start_n, lo, n_m, GROUP)),
+            (_bwd_consumer, (dk_desc, dv_desc, dqa_desc, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, ds_smem,
+                             dq_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, end_bar, b, hk, start_n,
+                             lo, n_m, GROUP, HQ, SEQ_PAD, qk_scale, sm_scale, CAUSAL, 0)),
+            (_bwd_consumer, (dk_desc, dv_desc, dqa_desc, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, ds_smem,
+                             dq_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, end_bar, b, hk, start_n,
+                             lo, n_m, GROUP, HQ, SEQ_PAD, qk_scale, sm_scale, CAUSAL, 1)),
+            (_bwd_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready,
+                             do_ready, q_empty, do_empty, b, hk, start_n, lo, n_m, GROUP)),
         ], [4, 1], [240, 24])
 
 
@@ -381,28 +442,32 @@ def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
-def eligible(q: torch.Tensor, k: torch.Tensor, scale: float, *tensors: torch.Tensor) -> bool:
+def eligible(q: torch.Tensor, k: torch.Tensor, scale: float, *tensors: torch.Tensor, min_head_dim: int = 65) -> bool:
     """Whether these kernels take the problem: what they were measured and tested on. ``tensors`` are
     the others the kernel reads or writes through TMA (v, o or dO, dK, dV)."""
     if not _GLUON or not q.is_cuda or getattr(torch.version, "hip", None):
         return False
     d = q.shape[-1]
-    return (q.dtype in (torch.float16, torch.bfloat16) and 64 < d <= HEAD_DIM and scale > 0 and k.shape[2] > 0
+    return (q.dtype in (torch.float16, torch.bfloat16) and min_head_dim <= d <= HEAD_DIM and scale > 0
+            and k.shape[2] > 0
             and q.shape[0] * q.shape[1] < 65536
             and _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device())
             and _tma_ok(q, k, *tensors))  # the op's own TMA rules: aligned base and strides, unit last stride
 
 
 @functools.lru_cache(maxsize=None)
-def _smem_layout(rows: int, dtype: torch.dtype):
-    """The tile's swizzled shared-memory layout, built once: ``get_default_for`` costs ~19 us a call,
-    and a forward + backward builds ten descriptors."""
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, HEAD_DIM],
-                                                gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+def _smem_layout(rows: int, cols: int, dtype: torch.dtype, swizzle: int | None):
+    """A tile's swizzled shared-memory layout (the widest swizzle unless ``swizzle`` bytes are asked
+    for), built once: ``get_default_for`` costs ~19 us a call, and a forward + backward builds eleven."""
+    if swizzle is not None:
+        return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=dtype.itemsize * 8, rank=4)
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], gl_dtype)
 
 
-def _descriptor(t: torch.Tensor, rows: int):
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, HEAD_DIM], _smem_layout(rows, t.dtype))
+def _descriptor(t: torch.Tensor, rows: int, cols: int = HEAD_DIM, swizzle: int | None = None):
+    layout = _smem_layout(rows, cols, t.dtype, swizzle)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, cols], layout)
 
 
 def attention_forward(q, k, v, o, lse, causal: bool, scale: float) -> bool:
@@ -419,17 +484,25 @@ def attention_forward(q, k, v, o, lse, causal: bool, scale: float) -> bool:
     return True
 
 
-def attention_bwd_dkdv(q, k, v, do, dk, dv, lse, delta, causal: bool, scale: float) -> bool:
-    """The ``attention_bwd_dkdv`` hook: fill ``dk`` and ``dv`` from the forward's lse and the op's delta
-    (rowsum(dO * O)), both per q row with padded rows +inf and 0; or return False."""
-    if not eligible(q, k, scale, v, do, dk, dv):
+def attention_backward(q, k, v, do, dq, dk, dv, lse, delta, causal: bool, scale: float) -> bool:
+    """The ``attention_backward`` hook: fill ``dq``, ``dk`` and ``dv`` in one pass over the keys, from the
+    forward's lse and the op's delta (rowsum(dO * O)), both per q row with padded rows +inf and 0; or
+    return False. dQ is summed over key tiles in fp32 by TMA reduce-adds, so its last bits may differ
+    between runs (as FlashAttention's dQ); dK and dV are deterministic."""
+    if not eligible(q, k, scale, v, do, dk, dv, min_head_dim=64) or dq.stride(-1) != 1:
         return False
-    batch, heads_q, seq_q, _ = q.shape
+    batch, heads_q, seq_q, d = q.shape
     heads_kv = k.shape[1]
-    grid = (triton.cdiv(k.shape[2], 2 * DKDV_HALF_N), batch * heads_kv)
-    _attn_bwd_dkdv_ws_kernel[grid](_descriptor(q, DKDV_BLOCK_M), _descriptor(k, DKDV_HALF_N),
-                                   _descriptor(v, DKDV_HALF_N), _descriptor(do, DKDV_BLOCK_M),
-                                   _descriptor(dk, DKDV_HALF_N), _descriptor(dv, DKDV_HALF_N), lse, delta, heads_q,
-                                   heads_kv, heads_q // heads_kv, seq_q, lse.shape[-1], scale * LOG2E, scale,
-                                   CAUSAL=bool(causal), STAGES=STAGES, num_warps=4, maxnreg=MAXNREG)
+    tile_d = 64 if d == 64 else HEAD_DIM
+    # dQ's B operand is half the head dim of the K tile: the slice must start on a swizzle atom
+    k_swizzle = tile_d  # bytes: half a row of 16-bit elements
+    dqa = torch.zeros((batch, heads_q, seq_q, tile_d), device=q.device, dtype=torch.float32)
+    grid = (triton.cdiv(k.shape[2], 2 * BWD_HALF_N), batch * heads_kv)
+    descriptors = (_descriptor(q, BWD_BLOCK_M, tile_d), _descriptor(k, BWD_HALF_N, tile_d, k_swizzle),
+                   _descriptor(v, BWD_HALF_N, tile_d), _descriptor(do, BWD_BLOCK_M, tile_d),
+                   _descriptor(dk, BWD_HALF_N, tile_d, k_swizzle), _descriptor(dv, BWD_HALF_N, tile_d),
+                   _descriptor(dqa, BWD_BLOCK_M, tile_d // 2))
+    _attn_bwd_ws_kernel[grid](*descriptors, lse, delta, heads_q, heads_kv, heads_q // heads_kv, seq_q, lse.shape[-1],
+                              scale * LOG2E, scale, CAUSAL=bool(causal), STAGES=STAGES, num_warps=4, maxnreg=MAXNREG)
+    dq.copy_(dqa[..., :d])
     return True
