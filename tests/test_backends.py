@@ -300,39 +300,44 @@ def test_hopper_attention_kernels_compile_for_sm90(compiled):
 
 @compile_check
 def check_hopper_attention_kernels_compile():
-    """The Gluon kernels as the hooks launch them: 12 warps (two consumer warpgroups, a producer warp
-    rounded up to a warpgroup), registers moved between partitions, async wgmma, within the SM's
-    227 KB of shared memory."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
+    """The Gluon kernels with the descriptors the hooks build: 12 warps (two consumer warpgroups, a
+    producer warp rounded up to a warpgroup), registers moved between partitions, async wgmma,
+    within the SM's 227 KB of shared memory; the backward at head dims 128 and 64 (its own swizzle)."""
     from tritonspec_backends.nvidia.backend.spec import attention_sm90 as hopper
+    from triton.experimental.gluon._runtime import GluonASTSource
 
-    def desc(rows, dtype, name, cols=hopper.HEAD_DIM):
-        layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], dtype)
-        return f"tensordesc<{name}[1,1,{rows},{cols}],{layout!r}>"
+    def sig(names, descriptors, **scalars):
+        kinds = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+        out = {name: f"tensordesc<{kinds[d.base.dtype]}[{','.join(map(str, d.block_shape))}],{d.layout!r}>"
+               for name, d in zip(names, descriptors)}
+        return {**out, **scalars, "CAUSAL": "constexpr", "STAGES": "constexpr"}
 
-    scalars = lambda *names, **types: {**{n: "i32" for n in names}, **types}  # noqa: E731
-    for dtype, name, causal in ((gl.bfloat16, "bf16", True), (gl.float16, "fp16", False)):
-        fwd = {"q_desc": desc(hopper.HALF_M, dtype, name), "k_desc": desc(hopper.BLOCK_N, dtype, name),
-               "v_desc": desc(hopper.BLOCK_N, dtype, name), "o_desc": desc(hopper.HALF_M, dtype, name),
-               "LSE": "*fp32", **scalars("HQ", "GROUP", "SEQ_Q", "SEQ_K", "SEQ_PAD", qk_scale="fp32")}
-        rows = {"q_desc": hopper.BWD_BLOCK_M, "k_desc": hopper.BWD_HALF_N, "v_desc": hopper.BWD_HALF_N,
-                "do_desc": hopper.BWD_BLOCK_M, "dk_desc": hopper.BWD_HALF_N, "dv_desc": hopper.BWD_HALF_N}
-        bwd = {**{arg: desc(n, dtype, name) for arg, n in rows.items()},
-               "dqa_desc": desc(hopper.BWD_BLOCK_M, gl.float32, "fp32", hopper.HEAD_DIM // 2), "LSE": "*fp32",
-               "DELTA": "*fp32", **scalars("HQ", "HKV", "GROUP", "SEQ_Q", "SEQ_PAD", qk_scale="fp32", sm_scale="fp32")}
-        for fn, sig in ((hopper._attn_fwd_ws_kernel, fwd), (hopper._attn_bwd_ws_kernel, bwd)):
-            sig.update(CAUSAL="constexpr", STAGES="constexpr")
-            src = GluonASTSource(fn, sig, constexprs={"CAUSAL": causal, "STAGES": hopper.STAGES})
-            kernel = triton.compile(src, target=CUDA, options={"num_warps": 4, "maxnreg": hopper.MAXNREG})
-            ptx = kernel.asm["ptx"]
-            assert kernel.metadata.num_warps == 12 and kernel.metadata.shared <= 227 * 1024
-            assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)  # the producer warp's budget
-            assert "wgmma.mma_async" in ptx and "wgmma.wait_group.sync.aligned 1" in ptx
-            if fn is hopper._attn_bwd_ws_kernel:  # dQ leaves as bulk reduce-adds, not per-element atomics
-                assert "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in ptx
-                assert not re.search(r"\b(red|atom)\.global", ptx)
-            assert kernel.asm["cubin"]
+    i32 = dict.fromkeys(("HQ", "GROUP", "SEQ_Q", "SEQ_K", "SEQ_PAD"), "i32")
+    cases = []
+    for dtype, d, causal in ((torch.bfloat16, 128, True), (torch.float16, 128, False), (torch.bfloat16, 64, True)):
+        t = torch.empty(1, 2, 256, d, dtype=dtype)
+        dqa = torch.empty(1, 2, 256, d, dtype=torch.float32)
+        if d == 128:
+            fwd = (hopper._descriptor(t, hopper.HALF_M), hopper._descriptor(t, hopper.BLOCK_N),
+                   hopper._descriptor(t, hopper.BLOCK_N), hopper._descriptor(t, hopper.HALF_M))
+            cases.append((hopper._attn_fwd_ws_kernel, causal,
+                          sig(("q_desc", "k_desc", "v_desc", "o_desc"), fwd, LSE="*fp32", qk_scale="fp32", **i32)))
+        bwd = hopper._bwd_descriptors(t, t, t, t, t, t, dqa)
+        names = ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "dqa_desc")
+        cases.append((hopper._attn_bwd_ws_kernel, causal,
+                      sig(names, bwd, LSE="*fp32", DELTA="*fp32", HKV="i32", qk_scale="fp32", sm_scale="fp32",
+                          **{k: v for k, v in i32.items() if k != "SEQ_K"})))
+    for fn, causal, signature in cases:
+        src = GluonASTSource(fn, signature, constexprs={"CAUSAL": causal, "STAGES": hopper.STAGES})
+        kernel = triton.compile(src, target=CUDA, options={"num_warps": 4, "maxnreg": hopper.MAXNREG})
+        ptx = kernel.asm["ptx"]
+        assert kernel.metadata.num_warps == 12 and kernel.metadata.shared <= 227 * 1024
+        assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)  # the producer warp's budget
+        assert "wgmma.mma_async" in ptx and "wgmma.wait_group.sync.aligned 1" in ptx
+        if fn is hopper._attn_bwd_ws_kernel:  # dQ leaves as bulk reduce-adds, not per-element atomics
+            assert "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in ptx
+            assert not re.search(r"\b(red|atom)\.global", ptx)
+        assert kernel.asm["cubin"]
 
 
 def test_hopper_descriptors():
@@ -348,13 +353,28 @@ def test_hopper_descriptors():
             assert desc.layout == gl.NVMMASharedLayout.get_default_for([1, 1, rows, hopper.HEAD_DIM], gl_dtype)
 
 
+@pytest.mark.parametrize("d", [64, 96, 128])
+def test_hopper_backward_tiles(d):
+    """The backward's tiles follow the op's padded head dim (dqa's), and each warpgroup's dQ reads half
+    of it from the K tile: that slice must start on a swizzle atom, so K's (and dK's, staged in K's
+    tile) swizzle spans at most half a row."""
+    from tritonspec_backends.nvidia.backend.spec import attention_sm90 as hopper
+    t = torch.randn(1, 2, 100, d).to(torch.bfloat16)
+    pad = 64 if d == 64 else 128
+    q, k, v, do, dk, dv, dqa = hopper._bwd_descriptors(t, t, t, t, t, t, torch.zeros(1, 2, 100, pad))
+    assert [x.block_shape[-1] for x in (q, k, v, do, dk, dv)] == [pad] * 6 and dqa.block_shape[-1] == pad // 2
+    for tile in (k, dk):
+        assert tile.layout.swizzle_byte_width <= pad // 2 * t.element_size()
+    assert dk.layout == k.layout
+
+
 def test_hopper_attention_kernels_decline_off_gpu():
     from tritonspec_backends.nvidia.backend.spec import attention_sm90 as hopper
     q = torch.randn(1, 2, 256, 128, dtype=torch.bfloat16)
     o, lse = torch.empty_like(q), torch.empty(1, 2, 256)
     assert not hopper.eligible(q, q, 0.1, q, o)
     assert hopper.attention_forward(q, q, q, o, lse, True, 0.1) is False
-    assert hopper.attention_backward(q, q, q, o, o, o, o, lse, lse, True, 0.1) is False
+    assert hopper.attention_backward(q, q, q, o, o.float(), o, o, lse, lse, True, 0.1) is False
 
 
 # ------------------------------------------------------------------------------------------------

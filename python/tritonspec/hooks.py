@@ -76,9 +76,10 @@ HOOKS: dict[str, Hook] = _table(
          "and lse (base-2 logsumexp of the scaled scores per row, padded rows already +inf); False keeps the "
          "portable kernel"),
     Hook("attention_backward", F, "tritonspec.ops.attention", "the portable Triton backward kernels",
-         "(q, k, v, do, dq, dk, dv, lse, delta, causal: bool, scale: float) -> bool: run the backend's own "
-         "backward, writing dq, dk and dv (lse and delta = rowsum(dO * O) per q row, padded rows +inf and 0); "
-         "False keeps the portable kernels"),
+         "(q, k, v, do, dqa, dk, dv, lse, delta, causal: bool, scale: float) -> bool: run the backend's own "
+         "backward, adding dQ into dqa (zeroed fp32, head dim padded to a power of two; the op converts it) "
+         "and writing dk and dv (lse and delta = rowsum(dO * O) per q row, padded rows +inf and 0); False "
+         "keeps the portable kernels"),
 )
 
 # The injector lists of seed 001 §4.3/4.4: each names functions the spec module also exports.

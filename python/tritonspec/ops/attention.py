@@ -483,17 +483,24 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     atomic = bool(cfg_kv["DQ_ATOMIC"])
     cfg_pre = _config("attention_bwd_preprocess", q.device, dict(BLOCK_M=64, num_warps=4, num_stages=1), **problem)
 
+    # a backend's own backward (e.g. Hopper's one-pass warp-specialized kernel), else the portable
+    # kernels; both kinds that add dQ up across key tiles use the fp32 accumulator zeroed here
+    own = lookup("attention_backward", backend=backend_for_device(q.device))
+    accumulate = atomic or own is not None
     delta = _padded_rows(B, HQ, SQ, 0.0, q.device)
-    dqa = torch.empty((B, HQ, SQ, DP), device=q.device, dtype=torch.float32) if atomic else delta
+    dqa = torch.empty((B, HQ, SQ, DP), device=q.device, dtype=torch.float32) if accumulate else delta
     pre_bm = cfg_pre["BLOCK_M"]
     _attn_bwd_pre_kernel[(triton.cdiv(SQ, pre_bm), B * HQ)](
         o, do, delta, dqa, *_strides(o), *_strides(do), HQ, SQ, lse.shape[-1], D=D, DP=DP, BLOCK_M=pre_bm,
-        ZERO_DQA=atomic, **_launch_opts(cfg_pre))
+        ZERO_DQA=accumulate, **_launch_opts(cfg_pre))
 
-    # a backend's own backward (e.g. Hopper's one-pass warp-specialized kernel), else the portable kernels
-    own = lookup("attention_backward", backend=backend_for_device(q.device))
-    if own is not None and own(q, k, v, do, dq, dk, dv, lse, delta, bool(causal), scale):
+    def dq_from_accumulator():
+        _attn_bwd_dq_convert_kernel[(triton.cdiv(SQ, pre_bm), B * HQ)](
+            dqa, dq, *_strides(dq), HQ, SQ, D=D, DP=DP, BLOCK_M=pre_bm, **_launch_opts(cfg_pre))
         return dq, dk, dv
+
+    if own is not None and own(q, k, v, do, dqa, dk, dv, lse, delta, bool(causal), scale):
+        return dq_from_accumulator()
     qk_scale = scale * LOG2E
     BM, BN = cfg_kv["BLOCK_M"], cfg_kv["BLOCK_N"]
     tma = bool(cfg_kv["TMA"]) and _tma_ok(q, k, v, do, dk, dv)
@@ -511,9 +518,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
         DQ_TMA_REDUCE=tma_reduce, **_launch_opts(cfg_kv))
 
     if atomic:
-        _attn_bwd_dq_convert_kernel[(triton.cdiv(SQ, pre_bm), B * HQ)](
-            dqa, dq, *_strides(dq), HQ, SQ, D=D, DP=DP, BLOCK_M=pre_bm, **_launch_opts(cfg_pre))
-        return dq, dk, dv
+        return dq_from_accumulator()
 
     cfg_q = _config("attention_bwd_dq", q.device, _dq_default(DP), **problem)
     BM, BN = cfg_q["BLOCK_M"], cfg_q["BLOCK_N"]

@@ -484,25 +484,28 @@ def attention_forward(q, k, v, o, lse, causal: bool, scale: float) -> bool:
     return True
 
 
-def attention_backward(q, k, v, do, dq, dk, dv, lse, delta, causal: bool, scale: float) -> bool:
-    """The ``attention_backward`` hook: fill ``dq``, ``dk`` and ``dv`` in one pass over the keys, from the
-    forward's lse and the op's delta (rowsum(dO * O)), both per q row with padded rows +inf and 0; or
-    return False. dQ is summed over key tiles in fp32 by TMA reduce-adds, so its last bits may differ
-    between runs (as FlashAttention's dQ); dK and dV are deterministic."""
-    if not eligible(q, k, scale, v, do, dk, dv, min_head_dim=64) or dq.stride(-1) != 1:
-        return False
-    batch, heads_q, seq_q, d = q.shape
-    heads_kv = k.shape[1]
-    tile_d = 64 if d == 64 else HEAD_DIM
+def _bwd_descriptors(q, k, v, do, dk, dv, dqa):
+    """The backward kernel's tiles, head dim padded as ``dqa`` is (64 at d=64, else 128)."""
+    tile_d = dqa.shape[-1]
     # dQ's B operand is half the head dim of the K tile: the slice must start on a swizzle atom
     k_swizzle = tile_d  # bytes: half a row of 16-bit elements
-    dqa = torch.zeros((batch, heads_q, seq_q, tile_d), device=q.device, dtype=torch.float32)
+    return (_descriptor(q, BWD_BLOCK_M, tile_d), _descriptor(k, BWD_HALF_N, tile_d, k_swizzle),
+            _descriptor(v, BWD_HALF_N, tile_d), _descriptor(do, BWD_BLOCK_M, tile_d),
+            _descriptor(dk, BWD_HALF_N, tile_d, k_swizzle), _descriptor(dv, BWD_HALF_N, tile_d),
+            _descriptor(dqa, BWD_BLOCK_M, tile_d // 2))
+
+
+def attention_backward(q, k, v, do, dqa, dk, dv, lse, delta, causal: bool, scale: float) -> bool:
+    """The ``attention_backward`` hook: in one pass over the keys, add dQ into the op's zeroed fp32
+    accumulator ``dqa`` (head dim padded to 64 or 128) by TMA reduce-adds and fill ``dk`` and ``dv``,
+    from the forward's lse and the op's delta (rowsum(dO * O)), both per q row with padded rows +inf
+    and 0; or return False. dQ's fp32 sums land in arrival order, so its last bits may differ between
+    runs (as FlashAttention's dQ); dK and dV are deterministic."""
+    if not eligible(q, k, scale, v, do, dk, dv, min_head_dim=64):
+        return False
+    batch, heads_q, seq_q, _ = q.shape
+    heads_kv = k.shape[1]
     grid = (triton.cdiv(k.shape[2], 2 * BWD_HALF_N), batch * heads_kv)
-    descriptors = (_descriptor(q, BWD_BLOCK_M, tile_d), _descriptor(k, BWD_HALF_N, tile_d, k_swizzle),
-                   _descriptor(v, BWD_HALF_N, tile_d), _descriptor(do, BWD_BLOCK_M, tile_d),
-                   _descriptor(dk, BWD_HALF_N, tile_d, k_swizzle), _descriptor(dv, BWD_HALF_N, tile_d),
-                   _descriptor(dqa, BWD_BLOCK_M, tile_d // 2))
-    _attn_bwd_ws_kernel[grid](*descriptors, lse, delta, heads_q, heads_kv, heads_q // heads_kv, seq_q, lse.shape[-1],
+    _attn_bwd_ws_kernel[grid](*_bwd_descriptors(q, k, v, do, dk, dv, dqa), lse, delta, heads_q, heads_kv, heads_q // heads_kv, seq_q, lse.shape[-1],
                               scale * LOG2E, scale, CAUSAL=bool(causal), STAGES=STAGES, num_warps=4, maxnreg=MAXNREG)
-    dq.copy_(dqa[..., :d])
     return True
