@@ -141,8 +141,15 @@ def run_case(op, shape, impls, inputs, grads, fwd_bytes, fb_bytes, copy_bw):
             else:
                 call = lambda fn=fn: _backward(fn(*inputs), grads)  # noqa: E731
             try:
-                t = bench(call, [x for x in inputs if x.requires_grad])
-                mem = peak_mib(call, [x for x in inputs if x.requires_grad]) if mode == "fwd+bwd" else None
+                leaves = [x for x in inputs if x.requires_grad]
+                t = bench(call, leaves)
+                mem = peak_mib(call, leaves) if mode == "fwd+bwd" else None
+                # the same eager call with autograd's backward on the calling thread instead of its CUDA
+                # device thread: what is left of the host cost once the thread hand-offs are gone
+                one_ms = float("nan")
+                if mode == "fwd+bwd":
+                    with torch.autograd.set_multithreading_enabled(False):
+                        one_ms = bench(call, leaves)[0]
             except Exception as e:  # noqa: BLE001
                 print(f"# {op} {shape} {name} {mode}: {type(e).__name__}: {str(e)[:300]}")
                 continue
@@ -154,16 +161,18 @@ def run_case(op, shape, impls, inputs, grads, fwd_bytes, fb_bytes, copy_bw):
                     graph_ms = graph_ms[0] if isinstance(graph_ms, (list, tuple)) else graph_ms
                 except Exception as e:  # noqa: BLE001
                     print(f"# {op} {shape} {name} {mode} cudagraph: {type(e).__name__}: {str(e)[:200]}")
-            results[(name, mode)] = (t, mem, graph_ms)
-    for (name, mode), (t, mem, graph_ms) in results.items():
+            results[(name, mode)] = (t, mem, graph_ms, one_ms)
+    for (name, mode), (t, mem, graph_ms, one_ms) in results.items():
         nbytes = fwd_bytes if mode == "fwd" else fb_bytes
         ours = results.get(("tritonspec", mode))
         ROWS.append(dict(op=op, shape=shape, impl=name, mode=mode, ms=t[0], p20=t[1], p80=t[2],
                          gbs=nbytes / (t[0] * 1e-3) / 1e9, pct=100 * nbytes / (t[0] * 1e-3) / copy_bw,
                          speedup=(t[0] / ours[0][0]) if ours else float("nan"), mem=mem,
-                         graph_ms=graph_ms, graph_pct=100 * nbytes / (graph_ms * 1e-3) / copy_bw))
+                         graph_ms=graph_ms, graph_pct=100 * nbytes / (graph_ms * 1e-3) / copy_bw,
+                         one_ms=one_ms, one_pct=100 * nbytes / (one_ms * 1e-3) / copy_bw))
         r = ROWS[-1]
         graph = f" graph {graph_ms:.4f} ms {r['graph_pct']:5.1f}%" if CUDAGRAPH else ""
+        graph += f" one-thread {one_ms:.4f} ms {r['one_pct']:5.1f}%" if mode == "fwd+bwd" else ""
         print(f"{op:8s} {shape:24s} {mode:8s} {name:26s} {r['ms']:8.4f} ms {r['gbs']:7.0f} GB/s {r['pct']:5.1f}% "
               f"x{r['speedup']:5.2f} mem={'' if mem is None else f'{mem:.0f} MiB'}{graph}", flush=True)
 
@@ -387,6 +396,8 @@ def markdown(copy_bw, device, dispatch, sweep_lines) -> str:
            "grad-requiring inputs (the training forward)",
            "- GB/s and % copy over minimal bytes; speed-up = impl time / tritonspec time (>1: tritonspec faster);",
            "  peak = max allocated during one forward+backward above the live inputs and output gradient",
+           "- one-thread autograd: the same eager call under `torch.autograd.set_multithreading_enabled(False)`",
+           "  (the backward runs on the calling thread, not on autograd's CUDA device thread)",
            "- `tritonspec in-place bwd`: `in_place_backward=True` (gradient written into the incoming gradient,",
            "  or into gate/up for SwiGLU) -- the memory model Liger uses by default for RMSNorm and SwiGLU",
            ""]
@@ -396,10 +407,12 @@ def markdown(copy_bw, device, dispatch, sweep_lines) -> str:
             continue
         gh = " CUDA-graph ms (% copy) |" if CUDAGRAPH else ""
         out += [f"## {op}", "", "| shape | mode | impl | median ms (p20-p80) | GB/s | % copy | tritonspec speed-up "
-                f"| peak MiB |{gh}", "|---|---|---|---|---|---|---|---|" + ("---|" if CUDAGRAPH else "")]
+                f"| peak MiB | one-thread autograd ms (% copy) |{gh}",
+                "|---|---|---|---|---|---|---|---|---|" + ("---|" if CUDAGRAPH else "")]
         for r in rows:
             mem = "" if r["mem"] is None else f"{r['mem']:.0f}"
-            g = f" {r['graph_ms']:.4f} ({r['graph_pct']:.1f}) |" if CUDAGRAPH else ""
+            one = "" if r["mode"] == "fwd" else f"{r['one_ms']:.4f} ({r['one_pct']:.1f})"
+            g = f" {one} |" + (f" {r['graph_ms']:.4f} ({r['graph_pct']:.1f}) |" if CUDAGRAPH else "")
             out.append(f"| {r['shape']} | {r['mode']} | {r['impl']} | {r['ms']:.4f} ({r['p20']:.4f}-{r['p80']:.4f}) "
                        f"| {r['gbs']:.0f} | {r['pct']:.1f} | {r['speedup']:.2f} | {mem} |{g}")
         out.append("")

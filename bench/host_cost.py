@@ -6,7 +6,8 @@ raw launch of an already compiled kernel) and each layer of ours, so the next ch
 largest piece. Inputs are tiny so the GPU never becomes the bottleneck. Also prints a timeline of
 one fwd+bwd (forward, hand-off to autograd's device thread, our backward, hand-off back) and the
 torch profiler's per-op host time.
-    python bench/host_cost.py [--shapes]   (--shapes: also eager fwd+bwd at the Llama shapes)
+    python bench/host_cost.py [--shapes]   (--shapes: also eager fwd+bwd at the Llama shapes, launch
+    plans on and off, and with autograd running the backward on the calling thread)
 """
 from __future__ import annotations
 
@@ -112,6 +113,9 @@ def main():
     rows["rms_norm fwd (grad)"] = per_call_us(lambda: rms_norm(x, w))
     rms_fb = fb(lambda: rms_norm(x, w).backward(dy), x, w)
     rows["rms_norm fwd+bwd"] = per_call_us(rms_fb)
+    with torch.autograd.set_multithreading_enabled(False):
+        rows["Nothing fwd+bwd, autograd on one thread"] = per_call_us(fb(lambda: Nothing.apply(x).backward(dy), x))
+        rows["rms_norm fwd+bwd, autograd on one thread"] = per_call_us(rms_fb)
     with plans_off():
         rows["rms_norm fwd+bwd, no launch plans"] = per_call_us(rms_fb)
     try:
@@ -238,15 +242,19 @@ def llama_shapes():
                       lambda q=q, k=k, c=cos, s_=sin, dq=dq, dk=dk:
                       torch.autograd.backward(rope(q, k, c, s_), (dq, dk)),
                       [q, k], 4 * (q.numel() + k.numel()) * 2))
-    print("| case | fwd+bwd % of copy, 5 rounds | same with launch plans off |\n|---|---|---|")
+    # "one thread": torch.autograd.set_multithreading_enabled(False), so the backward runs on the
+    # calling thread instead of autograd's CUDA device thread (no wake-up of another thread and back)
+    variants = {"launch plans on": contextlib.nullcontext, "plans off": plans_off,
+                "plans on, autograd on one thread": lambda: torch.autograd.set_multithreading_enabled(False)}
+    print("| case | " + " | ".join(f"fwd+bwd % of copy, 5 rounds, {v}" for v in variants) + " |")
+    print("|---|" + "---|" * len(variants))
     for name, fn, leaves, nbytes in cases:
-        pct = {True: [], False: []}
-        for _ in range(5):  # interleaved, so both columns see the same host
-            for on in (True, False):
-                with contextlib.nullcontext() if on else plans_off():
-                    pct[on].append(100 * nbytes / (bench(fn, leaves) * 1e-3) / copy_bw)
-        print(f"| {name} | {' / '.join(f'{p:.1f}' for p in pct[True])} | "
-              f"{' / '.join(f'{p:.1f}' for p in pct[False])} |")
+        pct = {v: [] for v in variants}
+        for _ in range(5):  # interleaved, so every column sees the same host
+            for v, ctx in variants.items():
+                with ctx():
+                    pct[v].append(100 * nbytes / (bench(fn, leaves) * 1e-3) / copy_bw)
+        print(f"| {name} | " + " | ".join(" / ".join(f"{p:.1f}" for p in pct[v]) for v in variants) + " |")
 
 
 if __name__ == "__main__":
