@@ -113,10 +113,13 @@ def bench(fn, rep=100):
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
+DTYPE = torch.bfloat16  # --dtype
+
+
 def make_inputs(shape, seed=0):
     b, h, s, d = shape
     g = torch.Generator(device="cuda").manual_seed(seed)
-    mk = lambda: torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    mk = lambda: torch.randn(b, h, s, d, device="cuda", dtype=DTYPE, generator=g)  # noqa: E731
     q, k, v, do = mk(), mk(), mk(), mk()
     return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do
 
@@ -267,7 +270,7 @@ def sweep(out_dir: str):
 def env():
     p = torch.cuda.get_device_properties(0)
     return dict(device=p.name, sms=p.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
-                cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
+                cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), dtype=str(DTYPE).removeprefix("torch."),
                 date=datetime.date.today().isoformat())
 
 
@@ -419,7 +422,10 @@ def main(argv=None):
     ap.add_argument("--gap", action="store_true")
     ap.add_argument("--table", help="table.json from --sweep to use instead of attention_configs.TABLES")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="of q, k, v and dO")
     args = ap.parse_args(argv)
+    global DTYPE
+    DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     tables = None
     if args.table:
         with open(args.table) as fh:
