@@ -506,6 +506,7 @@ def attention_backward(q, k, v, do, dqa, dk, dv, lse, delta, causal: bool, scale
     batch, heads_q, seq_q, _ = q.shape
     heads_kv = k.shape[1]
     grid = (triton.cdiv(k.shape[2], 2 * BWD_HALF_N), batch * heads_kv)
-    _attn_bwd_ws_kernel[grid](*_bwd_descriptors(q, k, v, do, dk, dv, dqa), lse, delta, heads_q, heads_kv, heads_q // heads_kv, seq_q, lse.shape[-1],
-                              scale * LOG2E, scale, CAUSAL=bool(causal), STAGES=STAGES, num_warps=4, maxnreg=MAXNREG)
+    _attn_bwd_ws_kernel[grid](*_bwd_descriptors(q, k, v, do, dk, dv, dqa), lse, delta, heads_q, heads_kv,
+                              heads_q // heads_kv, seq_q, lse.shape[-1], scale * LOG2E, scale, CAUSAL=bool(causal),
+                              STAGES=STAGES, num_warps=4, maxnreg=MAXNREG)
     return True
