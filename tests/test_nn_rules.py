@@ -1,4 +1,7 @@
-"""YAML rule front end (seed 004): parsing errors, matching order, recursion, import safety, atomicity."""
+"""YAML rule front end (KTransformers' format): parsing errors, matching order, recursion, import safety,
+atomicity, and the bounds on hostile files (regex timeout, nesting depth)."""
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -245,3 +248,102 @@ def test_child_module_replacement_lands_in_the_live_parent():
     torch.testing.assert_close(model(x), ref)
     tnn.revert(model)
     assert isinstance(model[0], Block) and isinstance(model[0].proj, nn.Linear)
+
+
+def _chain(depth, name="x"):
+    """``depth`` modules nested under "0" (paths 0, 0.0, ...), the innermost holding a child ``name``."""
+    model = nn.ModuleDict({name: nn.Identity()})
+    for _ in range(depth):
+        model = nn.Sequential(model)
+    return nn.Sequential(model)
+
+
+@pytest.mark.parametrize("pattern, model", [
+    (r"^(a|aa)+$", lambda: nn.ModuleDict({"a" * 40 + "b": nn.Identity()})),  # a long module name
+    (r"^(0|0\.|\.0|\.)+$", lambda: _chain(30)),  # a long dotted path, 0.0.(...).0.x
+])
+def test_catastrophic_name_regex_raises_instead_of_hanging(pattern, model):
+    # re.search backtracks exponentially here (forever, in practice); the regex package gives up at the timeout.
+    with pytest.raises(RuleError, match=r"rule 0: match\.name: .* timed out after"):
+        apply_rules(model(), [{"match": {"name": pattern}, "replace": {"class": "default"}}])
+
+
+def test_nested_quantifier_that_regex_rejects_fast_terminates():
+    # The classic (x+)+X: re never returns on 40 characters; regex sees X is missing and matches nothing at once.
+    with pytest.raises(RuleError, match="rule 0: match: matched no module"):
+        apply_rules(nn.ModuleDict({"a" * 40: nn.Identity()}),
+                    [{"match": {"name": "^([a-z_0-9]+)+X$"}, "replace": {"class": "default"}}])
+
+
+@pytest.mark.parametrize("pattern", [r"^0\.act$", r"act$", r"^\d+\.(proj|act)$", r"PROJ", r"(?i)PROJ", r"^1", r"\bact",
+                                     r"^(?:0|1)\.p\w+$", r"^(?!0)", r"\.act$|^0$", r"[^.]+\.[^.]+"])
+def test_ordinary_patterns_match_as_re_search_did(pattern):
+    rule = load_rules([{"match": {"name": pattern}, "replace": {"class": "default"}}])[0]
+    for path, module in _model().named_modules():
+        assert rule.matches(path, module) == bool(re.search(pattern, path)), path
+
+
+def _nest(depth, leaf=1, key=None):
+    """``depth`` lists (or single-key mappings) around ``leaf``, built without recursion."""
+    for _ in range(depth):
+        leaf = {key: leaf} if key else [leaf]
+    return leaf
+
+
+def _nest_yaml(depth, key=None):
+    return f"{{{key}: " * depth + "1" + "}" * depth if key else "[" * depth + "1" + "]" * depth
+
+
+_R0 = "- match: {name: act}\n  replace: {class: default}\n"
+
+
+@pytest.mark.parametrize("yaml_text, python, index, key", [
+    (_R0 + f"- match: {{name: act}}\n  replace: {{class: default, kwargs: {{x: {_nest_yaml(500)}}}}}\n",
+     [{"match": {"name": "act"}, "replace": {"class": "default"}},
+      {"match": {"name": "act"}, "replace": {"class": "default", "kwargs": {"x": _nest(500)}}}],
+     1, "replace.kwargs.x"),
+    (f"- match: {{name: act}}\n  replace: {{class: default, kwargs: {_nest_yaml(500, 'a')}}}\n",
+     [{"match": {"name": "act"}, "replace": {"class": "default", "kwargs": _nest(500, key="a")}}],
+     0, "replace.kwargs.a"),
+    (_R0 + f"  optional: {_nest_yaml(500)}\n", [{"match": {"name": "act"}, "replace": {"class": "default"},
+                                                 "optional": _nest(500)}], 0, "optional"),
+    (f"- match: {{name: {_nest_yaml(500)}}}\n", [{"match": {"name": _nest(500)}}], 0, "match.name"),
+    (f"- {_nest_yaml(500)}\n", [_nest(500)], 0, "rule"),
+    (_nest_yaml(500, "a"), None, None, "rules"),
+])
+def test_deep_nesting_raises_rule_error_naming_the_key(yaml_text, python, index, key):
+    for source in (yaml_text, python):
+        if source is None:
+            continue
+        with pytest.raises(RuleError, match=f"nested deeper than {tnn.rules.MAX_NESTING_DEPTH} levels") as ei:
+            load_rules(source)
+        assert (ei.value.index, ei.value.key) == (index, key)
+
+
+def test_nesting_limit_is_the_same_for_yaml_and_python():
+    limit = tnn.rules.MAX_NESTING_DEPTH
+    for depth, ok in ((limit - 4, True), (limit - 3, False)):  # rule list, rule, replace, kwargs: 4 levels
+        python = [{"match": {"name": "act"}, "replace": {"class": "default", "kwargs": {"x": _nest(depth)}}}]
+        text = f"- match: {{name: act}}\n  replace: {{class: default, kwargs: {{x: {_nest_yaml(depth)}}}}}\n"
+        for source in (python, text):
+            if ok:
+                assert load_rules(source)[0].kwargs == {"x": _nest(depth)}
+            else:
+                with pytest.raises(RuleError, match=r"rule 0: replace\.kwargs\.x: nested deeper"):
+                    load_rules(source)
+
+
+def test_cyclic_and_widely_shared_python_rules():
+    cycle = []
+    cycle.append(cycle)
+    with pytest.raises(RuleError, match=r"rule 0: replace\.kwargs\.c: .*contains itself"):
+        load_rules([{"match": {"name": "act"}, "replace": {"class": "default", "kwargs": {"c": cycle}}}])
+    shared = 1
+    for _ in range(25):  # 2**25 paths through 25 objects (YAML aliases make the same): checked once each
+        shared = [shared, shared]
+    assert load_rules([{"match": {"name": "act"}, "replace": {"class": "default", "kwargs": {"s": shared}}}])
+
+
+def test_regex_with_deeply_nested_groups_is_a_rule_error():
+    with pytest.raises(RuleError, match=r"rule 0: match\.name: regex nests its groups too deeply"):
+        load_rules([{"match": {"name": "(" * 500 + "a" + ")" * 500}, "replace": {"class": "default"}}])

@@ -1,9 +1,9 @@
-"""YAML injection rules (KTransformers' format, seed 004) on the shared engine.
+"""YAML injection rules (KTransformers' format) on the shared engine.
 
 A rule file is a list of::
 
     - match:                      # at least one of name/class; both must hold
-        name: "^model\\.layers\\.\\d+\\.mlp$"      # re.search on the dotted module path
+        name: "^model\\.layers\\.\\d+\\.mlp$"      # regex.search on the dotted module path
         class: transformers.models.llama.modeling_llama.LlamaMLP   # isinstance, by dotted name
       replace:
         class: tritonspec.nn.hub.layers.SwiGLUMLP  # or "default": keep the module as it is
@@ -16,6 +16,12 @@ rule file is data, and must never be a way to run arbitrary code. ``match.class`
 against the module's class hierarchy and imports nothing; ``replace.class`` is imported only from
 modules under an allowed prefix (``tritonspec`` plus what the caller passes).
 
+A rule file is also bounded, so a hostile or broken one fails with :class:`RuleError` instead of hanging or
+crashing: ``match.name`` is searched with the ``regex`` package (``re``-compatible syntax) under a timeout of
+``MATCH_TIMEOUT_S`` per module path, and lists/mappings may nest at most ``MAX_NESTING_DEPTH`` levels, the rule
+list itself counting as one (a rule's ``replace.kwargs`` is at level 4), whether the rules come as YAML or as
+Python lists and dicts.
+
 A replacement class is either a hub-style pure layer (validated like kernelize's; its ``forward`` is
 bound onto the matched module) or an ``nn.Module`` to put in the module's place. For the latter the class
 (or a converter registered with :func:`register_module_converter`) builds it from the original module,
@@ -23,14 +29,17 @@ sharing its parameters, so training updates survive ``revert``.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+import regex
 from torch import nn
 
 from . import engine
@@ -43,6 +52,15 @@ _RULE_KEYS = {"match", "replace", "recursive", "optional"}
 _MATCH_KEYS = {"name", "class"}
 _REPLACE_KEYS = {"class", "kwargs"}
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+# Seconds one match.name search of one module path may take. Legitimate patterns against dotted module paths
+# take microseconds, so this is thousands of times the need; only catastrophic backtracking gets near it, and
+# then an error naming the rule beats hanging forever (re has no timeout; the regex package has).
+MATCH_TIMEOUT_S = 0.1
+# Lists/mappings a rule file may nest, the rule list counting as 1 (a rule is 2, its replace.kwargs 4). Real files
+# need about 6; PyYAML composes nodes recursively, so a bound far below Python's recursion limit turns a deep
+# file into a RuleError instead of a RecursionError.
+MAX_NESTING_DEPTH = 32
+_NESTED = (list, tuple, dict)
 
 
 class RuleError(ValueError):
@@ -57,7 +75,7 @@ class RuleError(ValueError):
 @dataclass
 class Rule:
     index: int
-    name: re.Pattern | None
+    name: regex.Pattern | None
     match_class: str | None
     replace_class: str | None  # None means "default"
     kwargs: dict = field(default_factory=dict)
@@ -65,8 +83,14 @@ class Rule:
     optional: bool = False
 
     def matches(self, path: str, module: nn.Module) -> bool:
-        if self.name is not None and not self.name.search(path):
-            return False
+        if self.name is not None:
+            try:
+                found = self.name.search(path, timeout=MATCH_TIMEOUT_S)
+            except TimeoutError:
+                raise RuleError(self.index, "match.name", f"{self.name.pattern!r} timed out after {MATCH_TIMEOUT_S}s "
+                                f"on {path!r} (catastrophic backtracking; simplify the pattern)") from None
+            if not found:
+                return False
         if self.match_class is not None and self.match_class not in _class_names(type(module)):
             return False
         return True
@@ -80,7 +104,99 @@ def _allowed(dotted: str, allowed: Iterable[str]) -> bool:
     return any(dotted == p or dotted.startswith(p.rstrip(".") + ".") for p in allowed)
 
 
+def _too_deep(index: int | None, labels: list, cyclic: bool = False) -> RuleError:
+    """The error for nesting past MAX_NESTING_DEPTH; the key is the path of up to three mapping keys (like
+    ``replace.kwargs.x``) down to the too-deep value, not the whole (possibly hundreds of levels long) path."""
+    keys = []
+    for label in labels[:3]:
+        if not isinstance(label, str):
+            break
+        keys.append(label)
+    key = ".".join(keys) or ("rule" if index is not None else "rules")
+    return RuleError(index, key, f"nested deeper than {MAX_NESTING_DEPTH} levels of lists/mappings"
+                     f"{' (it contains itself)' if cyclic else ''}; that is the maximum nesting depth of a rule file")
+
+
+def _children(obj) -> list:
+    items = list(obj.keys()) + list(obj.values()) if isinstance(obj, dict) else obj
+    return [c for c in items if isinstance(c, _NESTED)]
+
+
+def _height(root: Any, memo: dict[int, float]) -> float:
+    """Levels of lists/tuples/dicts in ``root`` (0 for a scalar, inf for a cycle). Iterative, so any depth is
+    safe; ``memo`` (by id) makes an object shared through many YAML aliases cost once, not once per path."""
+    if not isinstance(root, _NESTED):
+        return 0
+    stack, on_path = [(root, iter(_children(root)))], {id(root)}
+    while stack:
+        obj, todo = stack[-1]
+        for child in todo:
+            if id(child) in on_path:
+                return math.inf
+            if id(child) not in memo:
+                stack.append((child, iter(_children(child))))
+                on_path.add(id(child))
+                break
+        else:
+            stack.pop()
+            on_path.discard(id(obj))
+            memo[id(obj)] = 1 + max((memo[id(c)] for c in _children(obj)), default=0)
+    return memo[id(root)]
+
+
+def _check_nesting(i: int, raw: Any) -> None:
+    """Rules given as Python objects get the same bound as YAML (whose loader checks while composing), before
+    anything recurses into them (a repr in an error message, a constructor taking the kwargs)."""
+    memo: dict[int, float] = {}
+    level = 2  # of the rule; the rule list is level 1
+    if level + _height(raw, memo) - 1 <= MAX_NESTING_DEPTH:
+        return
+    labels, obj = [], raw
+    while isinstance(obj, dict) and len(labels) < 3:  # name the key whose value nests too deep
+        hit = next(((k, v) for k, v in obj.items() if level + _height(v, memo) > MAX_NESTING_DEPTH), None)
+        if hit is None or isinstance(hit[0], tuple):
+            break
+        labels.append(str(hit[0]))
+        obj, level = hit[1], level + 1
+    raise _too_deep(i, labels, cyclic=_height(raw, memo) == math.inf)
+
+
+@functools.cache
+def _bounded_loader() -> type:
+    """A yaml.SafeLoader that stops at MAX_NESTING_DEPTH while composing: PyYAML composes nodes recursively, so a
+    deep enough file would otherwise end in a bare RecursionError. Built on first use: importing tritonspec.nn
+    does not import yaml."""
+    import yaml
+
+    class BoundedSafeLoader(yaml.SafeLoader):
+        def __init__(self, stream):
+            super().__init__(stream)
+            self.labels: list = []  # path to the node being composed: sequence index, mapping key, None (a key)
+            self.depth = 0
+            self.root_is_list = False
+
+        def compose_node(self, parent, index):
+            nested = self.check_event(yaml.SequenceStartEvent, yaml.MappingStartEvent)  # not a scalar or alias
+            if parent is None:
+                self.root_is_list = self.check_event(yaml.SequenceStartEvent)
+            else:
+                self.labels.append(index if isinstance(parent, yaml.SequenceNode)
+                                   else index.value if isinstance(index, yaml.ScalarNode) else None)
+            self.depth += int(nested)
+            try:
+                if self.depth > MAX_NESTING_DEPTH:
+                    raise _too_deep(self.labels[0], self.labels[1:]) if self.root_is_list else _too_deep(None, [])
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= int(nested)
+                if parent is not None:
+                    self.labels.pop()
+
+    return BoundedSafeLoader
+
+
 def _parse_rule(i: int, raw: Any) -> Rule:
+    _check_nesting(i, raw)
     if not isinstance(raw, dict):
         raise RuleError(i, "rule", f"expected a mapping with match/replace, got {type(raw).__name__}")
     unknown = set(raw) - _RULE_KEYS
@@ -99,9 +215,12 @@ def _parse_rule(i: int, raw: Any) -> Rule:
         if not isinstance(match["name"], str):
             raise RuleError(i, "match.name", f"expected a regex string, got {type(match['name']).__name__}")
         try:
-            pattern = re.compile(match["name"])
-        except re.error as e:
+            pattern = regex.compile(match["name"])
+        except regex.error as e:
             raise RuleError(i, "match.name", f"invalid regex {match['name']!r}: {e}") from None
+        except RecursionError:  # the compiler recurses per group level, e.g. "((((...))))" 500 deep
+            raise RuleError(i, "match.name", f"regex nests its groups too deeply to compile: {match['name'][:60]!r}"
+                            "...") from None
     match_class = match.get("class")
     if match_class is not None and (not isinstance(match_class, str) or not _DOTTED.match(match_class)):
         raise RuleError(i, "match.class", f"expected a dotted class name like pkg.module.Class, got {match_class!r}")
@@ -135,8 +254,8 @@ def load_rules(source: str | Path | list) -> list[Rule]:
         source = path.read_text()
     if isinstance(source, str):
         import yaml
-        try:
-            source = yaml.safe_load(source)  # safe_load: YAML tags cannot construct Python objects
+        try:  # a SafeLoader: YAML tags cannot construct Python objects
+            source = yaml.load(source, Loader=_bounded_loader())
         except yaml.YAMLError as e:
             raise RuleError(None, "yaml", str(e)) from None
     if not isinstance(source, list) or not source:
