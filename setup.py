@@ -1,7 +1,15 @@
 """tritonspec: backend specialization hooks for stock Triton, vendor backends, LLM kernels."""
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
-_BACKENDS = find_packages("third_party")
+_THIRD_PARTY = Path(__file__).resolve().parent / "third_party"
+_BACKENDS = find_packages(str(_THIRD_PARTY))
+# Each vendor directory is its own declaration: third_party/<vendor>/backend/spec/ is a spec
+# provider, and a backend/ with compiler.py and driver.py is a Triton backend of its own (nvidia and
+# amd keep the stock ones). Adding a vendor directory is all it takes to register it.
+_VENDORS = sorted(p.parents[2].name for p in _THIRD_PARTY.glob("*/backend/spec/__init__.py"))
+_TRITON_BACKENDS = sorted(p.parents[1].name for p in _THIRD_PARTY.glob("*/backend/compiler.py"))
 
 setup(
     name="tritonspec",
@@ -11,30 +19,19 @@ setup(
     package_dir={"tritonspec": "python/tritonspec", "tritonspec_backends": "third_party"},
     packages=(["tritonspec"] + ["tritonspec." + p for p in find_packages("python/tritonspec")] +
               ["tritonspec_backends"] + ["tritonspec_backends." + p for p in _BACKENDS]),
-    package_data={"tritonspec": ["py.typed"]},
     install_requires=[
         "triton>=3.6,<3.10",
         "torch>=2.11",
         # triton 3.6's interpreter breaks on numpy 2.4 (int(ndarray) in __index__); 3.7+ is fine.
         "numpy<2.4",
         "pyyaml",
+        "regex",  # match.name in YAML rules: re-compatible, with a search timeout
     ],
     extras_require={"test": ["pytest", "lit", "transformers>=4.57", "kernels>=0.17"]},
     entry_points={
         "console_scripts": ["tritonspec=tritonspec.cli:main"],
-        # Importing any of these during Triton's backend discovery activates the hooks.
-        "tritonspec.specs": [
-            "nvidia = tritonspec_backends.nvidia.backend.spec",
-            "amd = tritonspec_backends.amd.backend.spec",
-            "iluvatar = tritonspec_backends.iluvatar.backend.spec",
-            "ascend = tritonspec_backends.ascend.backend.spec",
-            "cpu = tritonspec_backends.cpu.backend.spec",
-        ],
-        # New Triton backends (nvidia and amd stay the stock ones): each names a package with
-        # compiler.py / driver.py, imported during Triton's backend discovery.
-        "triton.backends": [
-            "iluvatar = tritonspec_backends.iluvatar.backend",
-            "ascend = tritonspec_backends.ascend.backend",
-        ],
+        "tritonspec.specs": [f"{v} = tritonspec_backends.{v}.backend.spec" for v in _VENDORS],
+        # Imported during Triton's backend discovery: importing them activates the hooks.
+        "triton.backends": [f"{v} = tritonspec_backends.{v}.backend" for v in _TRITON_BACKENDS],
     },
 )

@@ -8,11 +8,12 @@ ln -s "$_ts_root/python/tritonspec" "$_ts_site/tritonspec"
 ln -s "$_ts_root/third_party" "$_ts_site/tritonspec_backends"
 printf 'Metadata-Version: 2.1\nName: tritonspec\nVersion: 0.1.0\n' > "$_ts_site/tritonspec-0.1.0.dist-info/METADATA"
 python3 - "$_ts_root/setup.py" > "$_ts_site/tritonspec-0.1.0.dist-info/entry_points.txt" <<'PY'
-import ast, sys
-tree = ast.parse(open(sys.argv[1]).read())
-call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
-eps = ast.literal_eval(next(k.value for k in call.keywords if k.arg == "entry_points"))
-for group, entries in eps.items():
+import runpy, sys, types
+setup_kwargs = {}  # run setup.py with a stand-in setuptools that only records its arguments
+sys.modules["setuptools"] = types.SimpleNamespace(setup=lambda **kw: setup_kwargs.update(kw),
+                                                  find_packages=lambda *a, **k: [])
+runpy.run_path(sys.argv[1])
+for group, entries in setup_kwargs["entry_points"].items():
     print(f"[{group}]")
     print("\n".join(entries) + "\n")
 PY

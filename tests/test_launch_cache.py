@@ -168,9 +168,9 @@ def test_a_plan_declines_what_it_may_not_reuse(launcher, monkeypatch, change):
     x2 = x2[1:] if change == "misaligned" else x2[:64]
     if change == "device":
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    elif change == "spec":
-        from tritonspec import install
-        monkeypatch.setattr(install, "_jit_key", ("another", "selection"))
+    elif change == "spec":  # another selection (the registry's generation is part of it)
+        from tritonspec import REGISTRY
+        monkeypatch.setattr(REGISTRY, "generation", REGISTRY.generation + 1)
     elif change == "hook":
         monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
     assert plan(x2, y2) is False
@@ -189,7 +189,9 @@ def test_a_plan_keeps_no_tensor_of_the_recorded_call_alive(launcher):
     assert gone() is None and plan is not None
 
 
-def test_an_ops_plan_cache_is_bounded_and_dropped_with_the_spec_selection(monkeypatch):
+def test_an_ops_plan_cache_is_bounded_and_dropped_with_the_spec_registry(monkeypatch):
+    """Dropped when the registry changes; a plan made under another selection declines (see above)."""
+    import types
     import tritonspec
     from tritonspec.ops._library import PlanCache
     monkeypatch.setattr(PlanCache, "LIMIT", 3)
@@ -200,5 +202,10 @@ def test_an_ops_plan_cache_is_bounded_and_dropped_with_the_spec_selection(monkey
     assert len(plans) == 3
     plans[3] = "plan"  # full: starts over with the new entry
     assert dict(plans) == {3: "plan"}
-    with tritonspec.use_backend("iluvatar"):
+    spec = types.ModuleType("plan_cache_spec")
+    spec.__all__ = []
+    tritonspec.register_spec("plan-cache-test", spec)
+    try:
         assert plans == {}
+    finally:
+        tritonspec.REGISTRY.unregister("plan-cache-test")

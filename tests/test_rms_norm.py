@@ -130,7 +130,9 @@ def small_blocks():
 
     def kernel_config(kernel, **problem):
         calls.append(kernel)
-        return {"BLOCK_N": 32, "BLOCK_M": 2, "programs_per_unit": 1} if kernel.startswith("rms_norm") else None
+        if kernel == "rms_norm_bwd":
+            return {"BLOCK_N": 32, "BLOCK_M": 2, "programs_per_unit": 1}
+        return {"BLOCK_N": 32, "BLOCK_M": 2} if kernel == "rms_norm_fwd" else None
 
     spec = types.ModuleType("tritonspec_test_small_blocks")
     spec.kernel_config = kernel_config

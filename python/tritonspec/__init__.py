@@ -3,17 +3,19 @@
 Importing tritonspec (or any ``import triton`` once it is installed) installs the hooks unless
 ``TRITONSPEC_DISABLE=1``. Nothing here creates a device driver.
 """
-from .hooks import HOOKS, Hook, Kind, SpecError, get_hook
-from .launch import launch_config
+from .hooks import HOOKS, Hook, Kind, SpecContractError, SpecError, get_hook
+from .identity import BackendInfo
+from .launch import LaunchConfigError, launch_config
 from .registry import REGISTRY, register_spec
-from .resolve import (SpecHookError, backend_for_device, current_backend, lookup, spec, spec_func,
-                      use_backend)
+from .resolve import (SpecHookError, backend_for_device, current_backend, default_backend, lookup,
+                      set_default_backend, spec, spec_func, use_backend, value)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "HOOKS", "Hook", "Kind", "SpecError", "SpecHookError", "get_hook", "launch_config", "REGISTRY",
-    "register_spec", "backend_for_device", "current_backend", "lookup", "spec", "spec_func", "use_backend",
+    "HOOKS", "Hook", "Kind", "SpecContractError", "SpecError", "SpecHookError", "get_hook", "BackendInfo",
+    "LaunchConfigError", "launch_config", "REGISTRY", "register_spec", "backend_for_device", "current_backend",
+    "default_backend", "lookup", "set_default_backend", "spec", "spec_func", "use_backend", "value",
     "activate", "deactivate",
 ]
 

@@ -17,10 +17,8 @@ import triton.language as tl
 
 from . import install
 from .hooks import HOOKS
-from .registry import REGISTRY
+from .registry import ALLOW_ENV, REGISTRY
 
-# Targets compiled for each spec backend unless its spec module names one in ``_TARGET``.
-DEFAULT_TARGETS = {"nvidia": ("cuda", 90, 32), "amd": ("hip", "gfx942", 64)}
 # Points in tritonspec's own code (consulted by its ops, not installed into Triton).
 OWN_POINTS = frozenset({"tritonspec.launch_config", "tritonspec.ops.attention"})
 
@@ -128,15 +126,26 @@ def run_samples_interpreted() -> dict[str, str]:
 
 
 def compile_samples(target) -> dict[str, str]:
-    """Compile every sample offline for ``target``; name -> "ok (<stages>)" or the error."""
+    """Compile every sample offline for ``target``; name -> "ok (<stages>)" or the error.
+
+    A stage whose artifact came out empty is reported as not built, with the backend's reason
+    (``metadata.not_built``), never as ok.
+    """
     from triton.compiler import ASTSource
     results = {}
     for name, (fn, signature, constexprs) in SAMPLES.items():
         try:
             kernel = triton.compile(ASTSource(_compiled(fn), signature, constexprs), target=target)
-            results[name] = "ok (" + ",".join(kernel.asm) + ")"
         except Exception as e:
             results[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            continue
+        built = [stage for stage, artifact in kernel.asm.items() if artifact]
+        empty = [stage for stage, artifact in kernel.asm.items() if not artifact]
+        result = "ok (" + ",".join(built) + ")"
+        if empty:
+            why = getattr(kernel.metadata, "not_built", None) or "empty artifact"
+            result += "; " + ", ".join(f"{stage}: not built ({why})" for stage in empty)
+        results[name] = result
     return results
 
 
@@ -148,6 +157,8 @@ def _table(rows, header) -> str:
 
 def main(argv=None) -> int:
     from triton.backends.compiler import GPUTarget
+    # Say what FP fusion is (Triton 3.9 otherwise warns on stderr in the middle of the tables).
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     failures = []
     print(f"tritonspec check: triton {triton.__version__}, python {sys.version.split()[0]}")
     if not install.is_active():
@@ -157,19 +168,27 @@ def main(argv=None) -> int:
 
     # 1. providers
     providers, rows = {}, []
+    allow = os.environ.get(ALLOW_ENV)
     for name in REGISTRY.names():
+        conflict = REGISTRY.conflict(name)
+        if conflict is not None:
+            failures.append(conflict)
+            for c in REGISTRY.candidates(name):
+                rows.append([name, "CONFLICT", f"entry point of {c.label}", c.value, "-"])
+            continue
         try:
             p = REGISTRY.get(name)
             if p is None:
-                rows.append([name, "not allowed by TRITONSPEC_BACKENDS", "", ""])
+                rows.append([name, f"not allowed by {ALLOW_ENV}={allow!r}", "", "", ""])
                 continue
             providers[name] = p
             lists = [f"{n}[{', '.join(getattr(p.module, n))}]" for n in sorted(p.exports) if n.endswith("_func_list")]
-            rows.append([name, getattr(p.module, "_WHERE", "unknown"), p.origin, ", ".join(p.hooks + lists) or "-"])
+            cache = "shared" if p.digest.cacheable else f"this process only ({p.digest.reason})"
+            rows.append([name, p.info.runs, p.source, ", ".join(p.hooks + lists) or "-", cache])
         except Exception as e:
             failures.append(f"spec provider {name}: {e}")
-            rows.append([name, "FAILED", str(e), ""])
-    print("\nSpec providers\n" + _table(rows, ["backend", "runs", "from", "spec functions"]))
+            rows.append([name, "FAILED", str(e), "", ""])
+    print("\nSpec providers\n" + _table(rows, ["backend", "runs", "from", "spec functions", "compile cache"]))
 
     # 2. hook table vs install points
     points = {p.name: p for p in install.INSTALL_POINTS}
@@ -185,19 +204,21 @@ def main(argv=None) -> int:
         if not ok:
             failures.append(f"hook {hook.name}: {status}")
         by = [b for b, p in providers.items() if p.get(hook.name) is not None]
-        rows.append([hook.name, hook.point, "yes" if status == "installed" else status, ", ".join(by) or "-"])
+        applies = "interpreter only" if hook.interpreter_only else "compiled + interpreted"
+        rows.append([hook.name, hook.point, "yes" if status == "installed" else status, applies,
+                     ", ".join(by) or "-"])
     for name, point in points.items():
         if not any(h.point == name for h in HOOKS.values()):
             status = install.STATUS.get(name, "pending")
             if not (status == "installed" or status.startswith("n/a")):
                 failures.append(f"install point {name}: {status}")
-            rows.append(["-", name, "yes" if status == "installed" else status, point.doc])
-    print("\nHook points\n" + _table(rows, ["hook", "point", "installed", "specialized by"]))
+            rows.append(["-", name, "yes" if status == "installed" else status, "", point.doc])
+    print("\nHook points\n" + _table(rows, ["hook", "point", "installed", "applies to", "specialized by"]))
 
     # 3. sample kernels: offline compile per backend target, then the interpreter
     rows = []
     for name, p in providers.items():
-        target = getattr(p.module, "_TARGET", None) or DEFAULT_TARGETS.get(name)
+        target = p.info.check_target
         if target is None:
             continue
         for kernel, result in compile_samples(GPUTarget(*target)).items():
@@ -205,9 +226,9 @@ def main(argv=None) -> int:
             if not result.startswith("ok"):
                 failures.append(f"compile {kernel} for {name}: {result}")
     for kernel, result in _interpret_in_subprocess().items():
-            rows.append(["interpreter", "cpu", kernel, result])
-            if result != "ok":
-                failures.append(f"interpret {kernel}: {result}")
+        rows.append(["interpreter", "cpu", kernel, result])
+        if result != "ok":
+            failures.append(f"interpret {kernel}: {result}")
     print("\nSample kernels\n" + _table(rows, ["backend", "target", "kernel", "result"]))
 
     if failures:

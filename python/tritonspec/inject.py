@@ -1,12 +1,18 @@
-"""The injectors of seed 001 §4.3/4.4: put a backend's builtins into tl, tl.core, tl.math, tl.standard.
+"""FlagTree's injectors: put a backend's builtins into tl, tl.core, tl.math, tl.standard.
 
 ``spec_core_func(spec)`` and friends keep FlagTree's names and list names, with two changes:
 a name in a ``*_ext_spec_func_list`` that already exists in mainline is an error (only a
 ``*_ext_base_func_list`` may replace a mainline name), and every injection is recorded so
 ``restore()`` puts back the exact original objects.
+
+Injected names live in Triton's modules, which every thread shares, while spec selection is per
+thread. So the code that reads them, a kernel's code generation and an interpreted run, holds
+``applied(spec)``: the lock, with that spec's injections in place. Outside kernels, ``tl`` shows the
+injections of the most recent selection change in any thread.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 from .hooks import SEMANTIC_PREFIX, SpecError
@@ -110,3 +116,15 @@ def apply(spec) -> None:
 
 def applied_spec():
     return _applied_spec
+
+
+@contextlib.contextmanager
+def applied(spec):
+    """Hold the injection lock with ``spec``'s injections (None: none) in place; then put back what was."""
+    with _lock:
+        previous = _applied_spec
+        apply(spec)
+        try:
+            yield
+        finally:
+            apply(previous)

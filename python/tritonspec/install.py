@@ -7,25 +7,28 @@ which makes activation safe from inside ``import triton`` (our backends' entry p
 Triton's backend discovery). Upgrading Triton means re-validating this table: ``tritonspec check``
 reports every point that could not apply instead of failing the import.
 
-All hooks act at compile (trace) time or on compile-cache misses; nothing here runs per launch.
+All hooks act at compile (trace) time or on compile-cache misses. Per launch there is one thing:
+a JIT function's in-memory cache is looked up under the current spec selection (one contextvar read).
 """
 from __future__ import annotations
 
+import collections
+import collections.abc
 import dataclasses
 import functools
 import importlib.abc
 import os
 import sys
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import Callable
 
 from . import inject
-from .hooks import SpecError
+from .hooks import HOOKS, SpecError
 from .patches import PatchLog
 from .registry import REGISTRY
-from .resolve import active_provider, compiling_for, current_backend, explicit_backend, lookup, spec
+from .resolve import (active_provider, compiling_for, current_backend, lookup, on_selection_change,
+                      selection_key, value)
 
 _lock = threading.RLock()
 _patches = PatchLog()
@@ -67,7 +70,7 @@ def _install_atomic_bf16(semantic):
     @functools.wraps(orig)
     def atom_red_typechecking_impl(self, ptr, val, mask, op):
         ptr, val, mask = orig(self, ptr, val, mask, op)
-        if ptr.type.scalar.element_ty.is_bf16() and spec("atomic_disable_bf16"):
+        if ptr.type.scalar.element_ty.is_bf16() and value("atomic_disable_bf16"):
             raise ValueError(f"atomic_{op} on bfloat16 is not supported by backend {current_backend()!r}; "
                              "accumulate in float32 instead")
         return ptr, val, mask
@@ -83,12 +86,16 @@ def _install_arange(language):
     tl = semantic.tl
 
     def lifted() -> bool:
-        return bool(spec("arange_disable_check_power_of_two"))
+        return bool(value("arange_disable_check_power_of_two"))
 
     @functools.wraps(orig_arange)
     def arange(self, start, end, *, ret_ty=None):
         n = end - start if isinstance(start, int) and isinstance(end, int) else 0
         if n > 0 and n & (n - 1) and lifted():
+            if type(self.builder).__name__ != "InterpreterBuilder":
+                hook = HOOKS["arange_disable_check_power_of_two"]
+                raise SpecError(f"tl.arange({start}, {end}): backend {current_backend()!r} specializes "
+                                f"{hook.name!r}, which applies to interpreted kernels only: {hook.interpreter_only}")
             if (start >> 32) or (end >> 32):  # the stock checks other than the power of two still hold
                 raise ValueError("arange must fit in int32")
             ret_ty = ret_ty or tl.block_type(tl.int32, [n])
@@ -155,7 +162,8 @@ _STOCK_MODIFIERS = {"", "none", "ca", "cg", "wb", "cs", "wt", "cv"}
 # --------------------------------------------------------------------------------------------
 
 def _install_compile(compiler_pkg):
-    """Wrap ``triton.compile``: resolve the target's spec, swap tl injections, key the cache by spec."""
+    """Wrap ``triton.compile``: resolve the target's spec and key the cache by it; code generation
+    (``ASTSource.make_ir``) runs with that spec's tl injections in place."""
     from triton.compiler import compiler as compiler_mod
     orig = compiler_mod.compile
 
@@ -164,28 +172,34 @@ def _install_compile(compiler_pkg):
         if target is None:
             from triton.runtime.driver import driver
             target = driver.active.get_current_target()
-        provider = active_provider(target.backend)
-        if provider is not None:
-            if _env_vars is None:
-                _env_vars = compiler_mod.get_cache_invalidating_env_vars()
-            _env_vars = {**_env_vars, "TRITONSPEC_SPEC": f"{provider.backend}:{provider.fingerprint}:{_self_key()}"}
-        wanted = provider.module if provider is not None and inject.has_injections(provider.module) else None
         with compiling_for(target.backend):
-            if inject.applied_spec() is wanted:
-                return orig(src, target=target, options=options, _env_vars=_env_vars)
-            with _lock:  # cross-compiling for a backend with other tl injections: swap them meanwhile
-                previous = inject.applied_spec()
-                inject.apply(wanted)
-                try:
-                    return orig(src, target=target, options=options, _env_vars=_env_vars)
-                finally:
-                    inject.apply(previous)
+            provider = active_provider()
+            if provider is not None:
+                if _env_vars is None:
+                    _env_vars = compiler_mod.get_cache_invalidating_env_vars()
+                _env_vars = {**_env_vars, "TRITONSPEC_SPEC": f"{provider.backend}:{provider.fingerprint}:{_self_key()}"}
+            return orig(src, target=target, options=options, _env_vars=_env_vars)
+
+    ast_source = compiler_mod.ASTSource
+    orig_make_ir = ast_source.make_ir
+
+    @functools.wraps(orig_make_ir)
+    def make_ir(self, *args, **kwargs):
+        with inject.applied(_injecting_spec()):
+            return orig_make_ir(self, *args, **kwargs)
 
     _patch(compiler_mod, "compile", compile)
     _patch(compiler_pkg, "compile", compile)
+    _patch(ast_source, "make_ir", make_ir)
     top = sys.modules.get("triton")
     if top is not None:  # mid-import, triton/__init__ copies triton.compiler.compile a moment later
         _patch(top, "compile", compile, original=orig)
+
+
+def _injecting_spec():
+    """The spec module whose tl injections code running now must see (None: stock tl)."""
+    provider = active_provider()
+    return provider.module if provider is not None and inject.has_injections(provider.module) else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,7 +208,7 @@ def _self_key() -> str:
     import hashlib
     import pathlib
     h = hashlib.sha256()
-    for name in ("hooks.py", "resolve.py", "inject.py", "install.py"):
+    for name in ("hooks.py", "registry.py", "resolve.py", "inject.py", "install.py", "fingerprint.py", "patches.py"):
         h.update((pathlib.Path(__file__).parent / name).read_bytes())
     return h.hexdigest()[:12]
 
@@ -202,11 +216,12 @@ def _self_key() -> str:
 def _stages_hook(previous):
 
     def hook(*args):
-        if not args:  # triton >= 3.7 asks the hook for a cache-key contribution
+        if not args:
+            # Triton >= 3.7 asks for a cache-key contribution, on every launch. The spec is already
+            # in the compile key (TRITONSPEC_SPEC) and in-memory caches are kept per selection
+            # (SelectionCaches), so this adds nothing per launch but a constant.
             key, digest = previous() if previous is not None else ("", "")
-            provider = active_provider()
-            mine = provider.fingerprint if provider is not None else ""
-            return key + f"-tritonspec:{mine}", digest + mine
+            return key + "-tritonspec", digest
         backend, stages, options, language, capability = args
         if previous is not None:
             previous(*args)
@@ -230,8 +245,7 @@ def _install_parse_options(backends_mod):
 
         def parse_options(self, opts, _orig=orig):
             options = _orig(self, opts)
-            cap = lookup("num_stages_cap", target_backend=self.target.backend)
-            cap = cap() if callable(cap) else cap
+            cap = value("num_stages_cap", target_backend=self.target.backend)
             if cap is not None and getattr(options, "num_stages", 0) > cap:
                 options = dataclasses.replace(options, num_stages=int(cap))
             return options
@@ -300,30 +314,35 @@ def _install_get_cc(build):
     _patch(build, "_build", _build)
 
 
-# id -> weakref; not a WeakSet: JITFunction.__hash__ parses the kernel source to compute a cache key.
-_jit_functions: dict[int, weakref.ref] = {}
-_jit_key = None
+class SelectionCaches(collections.abc.Mapping):
+    """A JITFunction's ``device_caches``, kept per spec selection (``resolve.selection_key``).
 
+    A kernel compiled while one thread selects a backend must never be launched for another thread
+    with another selection; stock Triton keys its in-memory cache by device only. Reads (Triton's
+    ``device_caches[device]``, torch's ``.keys()`` / ``.values()``) see the current selection's caches.
+    """
 
-def _jit_cache_key():
-    return (explicit_backend(), REGISTRY.generation)
+    def __init__(self, factory):
+        self._factory = factory
+        self._by_selection: dict = {}
 
+    def _current(self) -> dict:
+        key = selection_key()
+        caches = self._by_selection.get(key)
+        if caches is None:
+            # caches of an older registry generation can never be selected again: let them go
+            self._by_selection = {k: v for k, v in self._by_selection.items() if k[1] == key[1]}
+            caches = self._by_selection[key] = collections.defaultdict(self._factory)
+        return caches
 
-def _swap_jit_caches():
-    """Give every JIT function the in-memory cache of the current spec selection (zero per-launch cost)."""
-    global _jit_key
-    new = _jit_cache_key()
-    if new == _jit_key:
-        return
-    old, _jit_key = _jit_key, new
-    for ref in list(_jit_functions.values()):
-        fn = ref()
-        if fn is None:
-            continue
-        stash = fn.__dict__.setdefault("_tritonspec_caches", {})
-        stash[old] = fn.device_caches
-        cache = stash.pop(new, None)
-        fn.device_caches = cache if cache is not None else type(fn.device_caches)(fn.create_binder)
+    def __getitem__(self, device):
+        return self._current()[device]
+
+    def __iter__(self):
+        return iter(self._current())
+
+    def __len__(self):
+        return len(self._current())
 
 
 def _install_jit(jit):
@@ -333,8 +352,7 @@ def _install_jit(jit):
     @functools.wraps(orig)
     def __init__(self, *args, **kwargs):
         orig(self, *args, **kwargs)
-        key = id(self)
-        _jit_functions[key] = weakref.ref(self, lambda _, key=key: _jit_functions.pop(key, None))
+        self.device_caches = SelectionCaches(self.create_binder)
 
     _patch(cls, "__init__", __init__)
 
@@ -358,8 +376,7 @@ def _install_injectors(language):
 def _apply_ambient_injections():
     if "triton.language" not in sys.modules or not _active:
         return
-    provider = active_provider()
-    inject.apply(provider.module if provider is not None else None)
+    inject.apply(_injecting_spec())  # waits for any kernel being generated with other injections
 
 
 # --------------------------------------------------------------------------------------------
@@ -385,7 +402,7 @@ def _install_interpreter(interpreter):
     @functools.wraps(orig)
     def _patch_lang(fn):
         scope = orig(fn)
-        lib = lookup("interpreter_libdevice")
+        lib = value("interpreter_libdevice")
         if lib is not None:
             for mod_name in _LIBDEVICE_MODULES:
                 mod = sys.modules.get(mod_name)
@@ -412,6 +429,18 @@ def _install_interpreter(interpreter):
         return scope
 
     _patch(interpreter, "_patch_lang", _patch_lang)
+
+    executor = interpreter.GridExecutor
+    orig_call = executor.__call__
+
+    @functools.wraps(orig_call)
+    def __call__(self, *args, **kwargs):
+        # Interpreted kernels read tl at run time: run each with its thread's injections in place
+        # (stock Triton's own patching of tl makes concurrent interpreted runs unsafe anyway).
+        with inject.applied(_injecting_spec()):
+            return orig_call(self, *args, **kwargs)
+
+    _patch(executor, "__call__", __call__)
 
 
 # --------------------------------------------------------------------------------------------
@@ -531,15 +560,8 @@ def activate() -> None:
         if _finder not in sys.meta_path:
             sys.meta_path.insert(0, _finder)
         _install_ready()
-        global _jit_key
-        _jit_key = _jit_cache_key()
-        REGISTRY.on_change(_on_spec_change)
-
-
-def _on_spec_change():
-    if _active:
-        _swap_jit_caches()
-        _apply_ambient_injections()
+        REGISTRY.on_change(_apply_ambient_injections)
+        on_selection_change(_apply_ambient_injections)
 
 
 def deactivate() -> None:

@@ -22,7 +22,7 @@ import torch
 from triton import knobs
 from triton.runtime import driver
 
-from .. import install
+from ..resolve import selection_key
 
 _Tensor = torch.Tensor
 _INT32_MAX = 2 ** 31 - 1
@@ -55,7 +55,7 @@ class CachedLauncher:
         """The cache key for a call, or None when it must take Triton's path."""
         if len(args) > self.n_runtime:
             return None
-        key = [device, install._jit_key, *kwargs.items()]
+        key = [device, selection_key(), *kwargs.items()]
         addresses = 0
         for a in args:
             if isinstance(a, _Tensor):
@@ -130,13 +130,13 @@ class LaunchPlan:
     def __init__(self, run, grid, device, stream_of, function, metadata, args, slots):
         self.run, self.grid, self.device, self.stream_of = run, grid, device, stream_of
         self.function, self.metadata, self.args, self.slots = function, metadata, args, slots
-        self.jit_key = install._jit_key
+        self.jit_key = selection_key()
 
     def __call__(self, *tensors) -> bool:
         addresses = 0
         for t in tensors:
             addresses |= t.data_ptr()
-        if (addresses & 15 or self.jit_key != install._jit_key or torch.cuda.current_device() != self.device
+        if (addresses & 15 or self.jit_key != selection_key() or torch.cuda.current_device() != self.device
                 or _hooks_set()):
             return False
         args = self.args.copy()

@@ -7,4 +7,7 @@ is active only where ``torch_npu`` finds an NPU (never on our machines).
 # whole; imported first from compiler.py, discovery would find that module half-initialized.
 # During discovery itself this is a no-op (triton is already in sys.modules).
 import triton  # noqa: F401
-import tritonspec  # noqa: F401  (activates the hooks; safe during Triton's import)
+from tritonspec_backends import DISABLED
+
+if not DISABLED:
+    import tritonspec  # noqa: F401  (activates the hooks; safe during Triton's import)

@@ -125,6 +125,7 @@ class AscendBackend(BaseBackend):
         tool = shutil.which(TOOLCHAIN)
         metadata["npu_toolchain"] = tool
         if tool is None:
+            metadata["not_built"] = f"{TOOLCHAIN} not on PATH"  # what `tritonspec check` reports
             return b""
         with tempfile.TemporaryDirectory() as tmp:
             ttir, out = os.path.join(tmp, "kernel.ttir"), os.path.join(tmp, "kernel.o")

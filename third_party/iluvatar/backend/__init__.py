@@ -22,4 +22,7 @@ if os.environ.get("TRITONSPEC_BACKEND") == "iluvatar":
 # whole; imported first from compiler.py, discovery would find that module half-initialized.
 # During discovery itself this is a no-op (triton is already in sys.modules).
 import triton  # noqa: E402,F401
-import tritonspec  # noqa: E402,F401  (activates the hooks; safe during Triton's import)
+from tritonspec_backends import DISABLED  # noqa: E402
+
+if not DISABLED:
+    import tritonspec  # noqa: F401  (activates the hooks; safe during Triton's import)

@@ -6,7 +6,7 @@ target gets the iluvatar spec (64-bit atomics from 32-bit ones, num_stages <= 2,
 without any selection in scope, cross-compiling from a CUDA process included, and the target is
 part of Triton's cache key so iluvatar and cuda binaries never mix. The arch is an NVIDIA
 compute capability because the emulation runs on NVIDIA GPUs; the real CoreX toolchain is not
-used (see ``spec._WHERE``).
+used (see the spec's ``backend_info``).
 """
 import functools
 import hashlib

@@ -13,8 +13,9 @@ from .compiler import TARGET_BACKEND
 
 
 def selected() -> bool:
-    """Whether the user selected the iluvatar profile (never creates a driver)."""
-    if TARGET_BACKEND in (os.environ.get("TRITONSPEC_BACKEND"), os.environ.get("TRITON_DEFAULT_BACKEND")):
+    """Whether the user selected the iluvatar profile (never creates a driver): Triton's
+    ``TRITON_DEFAULT_BACKEND``, or tritonspec's selection in this thread or its process default."""
+    if os.environ.get("TRITON_DEFAULT_BACKEND") == TARGET_BACKEND:
         return True
     try:
         from tritonspec.resolve import explicit_backend

@@ -4,6 +4,9 @@ Registered so ``tritonspec check`` lists the backend and compiles its sample ker
 and so cross-compiling for hip resolves to an (empty) spec set instead of another backend's: the
 IR must be exactly stock Triton's, which tests/lit checks.
 """
-_WHERE = "compile-only"  # no AMD GPU here: offline compile to AMDGCN only
+from tritonspec import BackendInfo
 
-__all__ = []
+backend_info = BackendInfo(runs="compile-only", targets=("hip",), devices=("cuda",),
+                           check_target=("hip", "gfx942", 64), note="no AMD GPU here: offline compile to AMDGCN")
+
+__all__ = ["backend_info"]

@@ -9,7 +9,6 @@ function not bound here is a clear error naming it.
 """
 from __future__ import annotations
 
-import numpy as np
 from triton.language import core
 
 _NPU_FLOATS = ("fp16", "bf16", "fp32")
@@ -24,11 +23,12 @@ def _check_float(name, x):
         raise ValueError(f"{name} (ascend): argument dtype must be one of {', '.join(_NPU_FLOATS)}, got {x.dtype}")
 
 
-def _numpy(fn, x, ret_dtype, _semantic):
-    """Interpreter path: apply ``fn`` to the argument's numpy data."""
+def _numpy(fn_name, x, ret_dtype, _semantic):
+    """Interpreter path: apply ``numpy.<fn_name>`` to the argument's data (numpy loads only here)."""
+    import numpy as np
     from triton.runtime.interpreter import TensorHandle, _get_np_dtype
     with np.errstate(all="ignore"):
-        data = np.asarray(fn(x.handle.data)).astype(_get_np_dtype(ret_dtype))
+        data = np.asarray(getattr(np, fn_name)(x.handle.data)).astype(_get_np_dtype(ret_dtype))
     ret_ty = x.type.with_element_ty(ret_dtype) if x.type.is_block() else ret_dtype
     return core.tensor(TensorHandle(data, ret_dtype), ret_ty)
 
@@ -61,13 +61,13 @@ def _extern_predicate(name, symbol, numpy_fn, x, _semantic):
 @core.extern
 def isnan(x, _semantic=None):
     """True where x is NaN: the NPU library's ``__hmf_isnan`` (int1 result)."""
-    return _extern_predicate("isnan", "__hmf_isnan", np.isnan, x, _semantic)
+    return _extern_predicate("isnan", "__hmf_isnan", "isnan", x, _semantic)
 
 
 @core.extern
 def isinf(x, _semantic=None):
     """True where x is +-inf: the NPU library's ``__hmf_isinf`` (int1 result)."""
-    return _extern_predicate("isinf", "__hmf_isinf", np.isinf, x, _semantic)
+    return _extern_predicate("isinf", "__hmf_isinf", "isinf", x, _semantic)
 
 
 @core.extern
@@ -77,7 +77,7 @@ def tanh(x, _semantic=None):
     if x.dtype not in (core.float32, core.float16):
         raise ValueError(f"tanh (ascend): argument dtype must be fp32 or fp16, got {x.dtype}")
     if _interpreting(_semantic):
-        return _numpy(np.tanh, x, x.dtype, _semantic)
+        return _numpy("tanh", x, x.dtype, _semantic)
     return core.extern_elementwise("", "", [x], {
         (core.float32, ): ("__hmf_tanhf", core.float32),
         (core.float16, ): ("__hmf_tanhDh", core.float16),

@@ -1,11 +1,18 @@
 """Spec of the CPU interpreter backend (``TRITON_INTERPRET=1``): libdevice that runs on a CPU.
 
-Resolved for interpreted kernels (tritonspec picks ``cpu`` when TRITON_INTERPRET=1 and nothing
-else is selected). It specializes one hook: ``interpreter_libdevice``, the numpy libdevice that
-replaces the stock interpreter's ``NotImplementedError`` for extern calls.
+Resolved for interpreted kernels (it serves device type ``cpu``, which tritonspec picks when
+TRITON_INTERPRET=1 and nothing else is selected). It specializes one hook: ``interpreter_libdevice``,
+the numpy libdevice that replaces the stock interpreter's ``NotImplementedError`` for extern calls.
 """
-from tritonspec_backends.cpu.language.cpu import libdevice as interpreter_libdevice
+from tritonspec import BackendInfo
 
-_WHERE = "real"  # runs for real on this machine's CPU, through Triton's interpreter
+backend_info = BackendInfo(runs="real", devices=("cpu",), note="Triton's interpreter on this machine's CPU")
 
-__all__ = ["interpreter_libdevice"]
+
+def interpreter_libdevice():
+    """The numpy libdevice, imported when a kernel is first interpreted."""
+    from tritonspec_backends.cpu.language.cpu import libdevice
+    return libdevice
+
+
+__all__ = ["backend_info", "interpreter_libdevice"]

@@ -8,13 +8,13 @@ CUDA's dtype rules (its libdevice is CUDA's).
 """
 import os
 
-from tritonspec_backends.cpu.language.cpu import libdevice as interpreter_libdevice
+from tritonspec import BackendInfo
 
 from .configs import attention_config, get_pruned_configs, kernel_config
 from .semantic import atomic_add_int64
 
-_WHERE = "emulated"  # CUDA pipeline on NVIDIA GPUs; no CoreX hardware or toolchain involved
-_TARGET = ("iluvatar", 90, 32)  # what `tritonspec check` compiles its sample kernels for
+backend_info = BackendInfo(runs="emulated", targets=("iluvatar",), check_target=("iluvatar", 90, 32),
+                           note="CUDA pipeline on NVIDIA GPUs; no CoreX hardware or toolchain involved")
 
 num_stages_cap = 2  # CoreX software pipelining supports at most 2 stages
 
@@ -33,7 +33,13 @@ def get_cc():
     return clang if os.access(clang, os.X_OK) else None
 
 
+def interpreter_libdevice():
+    """CoreX's libdevice is CUDA's: interpreted kernels use the numpy one with CUDA's dtype rules."""
+    from tritonspec_backends.cpu.language.cpu import libdevice
+    return libdevice
+
+
 __all__ = [
-    "atomic_add_int64", "atomic_disable_bf16", "num_stages_cap", "get_pruned_configs", "kernel_config",
+    "backend_info", "atomic_add_int64", "atomic_disable_bf16", "num_stages_cap", "get_pruned_configs", "kernel_config",
     "attention_config", "get_cc", "interpreter_libdevice",
 ]

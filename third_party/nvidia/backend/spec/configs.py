@@ -7,7 +7,8 @@ The ops' defaults were written for sm80/sm90; what changes per SM generation her
   module is present (imported lazily: it is optional and written elsewhere);
 - a generic ``matmul`` tile per generation, for kernels that ask under that name.
 
-A problem may carry ``capability`` (e.g. 90) to ask for another SM than the current device's;
+The SM is the one of the tensors' device (``launch_config`` passes ``device``), so a host with GPUs
+of two generations gets each its own tiles. A problem may carry ``capability`` (e.g. 90) instead;
 this is how the choices are tested without a GPU.
 """
 from __future__ import annotations
@@ -29,10 +30,12 @@ def _capability(problem):
     cap = problem.get("capability")
     if cap is not None:
         return int(cap)
+    device = problem.get("device")
+    if device is None or device.type != "cuda":
+        return None
     try:
-        import torch
-        return _device_capability(torch.cuda.current_device()) if torch.cuda.is_available() else None
-    except Exception:  # no torch / no driver: nothing capability-specific to say
+        return _device_capability(device.index)
+    except Exception:  # no driver: nothing capability-specific to say
         return None
 
 
@@ -64,6 +67,6 @@ def attention_config(kernel: str, **problem):
             if e.name != "tritonspec.ops.attention_configs":
                 raise
             return None
-        problem = {k: v for k, v in problem.items() if k != "capability"}
+        problem = {k: v for k, v in problem.items() if k not in ("capability", "device")}
         return table.h100_attention_config(kernel, **problem)
     return None

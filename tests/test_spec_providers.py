@@ -1,0 +1,324 @@
+"""Spec providers as an attacker or a heavy user meets them: who may load, what the cache keys cover,
+what a process that never asks for a spec pays, and what TRITONSPEC_DISABLE=1 leaves behind.
+
+Each case runs in a fresh process: the allow-list and the installed entry points are read once per
+process, and these tests install fake distributions by putting a ``*.dist-info`` on ``PYTHONPATH``.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import triton.language as tl
+
+STOCK_EXP_3 = 20.085536923187668  # e**3: what tl.exp(3.0) must give unless a trusted spec says otherwise
+
+
+def fake_distribution(site, name, entry_points: dict, modules: dict) -> None:
+    """A distribution as pip leaves it: ``<name>-1.0.dist-info`` (METADATA, entry_points.txt) and modules."""
+    info = site / f"{name}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    lines = []
+    for group, eps in entry_points.items():
+        lines.append(f"[{group}]")
+        lines += [f"{k} = {v}" for k, v in eps.items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    for mod, source in modules.items():
+        (site / f"{mod}.py").write_text(textwrap.dedent(source))
+
+
+# A spec that claims the interpreter's backend name and makes tl.exp(x) return x + x. Importing it
+# leaves a marker file, so a test can tell "never imported" from "imported but not used".
+EVIL = """
+import os
+open(os.environ["EVIL_MARKER"], "w").write("imported")
+from triton.language import core
+
+@core.builtin
+def exp(x, _semantic=None):
+    return _semantic.add(x, x, True)
+
+math_ext_base_func_list = ["exp"]
+__all__ = ["math_ext_base_func_list"]
+"""
+
+PROBE = """
+import json, os, sys
+import torch, triton, triton.language as tl
+
+@triton.jit
+def exp_kernel(x_ptr, y_ptr):
+    tl.store(y_ptr, tl.exp(tl.load(x_ptr)))
+
+x, y = torch.tensor([3.0]), torch.full((1,), float("nan"))
+try:
+    exp_kernel[(1,)](x, y)
+    result = y.item()
+except Exception as e:
+    result = f"{type(e).__name__}: {e}"
+print("PROBE " + json.dumps({"result": result, "evil imported": os.path.exists(os.environ["EVIL_MARKER"])}))
+"""
+
+
+@pytest.fixture
+def evil_site(tmp_path):
+    site = tmp_path / "site"
+    fake_distribution(site, "evil", {"tritonspec.specs": {"cpu": "evilmod"}}, {"evilmod": EVIL})
+    (tmp_path / "probe.py").write_text(PROBE)
+    return tmp_path
+
+
+def run_python(args, env_extra: dict, timeout=300):
+    env = dict(os.environ, **env_extra)
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def probe(root, allow: str | None) -> dict:
+    marker = root / "marker"
+    marker.unlink(missing_ok=True)
+    env = {"PYTHONPATH": str(root / "site"), "EVIL_MARKER": str(marker), "TRITON_INTERPRET": "1"}
+    if allow is not None:
+        env["TRITONSPEC_BACKENDS"] = allow
+    proc = run_python([str(root / "probe.py")], env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("PROBE "):])
+
+
+# -- trust ------------------------------------------------------------------------------------------
+
+def test_a_second_provider_for_a_name_is_an_error_naming_both_distributions(evil_site):
+    """The reproducer: a name-only allow-list let whichever provider came first on sys.path win."""
+    out = probe(evil_site, "cpu,nvidia")
+    assert "backend 'cpu' has 2 spec providers" in out["result"], out
+    assert "evil==1.0" in out["result"] and "tritonspec==0.1.0" in out["result"], out
+    assert "TRITONSPEC_BACKENDS=cpu=<distribution>" in out["result"]
+    assert not out["evil imported"], "a conflicting provider must not be imported"
+    out = probe(evil_site, None)  # no allow-list at all: the same error, never a silent winner
+    assert "backend 'cpu' has 2 spec providers" in out["result"] and not out["evil imported"]
+
+
+def test_the_allow_list_pins_a_name_to_a_distribution(evil_site):
+    out = probe(evil_site, "cpu=tritonspec,nvidia")
+    assert out == {"result": pytest.approx(STOCK_EXP_3, rel=1e-6), "evil imported": False}
+    out = probe(evil_site, "nvidia")  # cpu not allowed at all: stock semantics, nothing imported
+    assert out == {"result": pytest.approx(STOCK_EXP_3, rel=1e-6), "evil imported": False}
+    out = probe(evil_site, "cpu=evil")  # the marker does record an import, and the pin is what decides
+    assert out == {"result": 6.0, "evil imported": True}
+
+
+def test_check_shows_conflicts_and_distributions(evil_site):
+    env = {"PYTHONPATH": str(evil_site / "site"), "EVIL_MARKER": str(evil_site / "marker")}
+    proc = run_python(["-m", "tritonspec.cli", "check"], env, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("cpu ")]
+    assert ["cpu", "CONFLICT", "entry", "point", "of", "evil==1.0", "evilmod", "-"] in rows, proc.stdout
+    assert any(r[:6] == ["cpu", "CONFLICT", "entry", "point", "of", "tritonspec==0.1.0"] for r in rows)
+    assert "backend 'cpu' has 2 spec providers" in proc.stdout
+    assert not (evil_site / "marker").exists()
+
+
+def test_register_spec_under_a_pinned_name_needs_that_distribution(tmp_path):
+    code = textwrap.dedent("""
+        import types, tritonspec
+        spec = types.ModuleType("scratch_spec"); spec.__all__ = []
+        try:
+            tritonspec.register_spec("cpu", spec)
+        except tritonspec.SpecError as e:
+            print("REFUSED", e)
+        import tritonspec_backends.cpu.backend.spec as ours
+        tritonspec.register_spec("cpu", ours)  # the pinned distribution's own module is fine
+        print("OK", tritonspec.REGISTRY.get("cpu").distribution)
+    """)
+    proc = run_python(["-c", code], {"TRITONSPEC_BACKENDS": "cpu=tritonspec"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "REFUSED register_spec: backend 'cpu' (module scratch_spec, distribution none) is not allowed" in proc.stdout
+    assert "OK tritonspec" in proc.stdout
+
+
+@pytest.mark.parametrize("raw", ["cpu=", "=tritonspec"])
+def test_a_malformed_allow_list_is_an_error(raw):
+    from tritonspec.registry import AllowList
+    from tritonspec import SpecError
+    with pytest.raises(SpecError, match="must be 'name' or 'name=distribution'"):
+        AllowList.parse(raw)
+
+
+# -- cache identity -----------------------------------------------------------------------------------
+
+# Two specs for one backend name, each exporting exp only through math_ext_base_func_list, built at
+# run time from source that is in no file (so only their code objects can tell them apart).
+RUNTIME_SPEC = """
+import json, sys, types
+import triton, tritonspec, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+sys.path.insert(0, {testdir!r})
+from test_spec_providers import exp_kernel
+
+spec = types.ModuleType("dup_spec")
+exec({body!r}, spec.__dict__)
+spec.math_ext_base_func_list = ["exp"]
+spec.__all__ = ["math_ext_base_func_list"]
+tritonspec.register_spec("dup", spec)
+with tritonspec.use_backend("dup"):
+    k = triton.compile(ASTSource(JITFunction(exp_kernel), {{"x_ptr": "*fp32", "y_ptr": "*fp32"}}, {{}}),
+                       target=GPUTarget("cuda", 90, 32))
+print("RESULT " + json.dumps({{"ttir": k.asm["ttir"], "hash": k.hash,
+                              "fingerprint": tritonspec.REGISTRY.get("dup").fingerprint}}))
+"""
+
+MUL = ("from triton.language import core\n@core.builtin\ndef exp(x, _semantic=None):\n"
+       "    return _semantic.mul(x, x, True)\n")
+ADD = MUL.replace("mul", "add")
+
+
+def exp_kernel(x_ptr, y_ptr):
+    tl.store(y_ptr, tl.exp(tl.load(x_ptr)))
+
+
+def _compile_in_process(code, cache) -> dict:
+    env = {"TRITON_CACHE_DIR": str(cache), "TRITON_INTERPRET": "0"}
+    proc = run_python(["-c", code], env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_specs_differing_only_in_injected_functions_never_share_binaries(tmp_path):
+    """Across processes sharing a cache dir: the second spec's compile must not reuse the first's."""
+    testdir = os.path.dirname(__file__)
+    mul = _compile_in_process(RUNTIME_SPEC.format(testdir=testdir, body=MUL), tmp_path / "cache")
+    add = _compile_in_process(RUNTIME_SPEC.format(testdir=testdir, body=ADD), tmp_path / "cache")
+    assert "arith.mulf" in mul["ttir"] and "arith.addf" not in mul["ttir"]
+    assert "arith.addf" in add["ttir"] and "arith.mulf" not in add["ttir"]
+    assert mul["fingerprint"] != add["fingerprint"] and mul["hash"] != add["hash"]
+    again = _compile_in_process(RUNTIME_SPEC.format(testdir=testdir, body=MUL), tmp_path / "cache")
+    assert again["fingerprint"] == mul["fingerprint"] and again["hash"] == mul["hash"]  # stable: cacheable
+
+
+FILE_SPEC = """
+import json, sys
+sys.path.insert(0, {site!r}); sys.path.insert(0, {testdir!r})
+import triton, tritonspec
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+from test_spec_providers import exp_kernel
+import toyspec
+tritonspec.register_spec("toy", toyspec)
+with tritonspec.use_backend("toy"):
+    k = triton.compile(ASTSource(JITFunction(exp_kernel), {{"x_ptr": "*fp32", "y_ptr": "*fp32"}}, {{}}),
+                       target=GPUTarget("cuda", 90, 32))
+print("RESULT " + json.dumps({{"ttir": k.asm["ttir"], "fingerprint": tritonspec.REGISTRY.get("toy").fingerprint}}))
+"""
+
+
+def test_a_spec_function_in_a_helper_file_is_part_of_the_fingerprint(tmp_path):
+    """The spec module's own file never changes; only the helper it imports exp from does."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "toyspec.py").write_text("from toyhelpers import exp\nmath_ext_base_func_list = ['exp']\n"
+                                     "__all__ = ['math_ext_base_func_list']\n")
+    code = FILE_SPEC.format(site=str(site), testdir=os.path.dirname(__file__))
+    (site / "toyhelpers.py").write_text(MUL)
+    first = _compile_in_process(code, tmp_path / "cache")
+    (site / "toyhelpers.py").write_text(ADD)
+    second = _compile_in_process(code, tmp_path / "cache")
+    assert "arith.mulf" in first["ttir"] and "arith.addf" in second["ttir"] and "arith.mulf" not in second["ttir"]
+    assert first["fingerprint"] != second["fingerprint"]
+
+
+def test_the_fingerprint_follows_helpers_closures_and_defaults():
+    import threading
+    import types
+    from tritonspec import fingerprint
+
+    def spec_with(**exposed):
+        module = types.ModuleType("fp_spec")
+        return fingerprint.digest("fp", module, exposed)
+
+    def make(k):
+        def cap():
+            return k
+        return cap
+
+    assert spec_with(cap=make(2)).value != spec_with(cap=make(3)).value  # same source, other closure
+    assert spec_with(cap=make(2)).value == spec_with(cap=make(2)).value
+    assert spec_with(v=(1, "a")).value != spec_with(v=(1, "b")).value
+    lock = threading.Lock()
+    unreadable = spec_with(cap=lambda: lock)
+    assert not unreadable.cacheable and unreadable.value.startswith("nonce-")
+    assert "closure 'lock'" in unreadable.reason and "lock" in unreadable.reason.lower()
+
+
+# -- cost of having the layer installed ------------------------------------------------------------
+
+ZERO_COST = """
+import json, sys
+import triton, tritonspec
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+sys.path.insert(0, {testdir!r})
+from test_spec_providers import exp_kernel
+k = triton.compile(ASTSource(JITFunction(exp_kernel), {{"x_ptr": "*fp32", "y_ptr": "*fp32"}}, {{}}),
+                   target=GPUTarget("cuda", 90, 32))
+print("RESULT " + json.dumps({{"spec": tritonspec.REGISTRY.get("nvidia").module.__name__,
+                              "heavy": sorted(m for m in ("torch", "tritonspec.ops", "numpy") if m in sys.modules)}}))
+"""
+
+
+def test_the_first_cuda_compile_loads_the_nvidia_spec_but_not_torch_or_the_ops(tmp_path):
+    out = _compile_in_process(ZERO_COST.format(testdir=os.path.dirname(__file__)), tmp_path / "cache")
+    assert out == {"spec": "tritonspec_backends.nvidia.backend.spec", "heavy": []}
+
+
+# -- TRITONSPEC_DISABLE=1 --------------------------------------------------------------------------
+
+STOCK = """
+import json, sys
+sys.path.insert(0, {testdir!r})
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+from test_spec_providers import exp_kernel
+triton.compile(ASTSource(JITFunction(exp_kernel), {{"x_ptr": "*fp32", "y_ptr": "*fp32"}}, {{}}),
+               target=GPUTarget("cuda", 90, 32))
+from triton.backends import backends
+print("RESULT " + json.dumps({{"backends": sorted(backends),
+                              "ours": sorted(m for m in sys.modules if m.startswith("tritonspec"))}}))
+"""
+
+
+def test_disable_leaves_triton_stock(tmp_path):
+    code = STOCK.format(testdir=os.path.dirname(__file__))
+    proc = run_python(["-c", code], {"TRITONSPEC_DISABLE": "1", "TRITON_INTERPRET": "0",
+                                     "TRITON_CACHE_DIR": str(tmp_path / "cache")})
+    out = json.loads([line for line in proc.stdout.splitlines() if line.startswith("RESULT ")][-1][7:])
+    import triton.backends
+    stock = sorted(n for n, b in triton.backends.backends.items() if b.compiler.__module__.startswith("triton."))
+    assert out == {"backends": stock, "ours": []}
+    enabled = _compile_in_process(code, tmp_path / "cache")  # and without it: our backends, our modules
+    assert set(enabled["backends"]) > set(stock) and "tritonspec" in enabled["ours"]
+
+
+def test_a_broken_provider_does_not_take_the_others_down(tmp_path):
+    """It is left out of target and device resolution with a warning, and fails where it is named."""
+    site = tmp_path / "site"
+    fake_distribution(site, "broken", {"tritonspec.specs": {"brokengpu": "brokenmod"}},
+                      {"brokenmod": "raise ImportError('no SDK here')\n"})
+    code = ZERO_COST.format(testdir=os.path.dirname(__file__)).replace(
+        'print("RESULT "', 'import tritonspec\ntry:\n    tritonspec.REGISTRY.get("brokengpu")\n'
+        'except ImportError as e:\n    print("NAMED", e)\nprint("RESULT "')
+    proc = run_python(["-c", code], {"PYTHONPATH": str(site), "TRITON_INTERPRET": "0",
+                                     "TRITON_CACHE_DIR": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "spec provider 'brokengpu' failed to load (ImportError: no SDK here)" in proc.stderr
+    assert "NAMED no SDK here" in proc.stdout
+    assert '"spec": "tritonspec_backends.nvidia.backend.spec"' in proc.stdout
