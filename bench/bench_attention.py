@@ -32,7 +32,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import tritonspec
 from tritonspec.ops.attention import attention
-from tritonspec.ops.attention_configs import TABLES, h100_attention_config
+from tritonspec_backends.nvidia.backend import spec as nvidia_spec
+from tritonspec_backends.nvidia.backend.spec.configs import TABLES, h100_attention_config
 from tritonspec_backends.nvidia.backend.spec import attention_sm90 as hopper
 
 SHAPES = [(4, 32, 4096, 128), (2, 16, 8192, 128), (1, 16, 16384, 128), (8, 32, 2048, 64)]
@@ -88,15 +89,16 @@ def use_configs(override: dict | None = None, tables: dict | None = None, hopper
     The sweep tunes the ``tl`` kernels, so ``--sweep`` leaves Hopper's own kernels out."""
     override = override or {}
 
-    def attention_config(kernel, **problem):
+    def kernel_config(kernel, device=None, **problem):
         base = h100_attention_config(kernel, tables=tables, **problem)
         if kernel in override:
             return {**(base or {}), **override[kernel]}
         return base
 
     mod = types.ModuleType("bench_attention_spec")
-    mod.attention_config = attention_config
-    mod.__all__ = ["attention_config"]
+    mod.kernel_config = kernel_config
+    mod.backend_info = nvidia_spec.backend_info  # it stands in for the nvidia spec: same targets and devices
+    mod.__all__ = ["kernel_config", "backend_info"]
     if hopper_kernels:  # as the shipped spec: Hopper's own forward and backward kernels where they apply
         mod.attention_forward, mod.attention_backward = hopper.attention_forward, hopper.attention_backward
         mod.__all__ += ["attention_forward", "attention_backward"]
@@ -391,7 +393,7 @@ def gap(shapes=((2, 16, 8192, 128), (4, 32, 4096, 128))):
 
 
 def probe():
-    """Does the driver accept 4-D TMA descriptors over a transposed (HF) layout? (_tma_ok refuses it.)"""
+    """Does the driver accept 4-D TMA descriptors over a transposed (HF) layout? (tma_ok refuses it.)"""
     A = importlib.import_module("tritonspec.ops.attention")  # the module, even if ops re-exports the function
     use_configs(None, hopper_kernels=False)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -399,8 +401,8 @@ def probe():
     q, k, v, do = mk(), mk(), mk(), mk()
     o_ptr, lse = A.attention_forward(q, k, v, True, 128 ** -0.5)
     g_ptr = A.attention_backward(do, q, k, v, o_ptr, lse, True, 128 ** -0.5)
-    saved = A._tma_ok
-    A._tma_ok = lambda *t: True
+    saved = A.tma_ok
+    A.tma_ok = lambda *t: True
     try:
         o_tma, lse = A.attention_forward(q, k, v, True, 128 ** -0.5)
         g_tma = A.attention_backward(do, q, k, v, o_tma, lse, True, 128 ** -0.5)
@@ -410,7 +412,7 @@ def probe():
     except Exception as e:
         print(f"strided TMA rejected: {type(e).__name__}: {str(e)[:500]}")
     finally:
-        A._tma_ok = saved
+        A.tma_ok = saved
 
 
 def main(argv=None):
@@ -420,7 +422,7 @@ def main(argv=None):
     ap.add_argument("--final", action="store_true")
     ap.add_argument("--probe", action="store_true")
     ap.add_argument("--gap", action="store_true")
-    ap.add_argument("--table", help="table.json from --sweep to use instead of attention_configs.TABLES")
+    ap.add_argument("--table", help="table.json from --sweep to use instead of the nvidia spec's TABLES")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="of q, k, v and dO")
     args = ap.parse_args(argv)

@@ -1,6 +1,6 @@
 """Host microseconds per call of each piece of an eager forward+backward (tiny inputs, GPU idle).
 
-Eager fwd+bwd of RMSNorm and RoPE at Llama sizes sits close to the host's limit (bench/NOTES.md). This
+Eager fwd+bwd of RMSNorm and RoPE at Llama sizes sits close to the host's limit (bench/RESULTS.md, section 1). This
 splits the host time into PyTorch's floor (an autograd Function that does nothing, an allocation, a
 raw launch of an already compiled kernel) and each layer of ours, so the next change aims at the
 largest piece. Inputs are tiny so the GPU never becomes the bottleneck. Also prints a timeline of

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import tritonspec
-from tritonspec.ops._device import interpreting
+from tritonspec.devices import interpreting
 from tritonspec.ops._testing import poisoned_allocations
 from tritonspec.ops.attention import attention, attention_ref
 
@@ -39,13 +39,13 @@ CONFIGS = {
 def _spec(table, seen=None):
     mod = types.ModuleType("attention_test_spec")
 
-    def attention_config(kernel, **problem):
+    def kernel_config(kernel, device, **problem):
         if seen is not None:
             seen.append((kernel, problem))
         return None if table is None else table.get(kernel)
 
-    mod.attention_config = attention_config
-    mod.__all__ = ["attention_config"]
+    mod.kernel_config = kernel_config
+    mod.__all__ = ["kernel_config"]
     return mod
 
 
@@ -269,9 +269,9 @@ def _own_kernels_spec(calls, written, run):
             written["dq"], written["dk"], written["dv"] = dqa[..., :q.shape[3]].clone(), dk.clone(), dv.clone()
         return run
 
-    mod.attention_config = lambda kernel, **problem: CONFIGS["small"].get(kernel)
+    mod.kernel_config = lambda kernel, **problem: CONFIGS["small"].get(kernel)
     mod.attention_forward, mod.attention_backward = attention_forward, attention_backward
-    mod.__all__ = ["attention_config", "attention_forward", "attention_backward"]
+    mod.__all__ = ["kernel_config", "attention_forward", "attention_backward"]
     return mod
 
 
@@ -299,7 +299,7 @@ def _t(*shape, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("args,kwargs,exc,match", [
-    ((_t(2, 8, 16), _t(1, 2, 8, 16), _t(1, 2, 8, 16)), {}, ValueError, r"argument 'q' must be 4-D"),
+    ((_t(2, 8, 16), _t(1, 2, 8, 16), _t(1, 2, 8, 16)), {}, ValueError, r"argument 'q' must have 4 dimensions"),
     ((_t(1, 2, 8, 16), [1], _t(1, 2, 8, 16)), {}, TypeError, r"argument 'k' must be a torch.Tensor"),
     ((_t(1, 2, 8, 16), _t(1, 2, 8, 16, dtype=torch.float16), _t(1, 2, 8, 16)), {}, TypeError,
      r"argument 'k' has dtype torch.float16 but 'q' has torch.float32"),
@@ -320,8 +320,7 @@ def test_bad_inputs_raise(args, kwargs, exc, match):
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
-    from tritonspec.ops import _device
-    monkeypatch.setattr(_device, "_INTERPRETING", False)
+    monkeypatch.setattr(tritonspec.devices, "_interpreting", False)
     x = _t(1, 1, 4, 16)
     with pytest.raises(ValueError, match="argument 'q' is on the CPU"):
         attention(x, x, x)
@@ -336,9 +335,8 @@ def test_scale_default_is_inverse_sqrt_head_dim(use_configs):
 
 
 def _library_ops():
-    import sys
-    mod = sys.modules["tritonspec.ops.attention"]
-    return mod._attention_fwd_op, mod._attention_bwd_op
+    from tritonspec.ops.attention import ATTENTION
+    return ATTENTION.forward_op, ATTENTION.backward_op
 
 
 def test_library_op_path_in_eager(monkeypatch, use_configs):

@@ -104,8 +104,7 @@ def test_new_triton_backends_are_discovered_next_to_the_stock_ones():
 
 def test_nvidia_spec_changes_nothing_but_launch_configs_and_hoppers_attention_kernels():
     provider = REGISTRY.get("nvidia")
-    assert sorted(provider.exports) == ["attention_backward", "attention_config", "attention_forward", "backend_info",
-                                        "kernel_config"]
+    assert sorted(provider.exports) == ["attention_backward", "attention_forward", "backend_info", "kernel_config"]
 
 
 def test_iluvatar_driver_is_active_only_when_selected(monkeypatch):
@@ -258,19 +257,22 @@ def test_iluvatar_prunes_autotune_configs_that_clamp_to_the_same_kernel():
 
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
 def test_iluvatar_attention_configs_fit_its_limits(head_dim):
+    from tritonspec import kernel_table as kt
     problem = dict(head_dim=head_dim, causal=True, dtype="torch.bfloat16", seq_q=512, seq_k=512, group=1)
-    defaults = {"num_stages": 4, "num_warps": 8, "BLOCK_M": 128, "BLOCK_N": 128, "TMA": True,
-                "WARP_SPECIALIZE": True, "DQ_ATOMIC": True, "DQ_TMA_REDUCE": True}
+    flags = dict(num_stages=4, num_warps=8, BLOCK_M=128, BLOCK_N=128, TMA=True)
+    defaults = [kt.AttentionForward(**flags, WARP_SPECIALIZE=True),
+                kt.AttentionBackwardKV(**flags, DQ_ATOMIC=True, DQ_TMA_REDUCE=True), kt.AttentionBackwardQ(**flags),
+                kt.AttentionPreprocess(BLOCK_M=128, num_warps=8, num_stages=4)]
     with tritonspec.use_backend("iluvatar"):
-        for kernel in ("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "attention_bwd_preprocess"):
-            cfg = tritonspec.launch_config(kernel, "cuda", defaults, hook="attention_config", **problem)
-            assert cfg["num_stages"] <= 2, kernel
-            if kernel != "attention_bwd_preprocess":
-                assert cfg["TMA"] is False and cfg["BLOCK_M"] <= 64 and cfg["BLOCK_N"] <= 64, kernel
-        row = tritonspec.launch_config("rms_norm_fwd", "cuda", {"num_warps": 16, "BLOCK_N": 4096}, N=4096,
-                                       dtype="torch.float16")
-        assert row == {"num_warps": 8, "num_stages": 1, "BLOCK_N": 4096}
-        assert tritonspec.launch_config("unknown_kernel", "cuda", {"num_warps": 16}) == {"num_warps": 16}
+        for default in defaults:
+            cfg = tritonspec.launch_config(type(default), "cuda", default, **problem)
+            assert cfg.num_stages <= 2, default.kernel
+            if not isinstance(cfg, kt.AttentionPreprocess):
+                assert cfg.TMA is False and cfg.BLOCK_M <= 64 and cfg.BLOCK_N <= 64, default.kernel
+        row = tritonspec.launch_config(kt.RMSNormForward, "cuda", kt.RMSNormForward(num_warps=16, BLOCK_N=4096,
+                                                                                      BLOCK_M=1),
+                                       N=4096, dtype="torch.float16")
+        assert row == kt.RMSNormForward(num_warps=8, num_stages=1, BLOCK_N=4096, BLOCK_M=1)
 
 
 def test_iluvatar_host_compiler(monkeypatch):
@@ -287,24 +289,34 @@ def test_iluvatar_host_compiler(monkeypatch):
 # ------------------------------------------------------------------------------------------------
 
 def test_nvidia_kernel_config_depends_on_the_sm():
-    sm70 = nvidia_configs.kernel_config("matmul", capability=70)
-    sm90 = nvidia_configs.kernel_config("matmul", capability=90)
-    assert sm70["num_stages"] <= 2 < sm90["num_stages"] and sm90["BLOCK_K"] > sm70["BLOCK_K"]
-    assert nvidia_configs.kernel_config("rms_norm_fwd", capability=70, N=8192) == {"num_warps": 8}
-    assert nvidia_configs.kernel_config("rms_norm_fwd", capability=90, N=8192) is None  # the op's default
-    assert nvidia_configs.kernel_config("somebody_elses_kernel", capability=90) is None
+    cfg = nvidia_configs.kernel_config
+    assert cfg("rms_norm_fwd", capability=70, N=8192) == {"num_warps": 8}
+    assert cfg("rope", capability=75, heads_q=32) == {"num_warps": 4}
+    assert cfg("rms_norm_fwd", capability=90, N=8192) is None  # the op's default
+    assert cfg("somebody_elses_kernel", capability=90) is None
 
 
-def test_nvidia_attention_config_uses_the_h100_table_on_sm90(monkeypatch):
-    calls = []
-    table = types.ModuleType("tritonspec.ops.attention_configs")
-    table.h100_attention_config = lambda kernel, **problem: calls.append((kernel, problem)) or {"BLOCK_M": 128}
-    monkeypatch.setitem(sys.modules, "tritonspec.ops.attention_configs", table)
-    assert nvidia_configs.attention_config("attention_fwd", capability=90, head_dim=128) == {"BLOCK_M": 128}
-    assert calls == [("attention_fwd", {"head_dim": 128})]
-    assert nvidia_configs.attention_config("attention_fwd", capability=80, head_dim=128) is None
-    monkeypatch.setitem(sys.modules, "tritonspec.ops.attention_configs", None)  # module absent
-    assert nvidia_configs.attention_config("attention_fwd", capability=90, head_dim=128) is None
+def test_nvidia_attention_config_uses_the_h100_table_on_sm90():
+    problem = dict(head_dim=128, causal=True, dtype="torch.bfloat16", seq_q=4096, seq_k=4096, group=1)
+    cfg = nvidia_configs.kernel_config("attention_fwd", capability=90, **problem)
+    assert cfg == nvidia_configs.TABLES["attention_fwd"][(128, True)]
+    assert nvidia_configs.kernel_config("attention_fwd", capability=80, **problem) is None
+    assert nvidia_configs.kernel_config("attention_fwd", capability=90, **dict(problem, dtype="torch.float32")) is None
+
+
+def test_vendor_tables_name_only_declared_kernels_and_valid_fields():
+    """A table by kernel cannot carry a dead entry (a 'matmul' no kernel has) or a misspelled one, and
+    every entry of the shipped tables is a valid config of its kernel."""
+    from tritonspec import ConfigTable, LaunchConfigError, kernel_table
+    with pytest.raises(LaunchConfigError, match="'matmul' is not a declared kernel"):
+        ConfigTable({"matmul": lambda kernel, **p: None})
+    with pytest.raises(LaunchConfigError, match="'rms_norm_fw' is not a declared kernel; did you mean 'rms_norm_fwd'"):
+        ConfigTable({"rms_norm_fw": lambda kernel, **p: None})
+    types_ = kernel_table.config_types()
+    for table in (nvidia_configs.TABLES, ):
+        for kernel, entries in table.items():
+            for cfg in entries.values():
+                types_[kernel](**cfg)  # raises on an unknown or invalid field
 
 
 def test_hopper_attention_kernels_compile_for_sm90(compiled):

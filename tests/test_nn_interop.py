@@ -36,7 +36,7 @@ def test_written_repository_layout(tmp_path):
         src = (vdir / PACKAGE_NAME / "layers.py").read_text()
         # Kernel code must import itself relatively and only stdlib/torch at import time (kernel-requirements.md).
         imports = [ln for ln in src.splitlines() if ln.startswith(("import ", "from "))]
-        assert imports == ["import importlib", "import os", "import torch", "from torch import nn"]
+        assert imports == ["import importlib", "import torch", "from torch import nn"]
     with pytest.raises(ValueError, match="package_name"):
         write_layer_repo(tmp_path / "x", package_name="Bad-Name")
     with pytest.raises(ValueError, match="variants"):

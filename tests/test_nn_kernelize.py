@@ -85,7 +85,8 @@ def test_kernelize_rejects_bad_modes(mode, match):
 
 
 I, T, C, F = Mode.INFERENCE, Mode.TRAINING, Mode.TORCH_COMPILE, Mode.FALLBACK
-# Verbatim from seed 002 ("The kernelize function will attempt to use the following registered kernels").
+# huggingface/kernels documents this order ("The kernelize function will attempt to use the following
+# registered kernels").
 DOCUMENTED = {I: [I, I | C, T, T | C, F], I | C: [I | C, T | C, F], T: [T, T | C, F], T | C: [T | C, F]}
 ALL_MODES = [I, I | C, T, T | C, F]
 

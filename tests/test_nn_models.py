@@ -12,6 +12,8 @@ import copy
 import pytest
 import torch
 
+import tritonspec.devices
+
 import tritonspec.nn as tnn
 from tritonspec.nn.hub import layers as hub_layers
 
@@ -82,7 +84,7 @@ def spy(monkeypatch):
     wrap("tritonspec.ops.swiglu", "swiglu", "tritonspec.nn.layers")
     wrap("tritonspec.ops.rope", "rope")
     wrap("tritonspec.ops.attention", "attention")
-    monkeypatch.setattr(hub_layers, "_OPS", {})
+    monkeypatch.setattr(hub_layers, "_IMPORTED", {})
     return counts
 
 
@@ -233,7 +235,7 @@ def test_shared_rotary_patch_is_safe_for_other_models(monkeypatch, spy):
         after = other(input_ids=ids).logits  # fp64: the Triton ops do not take it
         assert "rope" not in spy
         torch.testing.assert_close(after, before, rtol=0, atol=0)
-        monkeypatch.setenv("TRITON_INTERPRET", "0")  # as if on a CPU without the interpreter
+        monkeypatch.setattr(tritonspec.devices, "_interpreting", False)  # as if on a CPU without the interpreter
         ref32 = _build("llama", torch.float32)
         spy.clear()
         torch.testing.assert_close(model(input_ids=ids).logits, ref32(input_ids=ids).logits)

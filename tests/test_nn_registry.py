@@ -1,8 +1,10 @@
-"""Registry front end (seed 000): registration, discovery, apply_kernel contract — on small test layers."""
+"""Registry front end (LLaMA-Factory style): registration, discovery, apply_kernel contract — on small test layers."""
 import logging
 
 import pytest
 import torch
+
+import tritonspec.devices
 from torch import nn
 
 import tritonspec.nn as tnn
@@ -65,7 +67,7 @@ def test_register_get_and_overwrite_warns(caplog):
     assert KERNEL_REGISTRY.get_kernel(KernelType.MOE, DeviceType.MPS) is _norm_fast
 
 
-@pytest.mark.parametrize("args, match", [(("rmsnorm", DeviceType.CPU, None), "kernel_type"),
+@pytest.mark.parametrize("args, match", [(("no_such_kernel", DeviceType.CPU, None), "kernel_type"),
                                          ((KernelType.RMSNORM, "cpu", None), "device_type")])
 def test_register_rejects_untyped_keys(args, match):
     with pytest.raises(TypeError, match=match):
@@ -186,7 +188,7 @@ def test_builtin_kernels_registered_for_cuda_and_cpu():
 
 def test_missing_dependency_returns_model_unchanged(monkeypatch):
     """Without the interpreter, Triton cannot run on CPU: every built-in CPU kernel leaves the model alone."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(tritonspec.devices, "_interpreting", False)
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1, vocab_size=32)

@@ -11,7 +11,7 @@ import torch
 import tritonspec
 from tritonspec.ops import _library, add_rms_norm, rms_norm
 from tritonspec.ops._testing import RTOL, assert_close, poisoned_allocations
-from tritonspec.ops.rms_norm import (MAX_FUSED_N, _add_rms_norm_fwd_op, _rms_norm_bwd_op, _rms_norm_fwd_op,
+from tritonspec.ops.rms_norm import (ADD_RMS_NORM, MAX_FUSED_N, RMS_NORM,
                                      add_rms_norm_ref, rms_norm_ref)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -105,7 +105,7 @@ def test_rms_norm_adds_no_view_nodes_to_the_autograd_graph(device):
     x, w = _inputs((2, 3, 40), torch.float32, device)
     xl, wl = _leaf(x), _leaf(w)
     y = rms_norm(xl, wl)
-    assert type(y.grad_fn).__name__ == "RMSNormFunctionBackward"
+    assert type(y.grad_fn).__name__ == "RmsNormFunctionBackward"
     leaves = [fn.variable for fn, _ in y.grad_fn.next_functions if fn is not None and hasattr(fn, "variable")]
     assert leaves[0] is xl and leaves[1] is wl
     assert y.shape == x.shape and y.is_contiguous()
@@ -210,11 +210,12 @@ def test_torch_compile_fullgraph(device):
 def test_opcheck(device):
     x, w = _inputs((6, 40), torch.float32, device)
     r = torch.randn_like(x)
-    torch.library.opcheck(_rms_norm_fwd_op, (_leaf(x), _leaf(w), 1e-6))
-    torch.library.opcheck(_add_rms_norm_fwd_op, (_leaf(x), _leaf(r), _leaf(w), 1e-6))
-    _, rstd = _rms_norm_fwd_op(x, w, 1e-6)
-    torch.library.opcheck(_rms_norm_bwd_op, (torch.randn_like(x), x, w, rstd, None))
-    torch.library.opcheck(_rms_norm_bwd_op, (torch.randn_like(x), x, w, rstd, torch.randn_like(x)))
+    torch.library.opcheck(RMS_NORM.forward_op, (_leaf(x), _leaf(w), 1e-6))
+    torch.library.opcheck(ADD_RMS_NORM.forward_op, (_leaf(x), _leaf(r), _leaf(w), 1e-6))
+    _, rstd = RMS_NORM.forward_op(x, w, 1e-6)
+    torch.library.opcheck(RMS_NORM.backward_op, (torch.randn_like(x), x, w, rstd))
+    torch.library.opcheck(ADD_RMS_NORM.backward_op, (torch.randn_like(x), torch.randn_like(x), x, w, rstd))
+    torch.library.opcheck(ADD_RMS_NORM.backward_op, (None, torch.randn_like(x), x, w, rstd))
 
 
 def test_empty_batch(device):

@@ -4,7 +4,7 @@ import torch
 
 from tritonspec.ops import _library, rope
 from tritonspec.ops._testing import assert_close, poisoned_allocations
-from tritonspec.ops.rope import _rope_bwd_op, _rope_fwd_op, rope_ref
+from tritonspec.ops.rope import ROPE, rope_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -139,8 +139,8 @@ def test_torch_compile_fullgraph(device):
 def test_opcheck(device):
     q, k = _qk(2, 4, 2, 5, 16, torch.float32, device, hf_layout=True)
     cos, sin = _cos_sin(1, 5, 16, device)
-    torch.library.opcheck(_rope_fwd_op, (_leaf(q), _leaf(k), cos, sin))
-    torch.library.opcheck(_rope_bwd_op, (torch.randn_like(q), torch.randn_like(k), cos, sin))
+    torch.library.opcheck(ROPE.forward_op, (_leaf(q), _leaf(k), cos, sin))
+    torch.library.opcheck(ROPE.backward_op, (torch.randn_like(q), torch.randn_like(k), cos, sin))
 
 
 def _bad(device, q=(2, 4, 5, 16), k=(2, 2, 5, 16), cs=(1, 5, 16), qdtype=torch.float32, kdtype=torch.float32,

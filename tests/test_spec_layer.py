@@ -141,13 +141,13 @@ def test_resolution_order(registry, monkeypatch):
                                    ("cpu", (), ("cpu",))):
         info = tritonspec.BackendInfo(runs="real", targets=targets, devices=devices)
         tritonspec.register_spec(name, make_spec(f"{name}_spec", backend_info=info))
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(tritonspec.devices, "_interpreting", False)
     assert resolve.current_backend("cuda") == "nvidia"
     assert resolve.current_backend("hip") == "amd"
     assert resolve.current_backend("iluvatar") == "iluvatar"
     with resolve.compiling_for("hip"):
         assert resolve.current_backend() == "amd"
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(tritonspec.devices, "_interpreting", True)
     assert resolve.current_backend() == "cpu"
     tritonspec.set_default_backend("b")
     assert resolve.current_backend("cuda") == "b"
@@ -163,7 +163,7 @@ def test_resolution_order(registry, monkeypatch):
 
 def test_driver_spec_is_used_only_when_a_driver_exists(registry, monkeypatch):
     from triton.runtime.driver import driver
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(tritonspec.devices, "_interpreting", False)
     assert driver._active is None and driver._default is None
     assert tritonspec.spec("num_stages_cap") is None
     assert driver._active is None and driver._default is None, "resolving must never create a driver"

@@ -17,6 +17,7 @@ from triton.runtime.jit import JITFunction
 
 import tritonspec
 from tritonspec import REGISTRY, SpecContractError, SpecError, resolve
+from tritonspec.kernel_table import RMSNormForward
 
 CUDA = GPUTarget("cuda", 90, 32)
 
@@ -234,7 +235,7 @@ def test_a_computed_value_and_a_functions_result_are_checked_at_lookup(registry)
             tritonspec.spec("num_stages_cap")
         with pytest.raises(SpecContractError, match="hook 'kernel_config' returned the wrong thing: expected "
                                                     "dict or None, got list"):
-            tritonspec.launch_config("rms_norm_fwd", "cpu", {"BLOCK_M": 1})
+            tritonspec.launch_config(RMSNormForward, "cpu", RMSNormForward(BLOCK_M=1, BLOCK_N=64))
         with pytest.raises(SpecContractError, match="hook 'get_cc' returned the wrong thing: expected str or None"):
             tritonspec.spec("get_cc")
         # where Triton consults it: the error reaches the compile, naming backend and hook
@@ -256,10 +257,10 @@ def test_an_injector_list_given_as_a_string_is_refused(registry):
 @pytest.mark.parametrize("op,override,match", [
     ("rms_norm", {"BLOCK_M": 0}, "kernel_config\\('rms_norm_fwd'\\): BLOCK_M=0 must be >= 1"),
     ("swiglu", {"BLOCK_N": 48}, "kernel_config\\('swiglu_fwd'\\): BLOCK_N=48 must be a power of two"),
-    ("rope", {"BLOCK_N": 48}, "kernel_config\\('rope'\\) returned unknown key 'BLOCK_N'.*'rope' takes BLOCK_S"),
+    ("rope", {"BLOCK_N": 48}, "kernel_config\\('rope'\\): unknown launch parameter 'BLOCK_N'.*'rope' takes .*BLOCK_S"),
     ("rope", {"BLOCK_S": 48}, "kernel_config\\('rope'\\): BLOCK_S=48 must be a power of two"),
-    ("rms_norm", {"BLOKC_N": 64}, "kernel_config\\('rms_norm_fwd'\\) returned unknown key 'BLOKC_N'; did you mean "
-                                  "'BLOCK_N'"),
+    ("rms_norm", {"BLOKC_N": 64}, "kernel_config\\('rms_norm_fwd'\\): unknown launch parameter 'BLOKC_N'; did you "
+                                  "mean 'BLOCK_N'"),
     ("rms_norm", {"num_warps": 6}, "kernel_config\\('rms_norm_fwd'\\): num_warps=6 must be a power of two"),
     ("swiglu", {"num_stages": "2"}, "kernel_config\\('swiglu_fwd'\\): num_stages='2' must be an int, not str"),
 ])
@@ -286,11 +287,13 @@ def test_device_types_and_targets_come_from_the_backends_declarations(registry):
         seen.append(problem["device"])
         return {"BLOCK_N": 64}
 
+    tile = RMSNormForward(BLOCK_N=8, BLOCK_M=1)
+
     info = tritonspec.BackendInfo(runs="emulated", targets=("toygpu",), devices=("xpu",))
     tritonspec.register_spec("toy", make_spec("toy_spec", backend_info=info, kernel_config=kernel_config))
     assert resolve.backend_for_device(torch.device("xpu", 1)) == "toy"
     assert resolve.backend_for_target("toygpu") == "toy"
-    assert tritonspec.launch_config("k", "xpu:1", {"BLOCK_N": 8}) == {"BLOCK_N": 64}
+    assert tritonspec.launch_config(RMSNormForward, "xpu:1", tile).BLOCK_N == 64
     assert seen == [torch.device("xpu", 1)]
     clash = tritonspec.BackendInfo(runs="emulated", devices=("xpu",))
     tritonspec.register_spec("toy2", make_spec("toy2_spec", backend_info=clash))
@@ -305,7 +308,8 @@ def test_launch_configs_are_memoized_per_device(registry):
 
     info = tritonspec.BackendInfo(runs="real", devices=("xpu",))
     tritonspec.register_spec("twogen", make_spec("twogen_spec", backend_info=info, kernel_config=kernel_config))
-    assert [tritonspec.launch_config("k", f"xpu:{i}", {"BLOCK_N": 8})["BLOCK_N"] for i in (0, 1, 0, 1)] == \
+    tile = RMSNormForward(BLOCK_N=8, BLOCK_M=1)
+    assert [tritonspec.launch_config(RMSNormForward, f"xpu:{i}", tile).BLOCK_N for i in (0, 1, 0, 1)] == \
         [32, 128, 32, 128]
 
 

@@ -4,7 +4,7 @@ import torch
 
 from tritonspec.ops import _library, swiglu
 from tritonspec.ops._testing import assert_close, poisoned_allocations
-from tritonspec.ops.swiglu import _swiglu_bwd_op, _swiglu_fwd_op, swiglu_ref
+from tritonspec.ops.swiglu import SWIGLU, swiglu_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -87,8 +87,8 @@ def test_torch_compile_fullgraph(device):
 
 def test_opcheck(device):
     gate, up = _pair((6, 40), torch.float32, device)
-    torch.library.opcheck(_swiglu_fwd_op, (_leaf(gate), _leaf(up)))
-    torch.library.opcheck(_swiglu_bwd_op, (torch.randn_like(gate), gate, up))
+    torch.library.opcheck(SWIGLU.forward_op, (_leaf(gate), _leaf(up)))
+    torch.library.opcheck(SWIGLU.backward_op, (torch.randn_like(gate), gate, up))
 
 
 def test_layer_is_a_drop_in_for_llama_mlp(device):

@@ -76,7 +76,8 @@ assert (x < 0).any() and (x > 1).any() and ((x > 0) & (x < 1)).any()
 ref = x.double().clamp(0, 1)
 clamp = triton.jit(kernels.clamp01)
 atomic = triton.jit(kernels.atomic_add)
-ROWS = {"BLOCK_N": 64, "num_warps": 8}
+from tritonspec.kernel_table import RMSNormForward, SwiGLUForward
+ROWS = dict(BLOCK_N=64, BLOCK_M=1, num_warps=8)
 
 
 def bf16_atomic_error():
@@ -94,8 +95,8 @@ with tritonspec.use_backend("toyvendor"):
     out = torch.full_like(x, float("nan"))
     clamp[(triton.cdiv(n, 256),)](x, out, n, BLOCK=256)
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=0, msg=lambda m: f"seed {seed}: {m}")
-    assert tritonspec.launch_config("rms_norm_fwd", "cpu", ROWS) == {"BLOCK_N": 64, "num_warps": 2}
-    assert tritonspec.launch_config("swiglu_fwd", "cpu", ROWS) == ROWS  # kernel_config returned None
+    assert tritonspec.launch_config(RMSNormForward, "cpu", RMSNormForward(**ROWS)).num_warps == 2
+    assert tritonspec.launch_config(SwiGLUForward, "cpu", SwiGLUForward(**ROWS)).num_warps == 8  # not in its table
     assert tritonspec.value("atomic_disable_bf16") is True
     err = bf16_atomic_error()
     assert err is not None and "atomic_add on bfloat16 is not supported" in err and "'toyvendor'" in err, err
@@ -108,7 +109,7 @@ except Exception as e:
     assert "has no attribute 'toy_clamp01'" in str(e), e
 else:
     raise AssertionError("tl.toy_clamp01 ran outside the toyvendor selection")
-assert tritonspec.launch_config("rms_norm_fwd", "cpu", ROWS)["num_warps"] == 8
+assert tritonspec.launch_config(RMSNormForward, "cpu", RMSNormForward(**ROWS)).num_warps == 8
 assert tritonspec.value("atomic_disable_bf16") is None
 err = bf16_atomic_error()  # the interpreter itself has no bf16 atomics: its own error, not the policy's
 assert err is None or ("is not supported by backend" not in err and "toyvendor" not in err), err

@@ -5,7 +5,8 @@ Importing tritonspec (or any ``import triton`` once it is installed) installs th
 """
 from .hooks import HOOKS, Hook, Kind, SpecContractError, SpecError, get_hook
 from .identity import BackendInfo
-from .launch import LaunchConfigError, launch_config
+from .kernel_table import LaunchConfig, LaunchConfigError
+from .launch import ConfigTable, launch_config
 from .registry import REGISTRY, register_spec
 from .resolve import (SpecHookError, backend_for_device, current_backend, default_backend, lookup,
                       set_default_backend, spec, spec_func, use_backend, value)
@@ -14,8 +15,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "HOOKS", "Hook", "Kind", "SpecContractError", "SpecError", "SpecHookError", "get_hook", "BackendInfo",
-    "LaunchConfigError", "launch_config", "REGISTRY", "register_spec", "backend_for_device", "current_backend",
-    "default_backend", "lookup", "set_default_backend", "spec", "spec_func", "use_backend", "value",
+    "LaunchConfig", "LaunchConfigError", "ConfigTable", "launch_config", "REGISTRY", "register_spec",
+    "backend_for_device", "current_backend", "default_backend", "lookup", "set_default_backend", "spec", "spec_func", "use_backend", "value",
     "activate", "deactivate",
 ]
 

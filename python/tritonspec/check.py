@@ -2,7 +2,9 @@
 
 1. every declared hook has an install point, and every install point applied to this Triton;
 2. every spec provider loads and validates (and says where its backend really runs);
-3. a few sample kernels compile offline for every backend target and run in the interpreter,
+3. the kernel table: every kernel's ops and layer load, and which launch configs each backend
+   sets (a table by kernel) or leaves to the kernel's default;
+4. a few sample kernels compile offline for every backend target and run in the interpreter,
    checked against float64 references.
 Exit status 0 only when everything that should apply did.
 """
@@ -15,8 +17,10 @@ import traceback
 import triton
 import triton.language as tl
 
-from . import install
+from . import install, kernel_table
+from .devices import interpreting
 from .hooks import HOOKS
+from .launch import ConfigTable
 from .registry import ALLOW_ENV, REGISTRY
 
 # Points in tritonspec's own code (consulted by its ops, not installed into Triton).
@@ -75,7 +79,7 @@ def _compiled(fn):
 
 def _interpreted(fn):
     from triton.runtime.interpreter import InterpretedFunction
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not interpreting():
         raise RuntimeError("run_samples_interpreted needs TRITON_INTERPRET=1 before triton is imported")
     return InterpretedFunction(fn)
 
@@ -149,6 +153,30 @@ def compile_samples(target) -> dict[str, str]:
     return results
 
 
+def kernel_rows(providers: dict) -> tuple[list, list]:
+    """(rows, failures) for the kernel table: each kernel's ops and layer load, and per launch config
+    which backends set it in their ``ConfigTable`` (or only say so at run time, through a function)."""
+    rows, failures = [], []
+    tables = {name: p.get("kernel_config") for name, p in providers.items()}
+    for kernel in kernel_table.KERNELS.values():
+        try:
+            for op in kernel.ops:
+                kernel.op(op)
+            if kernel.layer is not None:
+                kernel.layer.load()
+            status = "ok"
+        except Exception as e:
+            status = f"FAILED: {type(e).__name__}: {e}"
+            failures.append(f"kernel {kernel.name}: {status}")
+        layer = ", ".join(kernel.layer.names) if kernel.layer else "-"
+        for cfg in kernel.configs or (None,):
+            set_by = [b for b, t in tables.items() if isinstance(t, ConfigTable) and cfg and cfg.kernel in t.entries]
+            opaque = [b for b, t in tables.items() if t is not None and not isinstance(t, ConfigTable)]
+            rows.append([kernel.name, ", ".join(kernel.ops), f"{kernel.site}: {layer}", cfg.kernel if cfg else "-",
+                         ", ".join(set_by + [f"{b} (a function)" for b in opaque]) or "default", status])
+    return rows, failures
+
+
 def _table(rows, header) -> str:
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
     line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
@@ -215,7 +243,12 @@ def main(argv=None) -> int:
             rows.append(["-", name, "yes" if status == "installed" else status, "", point.doc])
     print("\nHook points\n" + _table(rows, ["hook", "point", "installed", "applies to", "specialized by"]))
 
-    # 3. sample kernels: offline compile per backend target, then the interpreter
+    # 3. the kernel table
+    rows, problems = kernel_rows(providers)
+    failures += problems
+    print("\nKernels\n" + _table(rows, ["kernel", "ops", "replaces", "launch config", "set by", "loads"]))
+
+    # 4. sample kernels: offline compile per backend target, then the interpreter
     rows = []
     for name, p in providers.items():
         target = p.info.check_target

@@ -192,12 +192,9 @@ HOOKS: dict[str, Hook] = _table(
          interpreter_only="compiled kernels call the target's own libdevice"),
     # -- tritonspec kernels (ops ask the backend for launch parameters) --
     Hook("kernel_config", F, "tritonspec.launch_config", "the kernel's own heuristic",
-         "(kernel: str, *, device, **problem) -> dict | None: block sizes, num_warps, num_stages for a tritonspec "
-         "kernel on that torch device",
-         signature=launch_config_call, check=_is(dict, none=True)),
-    Hook("attention_config", F, "tritonspec.launch_config", "the kernel's own heuristic",
-         "(kernel: str, *, device, **problem) -> dict | None: attention tile sizes, warps, stages, TMA / "
-         "warp-spec flags",
+         "(kernel: str, *, device, **problem) -> dict | None: the launch parameters (tile sizes, num_warps, "
+         "num_stages, flags) to override for a tritonspec kernel on that torch device; checked against the "
+         "kernel's LaunchConfig type (tritonspec.launch.ConfigTable writes it as a table by kernel)",
          signature=launch_config_call, check=_is(dict, none=True)),
     Hook("attention_forward", F, "tritonspec.ops.attention", "the portable Triton forward kernel",
          "(q, k, v, o, lse, causal: bool, scale: float) -> bool: run the backend's own forward kernel, writing o "

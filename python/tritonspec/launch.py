@@ -1,29 +1,30 @@
 """Launch parameters for tritonspec kernels, asked of the backend that will run them.
 
-Ops never branch on the backend: they pass their own heuristic as ``default`` and the backend's
-``kernel_config`` / ``attention_config`` hook may override any of its keys. An override is checked
-against the default before use: a key the kernel does not have, a bool where an int belongs, a
-block size that is not a power of two or a count below 1 is a ``LaunchConfigError`` naming the
-backend, the hook, the kernel and the key (not a ZeroDivisionError or an interpreter error later).
+Ops never branch on the backend: they pass their own heuristic as a typed default (a
+``LaunchConfig`` of the kernel table) and the backend's ``kernel_config`` hook may override any of
+its fields. The override is checked as the default is: an unknown key names the nearest ones, block
+sizes are powers of two, counts are in range, and the error names the backend, the kernel and the key.
 
-Eager ops call this on every launch, so the result is memoized per (hook, kernel, backend, device,
-problem) and the memo is dropped whenever the spec registry changes: a hit is one dict lookup. The
-device is part of the key because one host may hold GPUs of two generations.
+Eager ops call this on every launch that has no launch plan yet, so the result is memoized per
+(config type, backend, device, problem) and the memo is dropped whenever the spec registry changes: a
+hit is one dict lookup. The device is part of the key because one host may hold GPUs of two
+generations.
+
+Backends write their overrides as data, a ``ConfigTable`` keyed by the kernels' names, checked
+against the kernel table when the spec is imported: a misspelled or dead kernel name is an error
+there, not an entry that silently never applies.
 """
 from __future__ import annotations
 
-from .hooks import SpecContractError, suggest
+from dataclasses import dataclass
+
+from .hooks import suggest
+from .kernel_table import LaunchConfig, LaunchConfigError, config_types
 from .registry import REGISTRY
 from .resolve import backend_for_device, lookup
 
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")  # keys every config may set, besides the kernel's own
-
 _cache: dict = {}
 REGISTRY.on_change(_cache.clear)
-
-
-class LaunchConfigError(SpecContractError):
-    """A backend's launch config that the kernel cannot run; names backend, hook, kernel and key."""
 
 
 def _with_index(device):
@@ -38,47 +39,59 @@ def _with_index(device):
     return device
 
 
-def launch_config(kernel: str, device, default, *, hook: str = "kernel_config", **problem) -> dict:
-    """``default`` updated with what the backend for ``device`` specializes for ``kernel``.
+def launch_config(config: type[LaunchConfig], device, default, **problem) -> LaunchConfig:
+    """``default`` with what the backend for ``device`` specializes for ``config.kernel``.
 
-    ``problem`` holds hashable facts the choice depends on (sizes, dtype names, ...); the hook also
-    gets ``device`` (a torch.device with its index). ``default`` is a dict, or a zero-argument
-    callable building it, called only on a miss (so it may depend on nothing but ``problem``). The
-    result is shared between calls: treat it as read-only.
+    ``default`` is a ``config`` instance, or a zero-argument callable building it, called only on a
+    miss (so it may depend on nothing but ``problem``). ``problem`` holds hashable facts the choice
+    depends on (sizes, dtype names, ...); the backend's hook also gets ``device`` (a torch.device
+    with its index).
     """
     if type(device) is str or device.index is None:  # tensors' devices have their index: not the hot path
         device = _with_index(device)
     backend = backend_for_device(device)
-    key = (hook, kernel, backend, device, *problem.items())
+    key = (config, backend, device, *problem.items())
+    if not (isinstance(config, type) and issubclass(config, LaunchConfig)):
+        raise TypeError(f"launch_config: config must be a LaunchConfig type of the kernel table, got {config!r}")
     if not callable(default):
-        key += tuple(default.items())
+        key += (default,)
     cfg = _cache.get(key)
     if cfg is None:
         base = default() if callable(default) else default
-        fn = lookup(hook, backend=backend)
-        override = fn(kernel, device=device, **problem) if fn is not None else None
+        if type(base) is not config:
+            raise TypeError(f"launch_config: the default for {config.kernel!r} must be a {config.__name__}, "
+                            f"got {type(base).__name__}")
+        fn = lookup("kernel_config", backend=backend)
+        override = fn(config.kernel, device=device, **problem) if fn is not None else None
         if override:
-            check_override(backend, hook, kernel, base, override)
-        cfg = _cache[key] = {**base, **(override or {})}
+            base = base.override(override, where=f"backend {backend!r} kernel_config({config.kernel!r}): ")
+        cfg = _cache[key] = base
     return cfg
 
 
-def check_override(backend: str, hook: str, kernel: str, default: dict, override: dict) -> None:
-    """Raise LaunchConfigError unless every key of ``override`` is one ``kernel`` can take."""
-    where = f"backend {backend!r} {hook}({kernel!r})"
-    known = list(default) + [k for k in LAUNCH_OPTIONS if k not in default]
-    for name, val in override.items():
-        if name not in known:
-            raise LaunchConfigError(f"{where} returned unknown key {name!r}{suggest(str(name), known)}; "
-                                    f"{kernel!r} takes {', '.join(known)}")
-        base = default.get(name)
-        if isinstance(base, bool):
-            if not isinstance(val, bool):
-                raise LaunchConfigError(f"{where}: {name}={val!r} must be a bool, not {type(val).__name__}")
-            continue
-        if isinstance(val, bool) or not isinstance(val, int):
-            raise LaunchConfigError(f"{where}: {name}={val!r} must be an int, not {type(val).__name__}")
-        if val < 1:
-            raise LaunchConfigError(f"{where}: {name}={val} must be >= 1")
-        if (name.startswith("BLOCK") or name == "num_warps") and val & (val - 1):
-            raise LaunchConfigError(f"{where}: {name}={val} must be a power of two")
+@dataclass(frozen=True)
+class ConfigTable:
+    """A backend's ``kernel_config`` hook as data: kernel name -> ``fn(kernel, *, device, **problem)``.
+
+    Each function returns the fields to override (a dict) or None for the kernel's own default. The
+    names are checked against the kernel table when the table is built.
+
+    Example::
+
+        kernel_config = ConfigTable({"rms_norm_fwd": rows, "rms_norm_bwd": rows})
+    """
+
+    entries: dict
+
+    def __post_init__(self):
+        known = config_types()
+        for name, fn in self.entries.items():
+            if name not in known:
+                raise LaunchConfigError(f"ConfigTable: {name!r} is not a declared kernel{suggest(str(name), known)}; "
+                                        f"declared: {', '.join(sorted(known))}")
+            if not callable(fn):
+                raise TypeError(f"ConfigTable: the entry for {name!r} must be a function, got {type(fn).__name__}")
+
+    def __call__(self, kernel: str, *, device=None, **problem):
+        fn = self.entries.get(kernel)
+        return None if fn is None else fn(kernel, device=device, **problem)

@@ -21,6 +21,7 @@ import os
 import sys
 import warnings
 
+from . import devices
 from .hooks import Kind, SpecError, get_hook
 from .registry import ALLOW_ENV, REGISTRY, Provider
 
@@ -202,10 +203,6 @@ def backend_for_device(device) -> str:
     return _backend_of_device_type(dev_type)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
 def _existing_driver():
     """The active Triton driver if one was already created, else None (never creates one)."""
     mod = sys.modules.get("triton.runtime.driver")
@@ -221,7 +218,7 @@ def current_backend(target_backend: str | None = None) -> str | None:
     target_backend = target_backend or _compile_target.get()
     if target_backend is not None:
         return backend_for_target(target_backend)
-    if _interpreting():
+    if devices.interpreting():
         return _backend_of_device_type("cpu")
     drv = _existing_driver()
     if drv is not None:

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 import tritonspec
 from tritonspec.ops.attention import attention, attention_ref
-from tritonspec.ops.attention_configs import h100_attention_config
 from tritonspec_backends.nvidia.backend.spec import attention_sm90
+from tritonspec_backends.nvidia.backend.spec.configs import h100_attention_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -25,8 +25,8 @@ _EPS = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 
 def _spec(fn, hopper=False):
     mod = types.ModuleType("attention_gpu_test_spec")
-    mod.attention_config = fn
-    mod.__all__ = ["attention_config"]
+    mod.kernel_config = lambda kernel, **problem: fn(kernel, **{k: v for k, v in problem.items() if k != "device"})
+    mod.__all__ = ["kernel_config"]
     if hopper:  # as the nvidia spec ships: Hopper's own forward and dK/dV kernels where they apply
         mod.attention_forward = attention_sm90.attention_forward
         mod.attention_backward = attention_sm90.attention_backward
@@ -64,7 +64,7 @@ def _atomic_ptr(kernel, **problem):
     return cfg
 
 
-# name -> (attention_config, with Hopper's own kernels): "h100" is what the nvidia spec ships on sm90;
+# name -> (kernel_config, with Hopper's own kernels): "h100" is what the nvidia spec ships on sm90;
 # the atomic variants test the portable dK/dV kernel with dQ riding on it (Hopper's own would take over)
 SPECS = {"default": (None, False), "h100": (_tuned, True), "h100_tl": (_tuned, False),
          "h100_atomic_reduce": (_atomic_reduce, False), "h100_atomic_ptr": (_atomic_ptr, False)}

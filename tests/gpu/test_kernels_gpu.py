@@ -9,8 +9,8 @@ import torch
 from tritonspec.ops import _library, add_rms_norm, rms_norm, rope, swiglu
 from tritonspec.ops._testing import RTOL, assert_close, poisoned_allocations
 from tritonspec.ops.rms_norm import MAX_FUSED_N, add_rms_norm_ref, rms_norm_ref
-from tritonspec.ops.rope import _rope_fwd_op, rope_ref
-from tritonspec.ops.swiglu import _swiglu_fwd_op, swiglu_ref
+from tritonspec.ops.rope import ROPE, rope_ref
+from tritonspec.ops.swiglu import SWIGLU, swiglu_ref
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -153,9 +153,9 @@ def test_inductor_fullgraph_triton_op(dynamic):
 
 def test_opcheck_triton_ops():
     g, u = (_leaf(torch.randn(64, 256, device=DEV)) for _ in range(2))
-    torch.library.opcheck(_swiglu_fwd_op, (g, u))
+    torch.library.opcheck(SWIGLU.forward_op, (g, u))
     q, k = _leaf(torch.randn(2, 4, 16, 64, device=DEV)), _leaf(torch.randn(2, 2, 16, 64, device=DEV))
-    torch.library.opcheck(_rope_fwd_op, (q, k, torch.randn(2, 16, 64, device=DEV), torch.randn(2, 16, 64, device=DEV)))
+    torch.library.opcheck(ROPE.forward_op, (q, k, torch.randn(2, 16, 64, device=DEV), torch.randn(2, 16, 64, device=DEV)))
 
 
 def test_cpu_tensor_without_interpreter_is_rejected():

@@ -17,11 +17,13 @@ def atomic_disable_bf16() -> bool:
     return True
 
 
-def kernel_config(kernel, **problem):
-    """Launch parameters for tritonspec kernels (``problem`` includes ``device``); None keeps the default."""
-    if kernel == "rms_norm_fwd":
-        return {"num_warps": 2}
-    return None
+def _rms_norm_fwd(kernel, **problem):
+    """RMSNorm's forward on 2 warps (``problem`` includes ``device``); None would keep the default."""
+    return {"num_warps": 2}
+
+
+# Launch parameters as a table by kernel: the names are checked against tritonspec's kernel table.
+kernel_config = tritonspec.ConfigTable({"rms_norm_fwd": _rms_norm_fwd})
 
 
 core_ext_spec_func_list = ["toy_clamp01"]

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 
 import torch
 from torch import nn
 
+from ..devices import triton_runs
 from . import engine
 
 ATTENTION_NAME = "tritonspec"
@@ -71,9 +71,7 @@ def register_attention(name: str = ATTENTION_NAME) -> str:
 
 def attention_available(device_type: str) -> bool:
     """The attention op exists and Triton can run on ``device_type`` (CPU only through the interpreter)."""
-    if device_type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        return False
-    if device_type not in ("cpu", "cuda", "xpu", "npu"):
+    if not triton_runs(device_type):
         return False
     try:
         return (importlib.util.find_spec("transformers") is not None

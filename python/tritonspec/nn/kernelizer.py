@@ -4,10 +4,11 @@ Behaviour follows kernels' layers.md: a class declares an extension point with
 ``use_kernel_forward_from_hub(name)``; a mapping ``{name: {device: repo | {Mode: repo}}}`` (scoped by a
 ContextVar) says which layer serves it; ``kernelize(model, mode=...)`` rebinds ``forward`` on every
 instance. Modes resolve through the fallback table below, CUDA/ROCm entries by the narrowest capability
-interval. Two additions: tritonspec's own layers are the default mapping for ``RMSNorm``, ``SwiGLUMLP``
-and ``rotary_pos_emb`` (the names transformers uses), and untagged modules that match those layers'
-contracts get the names inferred (``infer_layer_names``), because transformers only tags when it accepts
-the installed ``kernels`` version.
+interval. Two additions: the kernel table's layers are the default mapping for their layer names
+(``RMSNorm``, ``SwiGLUMLP``, ``rotary_pos_emb``: the names transformers uses) on every device type
+Triton runs on, and untagged modules that a declared kernel recognizes get its layer name inferred
+(``infer_layer_names``), because transformers only tags when it accepts the installed ``kernels``
+version.
 """
 from __future__ import annotations
 
@@ -24,13 +25,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .. import kernel_table
+from ..devices import check_device_type, triton_device_types
 from . import engine
-from .repository import TRITON_DEVICE_TYPES, TritonspecRepository, validate_layer
-from .targets import infer_layer_name, rotary_sites, tagged_name
+from .repository import TritonspecRepository, validate_layer
+from .targets import function_sites, infer_layer_name, tagged_name
 
 logger = logging.getLogger("tritonspec.nn.kernelize")
-
-DEVICE_TYPES = ("cpu", "cuda", "mps", "neuron", "npu", "rocm", "tpu", "xpu")
 
 
 class Mode(enum.Flag):
@@ -54,8 +55,8 @@ class Mode(enum.Flag):
         return union
 
 
-# Seed 002 "Registering kernels for specific modes": a training kernel may serve inference (not the
-# reverse), a compile-safe kernel may serve eager, FALLBACK last.
+# huggingface/kernels' mode fallback: a training kernel may serve inference (not the reverse), a
+# compile-safe kernel may serve eager, FALLBACK last.
 MODE_FALLBACK_PRIORITY: dict[Mode, tuple[Mode, ...]] = {
     Mode.INFERENCE: (Mode.INFERENCE, Mode.INFERENCE | Mode.TORCH_COMPILE, Mode.TRAINING,
                      Mode.TRAINING | Mode.TORCH_COMPILE, Mode.FALLBACK),
@@ -96,8 +97,7 @@ class Device:
     properties: CUDAProperties | None = None
 
     def __post_init__(self):
-        if self.type not in DEVICE_TYPES:
-            raise ValueError(f"type: unsupported device type {self.type!r}; supported: {', '.join(DEVICE_TYPES)}")
+        check_device_type("type", self.type)
         p = self.properties
         if p is not None:
             if isinstance(p, ROCMProperties) and self.type != "rocm":
@@ -119,14 +119,30 @@ class _Slot:
 _Mapping = dict[str, dict[str, list[_Slot]]]
 
 
-def _default_mapping() -> _Mapping:
-    names = {"RMSNorm": "RMSNorm", "SwiGLUMLP": "SwiGLUMLP", "rotary_pos_emb": "RotaryPosEmb"}
-    return {name: {dev: [_Slot(0, sys.maxsize, {Mode.FALLBACK: TritonspecRepository(layer)})]
-                   for dev in TRITON_DEVICE_TYPES}
-            for name, layer in names.items()}
+@dataclass
+class _State:
+    """A context's mapping: what was registered, over the kernel table's layers unless dropped."""
+    mapping: _Mapping
+    defaults: bool = True
 
 
-_MAPPING: ContextVar[_Mapping] = ContextVar("tritonspec_kernel_mapping", default=_default_mapping())
+def _table_slots(name: str, device_type: str) -> list[_Slot]:
+    """The kernel table's default for layer ``name`` on ``device_type``: its hub layer, where Triton runs."""
+    kernel = kernel_table.layers().get(name)
+    if kernel is None or device_type not in triton_device_types():
+        return []
+    return [_Slot(0, sys.maxsize, {Mode.FALLBACK: TritonspecRepository(kernel.layer.name)})]
+
+
+def _slots(name: str, device_type: str) -> list[_Slot]:
+    state = _MAPPING.get()
+    slots = state.mapping.get(name, {}).get(device_type)
+    if slots:
+        return slots
+    return _table_slots(name, device_type) if state.defaults else []
+
+
+_MAPPING: ContextVar[_State] = ContextVar("tritonspec_kernel_mapping", default=_State({}))
 
 
 def _copy(m: _Mapping) -> _Mapping:
@@ -168,16 +184,17 @@ def register_kernel_mapping(mapping: dict, inherit_mapping: bool = True) -> None
     ``inherit_mapping=False`` first drops everything, tritonspec's defaults included.
     """
     if not inherit_mapping:
-        _MAPPING.set({})
-    _insert(_MAPPING.get(), mapping)
+        _MAPPING.set(_State({}, defaults=False))
+    _insert(_MAPPING.get().mapping, mapping)
 
 
 @contextlib.contextmanager
 def use_kernel_mapping(mapping: dict, inherit_mapping: bool = True):
     """Use ``mapping`` inside the ``with`` block only (extending the current one unless ``inherit_mapping=False``)."""
-    token = _MAPPING.set(_copy(_MAPPING.get()) if inherit_mapping else {})
+    state = _MAPPING.get()
+    token = _MAPPING.set(_State(_copy(state.mapping), state.defaults) if inherit_mapping else _State({}, False))
     try:
-        _insert(_MAPPING.get(), mapping)
+        _insert(_MAPPING.get().mapping, mapping)
         yield
     finally:
         _MAPPING.reset(token)
@@ -190,11 +207,11 @@ def _capability() -> int:
 
 def _select(name: str, device: Device, mode: Mode):
     """(repo, repo_mode) or (None, reason) for ``name`` on ``device`` in ``mode``."""
-    per_device = _MAPPING.get().get(name)
-    if per_device is None:
-        return None, f"no kernel mapping for layer `{name}`"
-    slots = per_device.get(device.type)
+    slots = _slots(name, device.type)
     if not slots:
+        state = _MAPPING.get()
+        if name not in state.mapping and not (state.defaults and name in kernel_table.layers()):
+            return None, f"no kernel mapping for layer `{name}`"
         return None, f"no kernel mapping for layer `{name}` on device type `{device.type}`"
     if device.type in ("cuda", "rocm") and any(s.lo != 0 or s.hi != sys.maxsize for s in slots):
         cap = _capability()
@@ -374,7 +391,7 @@ def kernelize(model: nn.Module, *, mode: Mode, device: str | torch.device | Devi
             if name is not None and id(module) not in done:
                 done.add(id(module))
                 one(path, module, type(module).__name__, name, type(module), inferred=inferred)
-        for pymod, attr, value in rotary_sites(model):
+        for kernel, pymod, attr, value in function_sites(model):
             where = f"{pymod.__name__}.{attr}"
             if isinstance(value, nn.Module):  # kernels' Func module: patch its forward (a shared object)
                 if id(value) not in done and tagged_name(value) is not None:
@@ -385,16 +402,24 @@ def kernelize(model: nn.Module, *, mode: Mode, device: str | torch.device | Devi
                 continue
             original = value
 
-            def install(layer, kernel, detail, pymod=pymod, attr=attr, where=where):
+            def install(layer, kernel_name, detail, pymod=pymod, attr=attr, where=where):
                 # A bound forward of a (stateless) layer instance stands in for the module-level function.
                 engine.patch_attr(model, pymod, attr, MethodType(layer.forward, layer()), path=where,
-                                  kernel=kernel, source="kernelize", detail=detail, shared=True)
-            one(where, original, f"function {original.__name__}", "rotary_pos_emb", original, install=install,
+                                  kernel=kernel_name, source="kernelize", detail=detail, shared=True)
+            one(where, original, f"function {original.__name__}", kernel.layer.tag, original, install=install,
                 undo_key=(pymod, attr), inferred=True)
     return model
 
 
 def mapping_snapshot() -> dict[str, dict[str, list[tuple[int, int, dict[Any, Any]]]]]:
-    """The current context's mapping as plain data (for inspection and tests)."""
-    return {n: {d: [(s.lo, s.hi, dict(s.modes)) for s in slots] for d, slots in devs.items()}
-            for n, devs in _MAPPING.get().items()}
+    """The current context's mapping as plain data, the kernel table's defaults included (inspection, tests)."""
+    state = _MAPPING.get()
+    names = set(state.mapping) | (set(kernel_table.layers()) if state.defaults else set())
+    out = {}
+    for name in sorted(names):
+        devices = set(state.mapping.get(name, {})) | (set(triton_device_types()) if state.defaults else set())
+        per = {d: [(s.lo, s.hi, dict(s.modes)) for s in _slots(name, d)] for d in sorted(devices)}
+        per = {d: slots for d, slots in per.items() if slots}
+        if per:
+            out[name] = per
+    return out

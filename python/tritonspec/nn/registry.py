@@ -1,10 +1,14 @@
-"""The LLaMA-Factory-style kernel registry front end (seed 000): ``{KernelType: {DeviceType: MetaKernel}}``.
+"""The LLaMA-Factory-style kernel registry front end: ``{KernelType: {DeviceType: MetaKernel}}``.
 
 Why kept although kernelize exists: it is the interface LLaMA-Factory users know (``apply_kernel``,
 ``apply_available_kernels``), and it covers what layer names cannot: switching the attention
 implementation, and kernels that patch functions rather than layers. Each ``MetaKernel.apply`` decides
 where its kernel goes; installing it goes through :mod:`tritonspec.nn.engine` (see
 :meth:`MetaKernel.patch_forward`), so registry changes are reported and reverted like the others.
+
+``KernelType`` holds the kernel table's kernels (plus LLaMA-Factory's ``MOE``, which has no kernel
+here yet) and ``DeviceType`` tritonspec's device vocabulary (:mod:`tritonspec.devices`). A kernel
+declared after import (a vendor's, an experiment's) is registered under its table name, a str.
 """
 from __future__ import annotations
 
@@ -17,29 +21,29 @@ from typing import Any, Callable, ClassVar, Optional
 import torch
 from torch import nn
 
+from .. import kernel_table
+from ..devices import DEVICE_TYPES
 from . import engine
 
 logger = logging.getLogger("tritonspec.nn.registry")
 
+# What a kernel replaces: the kernel table's names, and LLaMA-Factory's types we have no kernel for yet.
+KernelType = enum.Enum("KernelType", {n.upper(): n for n in (*kernel_table.KERNELS, "moe")}, type=str,
+                       module=__name__)
+KernelType.__doc__ = "What a kernel replaces: a kernel of the kernel table (``KernelType(name)``)."
 
-class KernelType(str, enum.Enum):
-    """What a kernel replaces. Add a member for a new kind of kernel."""
-
-    RMSNORM = "rmsnorm"
-    SWIGLU = "swiglu"
-    FLASH_ATTENTION = "flash_attention"
-    ROPE = "rope"
-    MOE = "moe"
+# Where a kernel runs.
+DeviceType = enum.Enum("DeviceType", {n.upper(): n for n in DEVICE_TYPES}, type=str, module=__name__)
+DeviceType.__doc__ = "Where a kernel runs: tritonspec's device vocabulary (``tritonspec.devices.DEVICE_TYPES``)."
 
 
-class DeviceType(str, enum.Enum):
-    """Where a kernel runs."""
-
-    CPU = "cpu"
-    CUDA = "cuda"
-    NPU = "npu"
-    XPU = "xpu"
-    MPS = "mps"
+def as_kernel_type(value) -> KernelType | str:
+    """``value`` as a registry key: a KernelType, or the name of a kernel declared after import."""
+    if isinstance(value, KernelType):
+        return value
+    if isinstance(value, str) and value in kernel_table.KERNELS:
+        return KernelType(value) if value in KernelType._value2member_map_ else value
+    raise TypeError(f"kernel_type: expected a KernelType or a declared kernel's name, got {value!r}")
 
 
 class KernelRegistry:
@@ -56,15 +60,14 @@ class KernelRegistry:
 
     def register(self, kernel_type: KernelType, device_type: DeviceType, kernel_impl: Optional[Callable]) -> None:
         """Register ``kernel_impl`` for (kernel_type, device_type); overwriting one warns (logging)."""
-        if not isinstance(kernel_type, KernelType):
-            raise TypeError(f"kernel_type: expected KernelType, got {kernel_type!r}")
+        kernel_type = as_kernel_type(kernel_type)
         if not isinstance(device_type, DeviceType):
             raise TypeError(f"device_type: expected DeviceType, got {device_type!r}")
         per_device = self._registry.setdefault(kernel_type, {})
         old = per_device.get(device_type)
         if old is not None and old is not kernel_impl:
-            logger.warning("Overwriting kernel for %s on %s: %s replaces %s", kernel_type.name, device_type.name,
-                           engine.qualname(kernel_impl), engine.qualname(old))
+            logger.warning("Overwriting kernel for %s on %s: %s replaces %s", getattr(kernel_type, "name", kernel_type),
+                           device_type.name, engine.qualname(kernel_impl), engine.qualname(old))
         per_device[device_type] = kernel_impl
 
     def get_kernel(self, kernel_type: KernelType, device_type: DeviceType) -> Optional[Callable]:
@@ -133,22 +136,20 @@ class MetaKernel(metaclass=AutoRegisterKernelMeta):
 
     @classmethod
     def _detail(cls) -> str:
-        t = cls.type.name if cls.type is not None else "?"
+        t = getattr(cls.type, "name", cls.type) if cls.type is not None else "?"
         d = cls.device.name if cls.device is not None else "?"
         return f"{cls.__name__} {t}/{d}"
 
 
-# Modules whose import registers the built-in kernels; a module that fails to import (a missing
-# dependency) is skipped, like LLaMA-Factory's _ensure_kernels_loaded.
-_KERNEL_MODULES = ["tritonspec.nn.triton_kernels"]
-
-
 def _ensure_kernels_loaded() -> None:
-    for name in _KERNEL_MODULES:
-        try:
-            importlib.import_module(name)
-        except ImportError as e:
-            logger.debug("kernel module %s not loaded: %s", name, e)
+    """Registry kernels for every kernel of the table (generated on first use, and for kernels declared
+    since); a missing dependency skips them, like LLaMA-Factory's _ensure_kernels_loaded."""
+    try:
+        triton_kernels = importlib.import_module("tritonspec.nn.triton_kernels")
+    except ImportError as e:
+        logger.debug("tritonspec.nn.triton_kernels not loaded: %s", e)
+        return
+    triton_kernels.sync()
 
 
 def current_device_type(model: nn.Module | None = None) -> DeviceType:
@@ -182,8 +183,8 @@ def discover_kernels(model: nn.Module | None = None) -> list[type[MetaKernel]]:
     _ensure_kernels_loaded()
     device = current_device_type(model)
     out = []
-    for kernel_type in KernelType:
-        impl = KERNEL_REGISTRY.get_kernel(kernel_type, device)
+    for kind in dict.fromkeys([*KernelType, *KERNEL_REGISTRY._registry]):  # KernelType order, then later ones
+        impl = KERNEL_REGISTRY.get_kernel(kind, device)
         if isinstance(impl, type) and issubclass(impl, MetaKernel):
             out.append(impl)
     return out

@@ -1,9 +1,10 @@
 """Where kernelize gets a layer from: our built-in layers, a local ``build/<variant>/<package>`` tree, or the Hub.
 
 Why our own loader next to the ``kernels`` package: tritonspec must work without it (the device machine may
-not have it; transformers 5.23 refuses kernels 0.17), and a local tree in the seed-003 layout is all a
-Triton-only kernel needs. ``LayerRepository`` keeps the Hub API shape but never opens a connection: this
-build has no network, and a kernelize that hangs on a DNS timeout is worse than a clear error.
+not have it; transformers 5.23 refuses kernels 0.17), and a local tree in huggingface/kernels' layout
+(kernel-requirements.md) is all a Triton-only kernel needs. ``LayerRepository`` keeps the Hub API shape but
+never opens a connection: this build has no network, and a kernelize that hangs on a DNS timeout is worse
+than a clear error.
 
 Every loaded layer is checked by :func:`validate_layer` against the rules of kernel-requirements.md.
 """
@@ -24,10 +25,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-TRITON_DEVICE_TYPES = ("cpu", "cuda", "rocm", "xpu", "npu")
+from .. import kernel_table
+from ..devices import triton_runs
+
 _ALLOWED_MEMBERS = {"has_backward", "can_torch_compile"}
-# The op module each built-in layer needs (a missing op makes the layer unavailable, not an error).
-_LAYER_OPS = {"RMSNorm": "rms_norm", "SwiGLUMLP": "swiglu", "RotaryPosEmb": "rope"}
 
 
 class HubUnavailableError(RuntimeError):
@@ -68,28 +69,26 @@ def validate_layer(layer: type, reference: Callable | type, *, repo: object) -> 
 
 
 class TritonspecRepository:
-    """One of tritonspec's own hub layers (:mod:`tritonspec.nn.hub.layers`), no files involved."""
+    """The hub layer of a kernel of the kernel table (:mod:`tritonspec.kernel_table`), no files involved."""
 
     def __init__(self, layer_name: str):
-        from .hub import LAYER_NAMES
-        if layer_name not in LAYER_NAMES:
-            raise ValueError(f"layer_name: {layer_name!r} is not a tritonspec layer; known: {', '.join(LAYER_NAMES)}")
-        self.layer_name = layer_name
+        kernel = kernel_table.layers().get(layer_name)
+        if kernel is None:
+            known = ", ".join(sorted({k.layer.name for k in kernel_table.layers().values()}))
+            raise ValueError(f"layer_name: {layer_name!r} is not a tritonspec layer; known: {known}")
+        self.layer_name = kernel.layer.name
+        self.kernel = kernel
 
     def load(self) -> type:
-        from .hub import layers
-        return getattr(layers, self.layer_name)
+        return self.kernel.layer.load()
 
     def available(self, device_type: str) -> bool:
-        """Triton must be able to run there: a GPU-like backend, or the CPU interpreter (TRITON_INTERPRET=1)."""
-        if device_type not in TRITON_DEVICE_TYPES:
-            return False
-        if device_type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-            return False
-        if importlib.util.find_spec("triton") is None:
+        """Triton can run there (a GPU-like backend, or the CPU interpreter) and the kernel's ops import
+        (a missing op makes the layer unavailable, not an error)."""
+        if not triton_runs(device_type):
             return False
         try:
-            return importlib.util.find_spec(f"tritonspec.ops.{_LAYER_OPS[self.layer_name]}") is not None
+            return importlib.util.find_spec(self.kernel.module) is not None
         except ImportError:  # tritonspec.ops itself failed to import
             return False
 

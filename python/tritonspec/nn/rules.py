@@ -2,11 +2,13 @@
 
 A rule file is a list of::
 
-    - match:                      # at least one of name/class; both must hold
+    - match:                      # at least one of name/class/kernel; all given must hold
         name: "^model\\.layers\\.\\d+\\.mlp$"      # regex.search on the dotted module path
         class: transformers.models.llama.modeling_llama.LlamaMLP   # isinstance, by dotted name
+        kernel: swiglu            # a module the kernel table's kernel recognizes (tag, class, detector)
       replace:
         class: tritonspec.nn.hub.layers.SwiGLUMLP  # or "default": keep the module as it is
+        kernel: swiglu            # instead of class: that kernel's hub layer, from the kernel table
         kwargs: {}                # for module classes: passed to the constructor
       recursive: true             # false: do not look at this module's children
       optional: false             # true: matching nothing is not an error
@@ -42,15 +44,18 @@ from typing import Any, Callable, Iterable
 import regex
 from torch import nn
 
+from .. import kernel_table
+from ..hooks import suggest
 from . import engine
 from .repository import validate_layer
+from .targets import infer_layer_name, tagged_name
 
 logger = logging.getLogger("tritonspec.nn.rules")
 
 DEFAULT_ALLOWED_MODULES = ("tritonspec",)
 _RULE_KEYS = {"match", "replace", "recursive", "optional"}
-_MATCH_KEYS = {"name", "class"}
-_REPLACE_KEYS = {"class", "kwargs"}
+_MATCH_KEYS = {"name", "class", "kernel"}
+_REPLACE_KEYS = {"class", "kernel", "kwargs"}
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 # Seconds one match.name search of one module path may take. Legitimate patterns against dotted module paths
 # take microseconds, so this is thousands of times the need; only catastrophic backtracking gets near it, and
@@ -81,6 +86,8 @@ class Rule:
     kwargs: dict = field(default_factory=dict)
     recursive: bool = True
     optional: bool = False
+    match_kernel: str | None = None
+    replace_kernel: str | None = None  # the kernel table's layer instead of replace_class
 
     def matches(self, path: str, module: nn.Module) -> bool:
         if self.name is not None:
@@ -93,7 +100,17 @@ class Rule:
                 return False
         if self.match_class is not None and self.match_class not in _class_names(type(module)):
             return False
+        if self.match_kernel is not None and not _recognizes(kernel_table.get(self.match_kernel), module):
+            return False
         return True
+
+
+def _recognizes(kernel: kernel_table.Kernel, module: nn.Module) -> bool:
+    """The kernel's layer would replace this module: tagged with its name, or recognized untagged."""
+    if kernel.site != "module" or kernel.layer is None:
+        return False
+    name = tagged_name(module)
+    return name in kernel.layer.names if name is not None else infer_layer_name(module) == kernel.layer.name
 
 
 def _class_names(cls) -> set[str]:
@@ -207,9 +224,10 @@ def _parse_rule(i: int, raw: Any) -> Rule:
         raise RuleError(i, "match", "required, a mapping with name and/or class")
     unknown = set(match) - _MATCH_KEYS
     if unknown:
-        raise RuleError(i, f"match.{sorted(unknown)[0]}", "unknown key (allowed: name, class)")
-    if not match.get("name") and not match.get("class"):
-        raise RuleError(i, "match", "needs at least one of name, class")
+        raise RuleError(i, f"match.{sorted(unknown)[0]}", "unknown key (allowed: name, class, kernel)")
+    if not match.get("name") and not match.get("class") and not match.get("kernel"):
+        raise RuleError(i, "match", "needs at least one of name, class, kernel")
+    match_kernel = _kernel_name(i, "match.kernel", match.get("kernel"), site="module")
     pattern = None
     if "name" in match:
         if not isinstance(match["name"], str):
@@ -229,9 +247,12 @@ def _parse_rule(i: int, raw: Any) -> Rule:
         raise RuleError(i, "replace", "required, a mapping with class and optional kwargs")
     unknown = set(replace) - _REPLACE_KEYS
     if unknown:
-        raise RuleError(i, f"replace.{sorted(unknown)[0]}", "unknown key (allowed: class, kwargs)")
-    rclass = replace.get("class")
-    if not isinstance(rclass, str) or not (rclass == "default" or _DOTTED.match(rclass)):
+        raise RuleError(i, f"replace.{sorted(unknown)[0]}", "unknown key (allowed: class, kernel, kwargs)")
+    if ("class" in replace) == ("kernel" in replace):
+        raise RuleError(i, "replace", "needs exactly one of class, kernel")
+    replace_kernel = _kernel_name(i, "replace.kernel", replace.get("kernel"))
+    rclass = replace.get("class", "default" if replace_kernel is None else None)
+    if replace_kernel is None and (not isinstance(rclass, str) or not (rclass == "default" or _DOTTED.match(rclass))):
         raise RuleError(i, "replace.class", f"expected 'default' or a dotted class name, got {rclass!r}")
     kwargs = replace.get("kwargs", {}) or {}
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
@@ -242,7 +263,21 @@ def _parse_rule(i: int, raw: Any) -> Rule:
         if not isinstance(v, bool):
             raise RuleError(i, key, f"expected true or false, got {v!r}")
         flags[key] = v
-    return Rule(i, pattern, match_class, None if rclass == "default" else rclass, dict(kwargs), **flags)
+    return Rule(i, pattern, match_class, None if rclass == "default" else rclass, dict(kwargs), **flags,
+                match_kernel=match_kernel, replace_kernel=replace_kernel)
+
+
+def _kernel_name(i: int, key: str, name, site: str | None = None) -> str | None:
+    """``name`` checked against the kernel table (a layer that replaces modules where ``site`` says so)."""
+    if name is None:
+        return None
+    if not isinstance(name, str) or name not in kernel_table.KERNELS:
+        raise RuleError(i, key, f"{name!r} is not a declared kernel{suggest(str(name), kernel_table.KERNELS)}; "
+                        f"declared: {', '.join(kernel_table.KERNELS)}")
+    kernel = kernel_table.KERNELS[name]
+    if kernel.layer is None or (site is not None and kernel.site != site):
+        raise RuleError(i, key, f"kernel {name!r} installs at a {kernel.site!r} site, not by replacing a module")
+    return name
 
 
 def load_rules(source: str | Path | list) -> list[Rule]:
@@ -272,6 +307,8 @@ def register_module_converter(cls: type, build: Callable[..., nn.Module]) -> Non
 
 
 def _import_class(rule: Rule, allowed: tuple[str, ...]) -> type:
+    if rule.replace_kernel is not None:  # a declared kernel's layer: trusted code, whatever its module
+        return kernel_table.get(rule.replace_kernel).layer.load()
     dotted = rule.replace_class
     if not _allowed(dotted, allowed):
         raise RuleError(rule.index, "replace.class", f"{dotted} is outside the allowed modules "
@@ -356,7 +393,8 @@ def apply_rules(model: nn.Module, rules: str | Path | list, *, allowed_modules: 
     parsed = rules if isinstance(rules, list) and rules and all(isinstance(r, Rule) for r in rules) \
         else load_rules(rules)
     allowed = DEFAULT_ALLOWED_MODULES + tuple(allowed_modules)
-    classes = {r.index: _import_class(r, allowed) for r in parsed if r.replace_class is not None}
+    classes = {r.index: _import_class(r, allowed) for r in parsed
+               if r.replace_class is not None or r.replace_kernel is not None}
 
     # Plan on the original tree (first match wins, recursive: false prunes), then apply in pre-order.
     # Changes go to the matched objects themselves (and to their original parents), not to whatever a
@@ -385,17 +423,18 @@ def apply_rules(model: nn.Module, rules: str | Path | list, *, allowed_modules: 
 
     with engine.transaction(model) as made:
         for path, module, rule in plan:
-            if rule.replace_class is None:
+            cls = classes.get(rule.index)
+            if cls is None:  # "default": keep the module as it is
                 continue
-            cls = classes[rule.index]
+            name = rule.replace_class or f"kernel {rule.replace_kernel}"
             detail = f"rule {rule.index}"
             live = module
             if _is_pure_layer(cls):
                 if rule.kwargs:
-                    raise RuleError(rule.index, "replace.kwargs", f"{rule.replace_class} is a stateless layer; "
+                    raise RuleError(rule.index, "replace.kwargs", f"{name} is a stateless layer; "
                                     "it takes no kwargs")
                 try:
-                    validate_layer(cls, type(live), repo=rule.replace_class)
+                    validate_layer(cls, type(live), repo=name)
                 except TypeError as e:
                     raise RuleError(rule.index, "replace.class", f"cannot replace {path}: {e}") from None
                 engine.replace_forward(model, live, cls.forward, path=path, kernel=engine.qualname(cls.forward),
@@ -406,10 +445,10 @@ def apply_rules(model: nn.Module, rules: str | Path | list, *, allowed_modules: 
                 except RuleError:
                     raise
                 except Exception as e:
-                    raise RuleError(rule.index, "replace.kwargs", f"building {rule.replace_class} for {path} "
+                    raise RuleError(rule.index, "replace.kwargs", f"building {name} for {path} "
                                     f"failed: {type(e).__name__}: {e}") from None
                 new.train(live.training)
                 engine.replace_module(model, path, new, kernel=engine.qualname(cls), source="rules", detail=detail,
                                       parent=_parent_in_use(model, path, module, parents[path]))
-            logger.info("rules: %s (%s) -> %s [rule %d]", path, type(live).__name__, rule.replace_class, rule.index)
+            logger.info("rules: %s (%s) -> %s [rule %d]", path, type(live).__name__, name, rule.index)
     return made

@@ -1,4 +1,8 @@
-"""Which modules of a Hugging Face model are an RMSNorm, a SwiGLU MLP, or call ``apply_rotary_pos_emb``.
+"""Which modules of a Hugging Face model a kernel of the kernel table replaces.
+
+The detectors here (``is_rms_norm``, ``is_swiglu_mlp``) are what the table's entries name; the
+functions below read the table to find, for any declared kernel, the modules it recognizes and the
+module-level functions (``apply_rotary_pos_emb``) the model's classes call.
 
 Why structural checks and not only transformers' ``kernel_layer_name`` tags: the tags exist only when
 transformers accepts the installed ``kernels`` version (transformers 5.23 wants kernels >=0.18.2,<0.19, so
@@ -17,7 +21,6 @@ from torch import nn
 # RMSNorm classes whose math differs from Llama's (1 + weight, gating, zero-centred weight).
 RMS_NORM_EXCLUDE = ("Gemma", "Gated", "ZeroCentered")
 _SILU_NAMES = {"SiLU", "SiLUActivation"}
-ROTARY_FUNCTION = "apply_rotary_pos_emb"
 
 
 def _forward_names(cls) -> set[str]:
@@ -58,32 +61,48 @@ def tagged_name(obj) -> str | None:
 
 
 def infer_layer_name(module: nn.Module) -> str | None:
-    """Name for an untagged module that matches one of our layers' contracts, else None."""
-    if is_rms_norm(module):
-        return "RMSNorm"
-    if is_swiglu_mlp(module):
-        return "SwiGLUMLP"
+    """The layer name of the first declared kernel that recognizes an untagged module (by class name,
+    then by its structural detector), else None."""
+    from ..kernel_table import KERNELS
+    name = type(module).__name__
+    for kernel in KERNELS.values():
+        layer = kernel.layer
+        if kernel.site != "module" or layer is None:
+            continue
+        if name in layer.classes:
+            return layer.name
+        detect = layer.detector()
+        if detect is not None and detect(module):
+            return layer.name
     return None
 
 
-def rotary_sites(model: nn.Module) -> list[tuple[types.ModuleType, str, object]]:
-    """Module-level ``apply_rotary_pos_emb`` globals that the model's classes call (once each).
+def function_sites(model: nn.Module) -> list[tuple[object, types.ModuleType, str, object]]:
+    """(kernel, python module, attribute, original value) for each module-level function a declared
+    kernel replaces (``site="function"``) that the model's classes call, once per python module.
 
-    Returns (python module, attribute name, original value): a plain function when transformers built
-    the model without ``kernels``, or the ``Func`` module the kernels decorator made. If a front end has
-    already replaced the global, the value is the one it replaced, so re-running a front end works.
+    The original is a plain function when transformers built the model without ``kernels``, or the
+    ``Func`` module the kernels decorator made. If a front end has already replaced the global, it
+    is the value that front end replaced, so re-running a front end works.
     """
+    from ..kernel_table import KERNELS
     from .engine import shared_original
-    seen, out = set(), []
-    for cls in {type(m) for m in model.modules()}:
-        if ROTARY_FUNCTION not in _forward_names(cls):
+    out = []
+    classes = {type(m) for m in model.modules()}
+    for kernel in KERNELS.values():
+        if kernel.site != "function":
             continue
-        pymod = sys.modules.get(cls.__module__)
-        fn = shared_original(pymod, ROTARY_FUNCTION, getattr(pymod, ROTARY_FUNCTION, None))
-        if fn is None or id(pymod) in seen:
-            continue
-        if not (inspect.isfunction(fn) or isinstance(fn, nn.Module)):
-            continue
-        seen.add(id(pymod))
-        out.append((pymod, ROTARY_FUNCTION, fn))
+        attr = kernel.layer.function
+        seen = set()
+        for cls in classes:
+            if attr not in _forward_names(cls):
+                continue
+            pymod = sys.modules.get(cls.__module__)
+            fn = shared_original(pymod, attr, getattr(pymod, attr, None))
+            if fn is None or id(pymod) in seen:
+                continue
+            if not (inspect.isfunction(fn) or isinstance(fn, nn.Module)):
+                continue
+            seen.add(id(pymod))
+            out.append((kernel, pymod, attr, fn))
     return out

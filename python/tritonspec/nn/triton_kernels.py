@@ -1,28 +1,32 @@
-"""tritonspec's Triton kernels as registry kernels (RMSNORM, SWIGLU, ROPE, FLASH_ATTENTION) for CUDA and CPU.
+"""The kernel table's kernels as registry kernels (LLaMA-Factory style), generated per device type.
+
+One class per (kernel, device type Triton runs on), named ``<Device>Triton<Layer>Kernel`` after the
+kernel's layer (``CudaTritonRMSNormKernel``, ``CpuTritonSwiGLUMLPKernel``,
+``CudaTritonRotaryPosEmbKernel``; ``CudaTritonFlashAttentionKernel`` for the attention kernel, which
+has no layer) and bound in this module under that name. ``sync()`` generates them for kernels
+declared after import too, and drops those of withdrawn kernels; ``discover_kernels`` calls it.
 
 Why CPU too: Triton runs on CPU through its interpreter (TRITON_INTERPRET=1), which is how CI checks
 numerics on real models; without the interpreter the CPU kernels report a missing dependency and leave
-the model unchanged, as seed 000 asks. Other Triton devices (NPU, XPU) plug in by subclassing with
-``device = DeviceType.NPU``; there is no MOE kernel yet, and one would be one more subclass here whose
-``apply`` matches expert modules, without touching the engine.
-
-The forwards are the hub layers' (:mod:`tritonspec.nn.hub.layers`), so the registry, kernelize and YAML
-rules install the very same code.
+the model unchanged, as LLaMA-Factory's registry does. The forwards are the hub layers' (the kernel
+table's ``Layer.impl``), so the registry, kernelize and the YAML rules install the very same code.
 """
 from __future__ import annotations
 
 import logging
 import re
+from types import MethodType
 from typing import Iterable
 
 from torch import nn
 
+from .. import kernel_table
+from ..devices import triton_device_types
 from . import engine
-from .attention import attention_available, tritonspec_attention_forward, use_tritonspec_attention
-from .hub import layers
-from .registry import AutoRegisterKernelMeta, DeviceType, KernelType, MetaKernel
+from .attention import attention_available, use_tritonspec_attention
+from .registry import KERNEL_REGISTRY, AutoRegisterKernelMeta, DeviceType, MetaKernel, as_kernel_type
 from .repository import TritonspecRepository, validate_layer
-from .targets import is_rms_norm, is_swiglu_mlp, rotary_sites, tagged_name
+from .targets import function_sites, infer_layer_name, tagged_name
 
 logger = logging.getLogger("tritonspec.nn.registry")
 
@@ -31,101 +35,114 @@ def _excluded(path: str, exclude: Iterable[str] | None) -> bool:
     return any(re.search(p, path) for p in (exclude or ()))
 
 
-class TritonLayerKernel(MetaKernel):
-    """Base for kernels that rebind ``forward`` of matching modules to one of our hub layers."""
+class TritonKernel(MetaKernel):
+    """Base of the generated kernels: ``entry`` is the kernel table's entry it installs."""
 
-    layer_name: str = ""
-    tag: str = ""  # transformers' layer name for the same thing
+    entry: kernel_table.Kernel | None = None
 
     @classmethod
-    def matches(cls, module: nn.Module) -> bool:
-        raise NotImplementedError
+    def _unavailable(cls) -> bool:
+        if cls.entry.site == "attention":
+            ok = attention_available(cls.device.value)
+        else:
+            ok = TritonspecRepository(cls.entry.layer.name).available(cls.device.value)
+        if not ok:
+            logger.info("%s: Triton/op not available on %s; model unchanged", cls.__name__, cls.device.value)
+        return not ok
+
+
+class TritonLayerKernel(TritonKernel):
+    """Rebinds ``forward`` of every module the kernel's layer recognizes (tagged, or inferred)."""
 
     @classmethod
     def apply(cls, model: nn.Module, *, exclude: Iterable[str] | None = None, **kwargs) -> nn.Module:
-        """Rebind forward on every matching module; ``exclude``: regexes on module paths to skip."""
-        if not TritonspecRepository(cls.layer_name).available(cls.device.value):
-            logger.info("%s: Triton/op not available on %s; model unchanged", cls.__name__, cls.device.value)
+        """``exclude``: regexes on module paths to skip."""
+        if cls._unavailable():
             return model
-        layer = getattr(layers, cls.layer_name)
+        layer = cls.entry.layer
+        impl = layer.load()
 
         def pick(path, module):
-            if _excluded(path, exclude) or not (tagged_name(module) == cls.tag or cls.matches(module)):
+            if _excluded(path, exclude):
                 return False
-            validate_layer(layer, type(module), repo=cls.__name__)
+            name = tagged_name(module)
+            if name not in layer.names and not (name is None and infer_layer_name(module) == layer.name):
+                return False
+            validate_layer(impl, type(module), repo=cls.__name__)
             return True
 
-        changes = cls.patch_forward(model, pick, layer.forward)
+        changes = cls.patch_forward(model, pick, impl.forward)
         logger.info("%s: %d modules", cls.__name__, len(changes))
         return model
 
 
-class TritonRMSNormKernel(TritonLayerKernel):
-    kernel = layers.RMSNorm.forward
-    layer_name, tag = "RMSNorm", "RMSNorm"
-
-    @classmethod
-    def matches(cls, module):
-        return is_rms_norm(module)
-
-
-class TritonSwiGLUKernel(TritonLayerKernel):
-    kernel = layers.SwiGLUMLP.forward
-    layer_name, tag = "SwiGLUMLP", "SwiGLUMLP"
-
-    @classmethod
-    def matches(cls, module):
-        return is_swiglu_mlp(module)
-
-
-class TritonRoPEKernel(MetaKernel):
-    """Replaces the modeling module's ``apply_rotary_pos_emb`` (shared by every model of that architecture)."""
-
-    kernel = staticmethod(layers.rotary_pos_emb)
+class TritonFunctionKernel(TritonKernel):
+    """Replaces a modeling module's function (``apply_rotary_pos_emb``), shared by every model of that
+    architecture."""
 
     @classmethod
     def apply(cls, model: nn.Module, **kwargs) -> nn.Module:
-        if not TritonspecRepository("RotaryPosEmb").available(cls.device.value):
-            logger.info("%s: Triton/op not available on %s; model unchanged", cls.__name__, cls.device.value)
+        if cls._unavailable():
             return model
-        for pymod, attr, value in rotary_sites(model):
+        impl = cls.entry.layer.load()
+        kernel = engine.qualname(impl.forward)
+        for entry, pymod, attr, value in function_sites(model):
+            if entry is not cls.entry:
+                continue
             where = f"{pymod.__name__}.{attr}"
             if isinstance(value, nn.Module):  # transformers built it with kernels: a Func module
-                validate_layer(layers.RotaryPosEmb, type(value), repo=cls.__name__)
-                engine.replace_forward(model, value, layers.RotaryPosEmb.forward, path=where,
-                                       kernel=engine.qualname(layers.RotaryPosEmb.forward), source="registry",
+                validate_layer(impl, type(value), repo=cls.__name__)
+                engine.replace_forward(model, value, impl.forward, path=where, kernel=kernel, source="registry",
                                        detail=cls._detail(), shared=True)
-            else:
-                validate_layer(layers.RotaryPosEmb, value, repo=cls.__name__)
-                engine.patch_attr(model, pymod, attr, layers.rotary_pos_emb, path=where,
-                                  kernel=engine.qualname(layers.rotary_pos_emb), source="registry",
-                                  detail=cls._detail(), shared=True)
+            else:  # a bound forward of the (stateless) layer stands in for the module-level function
+                validate_layer(impl, value, repo=cls.__name__)
+                engine.patch_attr(model, pymod, attr, MethodType(impl.forward, impl()), path=where, kernel=kernel,
+                                  source="registry", detail=cls._detail(), shared=True)
         return model
 
 
-class TritonAttentionKernel(MetaKernel):
+class TritonAttentionKernel(TritonKernel):
     """Switches transformers models to ``attn_implementation="tritonspec"``."""
-
-    kernel = staticmethod(tritonspec_attention_forward)
 
     @classmethod
     def apply(cls, model: nn.Module, **kwargs) -> nn.Module:
-        if not attention_available(cls.device.value):
-            logger.info("%s: attention op not available on %s; model unchanged", cls.__name__, cls.device.value)
+        if cls._unavailable():
             return model
         use_tritonspec_attention(model, source="registry", detail=cls._detail())
         return model
 
 
-_BASES = {KernelType.RMSNORM: TritonRMSNormKernel, KernelType.SWIGLU: TritonSwiGLUKernel,
-          KernelType.ROPE: TritonRoPEKernel, KernelType.FLASH_ATTENTION: TritonAttentionKernel}
+_SITE_BASES = {"module": TritonLayerKernel, "function": TritonFunctionKernel, "attention": TritonAttentionKernel}
+_generated: dict[tuple[str, str], type] = {}
 
-# One registered class per (type, device): e.g. CudaTritonRMSNormKernel. Created through the metaclass so
-# they auto-register exactly like hand-written kernels.
-for _dev in (DeviceType.CUDA, DeviceType.CPU):
-    for _kt, _base in _BASES.items():
-        _name = f"{_dev.name.capitalize()}{_base.__name__}"
-        globals()[_name] = AutoRegisterKernelMeta(_name, (_base,), {
-            "type": _kt, "device": _dev, "__module__": __name__, "__qualname__": _name,
-            "__doc__": f"{_base.__doc__ or _base.__name__} ({_dev.name})"})
-del _dev, _kt, _base, _name
+
+def class_name(kernel: kernel_table.Kernel, device_type: str) -> str:
+    stem = kernel.layer.name if kernel.layer is not None else kernel.name.title().replace("_", "")
+    return f"{device_type.capitalize()}Triton{stem}Kernel"
+
+
+def sync() -> None:
+    """Registry kernels for every declared kernel on every device type Triton runs on (torch's names)."""
+    devices = [d for d in triton_device_types() if d != "rocm"]  # torch calls a ROCm device "cuda"
+    for kernel in kernel_table.KERNELS.values():
+        for device in devices:
+            if (kernel.name, device) in _generated:
+                continue
+            name = class_name(kernel, device)
+            base = _SITE_BASES[kernel.site]
+            cls = AutoRegisterKernelMeta(name, (base,), {
+                "type": as_kernel_type(kernel.name), "device": DeviceType(device), "entry": kernel,
+                "kernel": staticmethod(kernel.op(kernel.ops[0])) if kernel.site == "attention" else None,
+                "__module__": __name__, "__qualname__": name,
+                "__doc__": f"{base.__doc__.splitlines()[0]} Kernel {kernel.name!r} on {device}."})
+            _generated[(kernel.name, device)] = cls
+            globals()[name] = cls
+    for (name, device), cls in list(_generated.items()):
+        if name not in kernel_table.KERNELS:
+            del _generated[(name, device)]
+            globals().pop(cls.__name__, None)
+            if KERNEL_REGISTRY.get_kernel(cls.type, cls.device) is cls:
+                KERNEL_REGISTRY.unregister(cls.type, cls.device)
+
+
+sync()

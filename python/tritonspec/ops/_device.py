@@ -8,21 +8,12 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
+
+from ..devices import interpreting
 
 # Persistent grids on devices that do not report a unit count (the CPU interpreter runs programs
 # one after another, so a few programs with many rows each is also the fastest choice there).
 DEFAULT_COMPUTE_UNITS = 4
-
-
-# Read once, as ``@triton.jit`` reads it when the kernels are defined (and torch.compile cannot
-# trace Triton's knob descriptors).
-_INTERPRETING = bool(triton.knobs.runtime.interpret)
-
-
-def interpreting() -> bool:
-    """True when ``@triton.jit`` built interpreted kernels (``TRITON_INTERPRET=1`` at import)."""
-    return _INTERPRETING
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,6 +38,6 @@ def compute_units(device: torch.device) -> int:
 
 def check_launchable(op: str, name: str, t: torch.Tensor) -> None:
     """CPU tensors work only through the interpreter; say so instead of Triton's pointer error."""
-    if t.is_cpu and not _INTERPRETING:
+    if t.is_cpu and not interpreting():
         raise ValueError(f"{op}: argument '{name}' is on the CPU; Triton kernels need a GPU tensor, or set "
                          "TRITON_INTERPRET=1 before importing tritonspec to run them in the interpreter")

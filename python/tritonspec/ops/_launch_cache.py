@@ -4,8 +4,9 @@
 each launch; for a memory-bound Llama-size op that host time is what the GPU waits on. Here the
 key is built from the same facts Triton specializes on, in one pass over the positional
 arguments: a tensor's dtype (and, for all tensors together, 16-byte alignment), an int's residue
-mod 16, whether it is 1, whether it needs 64 bits; plus the keyword arguments (constexprs and
-launch options), the device and the spec selection. A hit calls the compiled kernel's launcher
+mod 16, whether it is 1, whether it needs 64 bits, a float's type; plus the keyword arguments
+(constexprs and launch options), the device and the spec selection. Any other argument (a TMA
+descriptor) takes Triton's path. A hit calls the compiled kernel's launcher
 directly with the remembered trailing arguments (through ``CompiledKernel[grid]`` when a launch
 hook such as a profiler's is set); a miss, or any misaligned tensor, takes Triton's path.
 
@@ -64,8 +65,12 @@ class CachedLauncher:
             elif type(a) is int:
                 # Triton specializes on ==1 and %16==0 and widens past int32; this key is finer.
                 key.append(a if -16 < a < 16 else (a & 15, a > _INT32_MAX or a < -_INT32_MAX))
-            else:
-                key.append(a if a is None or type(a) is bool else type(a))
+            elif a is None or type(a) is bool:
+                key.append(a)
+            elif type(a) is float:
+                key.append(float)
+            else:  # e.g. a TMA descriptor, whose block shape Triton specializes on: Triton's path
+                return None
         if addresses & 15:  # some tensor not 16-byte aligned: Triton's own path (and its cache)
             return None
         return tuple(key)

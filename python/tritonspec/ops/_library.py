@@ -1,22 +1,28 @@
-"""How tritonspec ops become PyTorch custom operators, and when eager calls skip the dispatcher.
+"""How tritonspec ops become PyTorch operators: one declaration (``Op``), two autograd paths.
 
-* ``torch.library.triton_op`` + ``wrap_triton`` keep the Triton kernels visible to Inductor, but
-  they cannot trace interpreted kernels: with ``TRITON_INTERPRET=1`` (torch 2.13, triton 3.6 and
-  3.9) fake-tensor tracing reaches the interpreter, which reads data pointers and fails. There the
-  ops are opaque ``torch.library.custom_op``s with the same schema, fake and autograd.
-* A torch.library call costs tens of microseconds of dispatch (quack measured ~60 us against a
-  ~10 us kernel), so eager calls go straight to the launcher through a ``torch.autograd.Function``;
-  only code that torch.compile traces uses the registered ops (``use_library_op``).
+An op declares its forward, its backward and their fake (meta) versions once; from them come
+* the eager path: a ``torch.autograd.Function`` that calls the launchers directly. A torch.library
+  call costs tens of microseconds of dispatch (quack measured ~60 us against a ~10 us kernel), and
+  eager RMSNorm / RoPE at Llama sizes are host-bound, so eager calls skip the dispatcher;
+* the traced path: ``tritonspec::<name>_fwd`` / ``_bwd`` torch.library ops with their fakes and
+  autograd, which torch.compile traces (``use_library_op``). ``torch.library.triton_op`` +
+  ``wrap_triton`` keep the Triton kernels visible to Inductor, but they cannot trace interpreted
+  kernels: with ``TRITON_INTERPRET=1`` (torch 2.13, triton 3.6 to 3.9) fake-tensor tracing reaches
+  the interpreter, which reads data pointers and fails. There, and for ops that pass host TMA
+  descriptors (``opaque=True``), the ops are opaque ``torch.library.custom_op``s with the same
+  schema, fake and autograd.
 """
 from __future__ import annotations
 
+import inspect
 import os
+from typing import Callable, Optional
 
 import torch
 
+from ..devices import interpreting
 from ..launch import launch_config
 from ..registry import REGISTRY
-from ._device import interpreting
 from ._launch_cache import CachedLauncher
 
 NAMESPACE = "tritonspec"
@@ -32,12 +38,118 @@ _cached_launchers: dict = {}
 FORCE_LIBRARY_OP = False
 
 
-def library_op(name: str, *, mutates_args=()):
-    """Decorator registering ``tritonspec::<name>`` as a triton_op (compiled Triton) or custom_op."""
+_SCHEMA_TYPES = {"Tensor": torch.Tensor, "Tensor?": Optional[torch.Tensor], "float": float, "bool": bool, "int": int}
+
+
+def _with_signature(fn: Callable, schema: str) -> Callable:
+    """``fn(*args)`` with the annotated signature ``schema`` describes: torch.library infers an op's
+    schema from its function (triton_op always does), so the schema is written once, as a string."""
+    args, returns = (part.strip() for part in schema.split("->"))
+    params = []
+    for arg in filter(None, (a.strip() for a in args.strip("()").split(","))):
+        kind, name = arg.split()
+        params.append(inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=_SCHEMA_TYPES[kind]))
+    if returns.startswith("("):
+        ret = tuple.__class_getitem__(tuple(_SCHEMA_TYPES[r.strip()] for r in returns.strip("()").split(",")))
+    else:
+        ret = _SCHEMA_TYPES[returns]
+    fn.__signature__ = inspect.Signature(params, return_annotation=ret)
+    return fn
+
+
+def library_op(name: str, schema: str, impl: Callable, fake: Callable, *, opaque: bool = False):
+    """``tritonspec::<name>`` with ``schema``: a triton_op (compiled Triton) or an opaque custom_op."""
     qualname = f"{NAMESPACE}::{name}"
-    if USE_TRITON_OP:
-        return torch.library.triton_op(qualname, mutates_args=mutates_args)
-    return torch.library.custom_op(qualname, mutates_args=mutates_args)
+    impl = _with_signature(impl, schema)
+    if USE_TRITON_OP and not opaque:
+        op = torch.library.triton_op(qualname, impl, mutates_args=())
+    else:
+        op = torch.library.custom_op(qualname, impl, mutates_args=())
+    op.register_fake(fake)
+    return op
+
+
+class Op:
+    """One op, declared once: the eager autograd path and the torch.library ops are derived from it.
+
+    Args:
+        name: the ops are ``tritonspec::<name>_fwd`` and ``tritonspec::<name>_bwd``.
+        schema / backward_schema: torch.library schemas of the two (inputs; then grads, saved, statics).
+        forward: ``(*inputs, traced) -> outputs`` (a tuple of tensors: the visible ones first, then
+            what only the backward needs, e.g. RMSNorm's rstd).
+        fake, backward_fake: the same computations on fake tensors (shapes and dtypes only); forward
+            and fake return tuples even where the schema returns one Tensor.
+        save: ``(inputs, outputs) -> tensors`` the backward needs; ``saves`` says how many.
+        statics: positions of the non-tensor inputs the backward needs too (e.g. causal, scale).
+        backward: ``(grads, saved, statics, *, in_place, traced) -> tensors``. A grad is None for an
+            unused output on the eager path; ``in_place`` is the caller's ``in_place_backward``.
+        grads: for each input, the index of its gradient among the backward's tensors (None: none).
+        visible: how many leading outputs the caller gets.
+        opaque: a custom_op even where kernels are compiled (host TMA descriptors, which
+            torch.library's Triton kernel tracing does not take).
+    """
+
+    def __init__(self, name: str, *, schema: str, forward: Callable, fake: Callable, save: Callable, saves: int,
+                 backward_schema: str, backward: Callable, backward_fake: Callable, grads: tuple,
+                 statics: tuple = (), visible: int = 1, opaque: bool = False):
+        n_grads, n_statics = visible, len(statics)
+        # A schema returning one Tensor (not a tuple) gets forward's single output.
+        single = not schema.split("->")[1].strip().startswith("(")
+        self.name, self.visible, self.single = name, visible, single
+
+        def forward_impl(*inputs):
+            outputs = forward(*inputs, traced=True)
+            return outputs[0] if single else outputs
+
+        def fake_impl(*inputs):
+            outputs = fake(*inputs)
+            return outputs[0] if single else outputs
+
+        def backward_impl(*args):
+            return backward(args[:n_grads], args[n_grads:n_grads + saves], args[n_grads + saves:],
+                            in_place=False, traced=True)
+
+        def backward_fake_impl(*args):
+            return backward_fake(args[:n_grads], args[n_grads:n_grads + saves], args[n_grads + saves:])
+
+        self.forward_op = library_op(f"{name}_fwd", schema, forward_impl, fake_impl, opaque=opaque)
+        self.backward_op = library_op(f"{name}_bwd", backward_schema, backward_impl, backward_fake_impl,
+                                      opaque=opaque)
+        backward_op = self.backward_op
+
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(*save(inputs, (output,) if single else output))
+            ctx.statics = tuple(inputs[i] for i in statics)
+
+        def op_backward(ctx, *output_grads):
+            results = backward_op(*output_grads[:n_grads], *ctx.saved_tensors, *ctx.statics)
+            return tuple(None if i is None else results[i] for i in grads)
+
+        self.forward_op.register_autograd(op_backward, setup_context=setup_context)
+
+        def function_forward(ctx, in_place, *inputs):
+            outputs = forward(*inputs, traced=False)
+            ctx.save_for_backward(*save(inputs, outputs))
+            ctx.statics = tuple(inputs[i] for i in statics) if n_statics else ()
+            ctx.in_place = in_place
+            ctx.set_materialize_grads(False)
+            return outputs[0] if n_grads == 1 else outputs[:n_grads]
+
+        def function_backward(ctx, *output_grads):
+            results = backward(output_grads, ctx.saved_tensors, ctx.statics, in_place=ctx.in_place, traced=False)
+            return (None, *(None if i is None else results[i] for i in grads))
+
+        # Named after the op (RmsNormFunction, ...: autograd names its nodes RmsNormFunctionBackward).
+        self.Function = type(f"{''.join(w.capitalize() for w in name.split('_'))}Function", (torch.autograd.Function,),
+                             {"forward": staticmethod(function_forward), "backward": staticmethod(function_backward),
+                              "__module__": __name__})
+
+    def __call__(self, *inputs, in_place_backward: bool = False):
+        """Eager: the autograd Function (no dispatcher); traced by torch.compile: the library op."""
+        if use_library_op():
+            outputs = self.forward_op(*inputs)
+            return outputs if self.single else outputs[0] if self.visible == 1 else outputs[:self.visible]
+        return self.Function.apply(in_place_backward, *inputs)
 
 
 def launcher(kernel, traced: bool):
@@ -87,11 +199,6 @@ def use_library_op() -> bool:
     return FORCE_LIBRARY_OP or torch.compiler.is_compiling()
 
 
-def launch_options(cfg: dict) -> dict:
-    """The launch keywords (num_warps, num_stages) a config carries; the rest are kernel constexprs."""
-    return {k: cfg[k] for k in ("num_warps", "num_stages") if cfg.get(k) is not None}
-
-
 # Host-side grid arithmetic. triton.cdiv / triton.next_power_of_2 are constexpr functions in
 # triton 3.9 that unwrap their arguments on every host call (~5 us each on a slow host CPU), and
 # eager launches of these memory-bound kernels are host-bound at Llama shapes.
@@ -101,9 +208,3 @@ def cdiv(a, b):
 
 def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
-
-
-def kernel_config(kernel: str, device, default_fn, **problem) -> tuple[dict, dict]:
-    """``(config, launch keywords)`` for a kernel; ``default_fn()`` runs only on a cache miss."""
-    cfg = launch_config(kernel, device, default_fn, **problem)
-    return cfg, launch_options(cfg)

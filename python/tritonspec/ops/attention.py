@@ -6,8 +6,9 @@ from it (preprocess ``delta = rowsum(dO * O)``, a dK/dV kernel looping over q bl
 looping over k blocks -- or dQ accumulated with fp32 atomics from the dK/dV kernel).
 
 Every launch parameter (tile sizes, warps, stages, TMA tensor descriptors, warp specialization,
-dQ strategy) comes from ``tritonspec.launch_config(..., hook="attention_config")``: the defaults
-below are portable (the CPU interpreter included) and a backend's spec may override any key. A
+dQ strategy) comes from ``launch_config`` with the kernel table's attention config types: the
+defaults below are portable (the CPU interpreter included) and a backend's ``kernel_config`` may
+override any field (NVIDIA's does on sm90 with tiles measured on an H100). A
 backend may also run the forward or the whole backward with kernels of its own (hooks
 ``attention_forward`` / ``attention_backward``; NVIDIA's spec does on Hopper). The op itself never asks
 which backend it runs on.
@@ -29,18 +30,18 @@ import torch
 import triton
 import triton.language as tl
 
-import tritonspec
-
+from ..kernel_table import AttentionBackwardKV, AttentionBackwardQ, AttentionForward, AttentionPreprocess
+from ..launch import launch_config
 from ..resolve import backend_for_device, lookup
-from ._device import check_launchable
-from ._library import NAMESPACE, use_library_op
+from ._checks import check_same_device, check_same_dtype, check_tensor
+from ._library import Op, cdiv, launch, next_pow2
 
 try:  # host-side TMA descriptors (Triton >= 3.4); interpreted too
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older Triton: the pointer path still works
     TensorDescriptor = None
 
-__all__ = ["attention", "attention_ref"]
+__all__ = ["attention", "attention_ref", "tma_ok", "LOG2E"]
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -247,7 +248,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DQA,
 
     Causal: one masked loop from the diagonal on. Splitting off the unmasked blocks (as the
     forward does) put two software pipelines in one kernel, which spilled at 64x128 tiles and ran
-    7-10% slower on the H100 (bench/NOTES.md)."""
+    7-10% slower on the H100."""
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // HKV
@@ -336,53 +337,32 @@ def _pow2_bucket(n: int) -> int:
 
 # Portable defaults: no TMA, at most ~50 KB of shared memory and 4 warps, so they compile for
 # sm80 and sm90 (checked offline, no spills at head_dim 64/128) and run in the interpreter. Tuned
-# tables (attention_configs.py for sm90) come in through the backend's attention_config hook.
-def _fwd_default(dp: int) -> dict:
+# tiles (NVIDIA's for sm90) come in through the backend's kernel_config hook.
+def _fwd_default(dp: int) -> AttentionForward:
     if dp <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, TMA=False, WARP_SPECIALIZE=False)
+        return AttentionForward(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
     if dp <= 128:
-        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2, TMA=False, WARP_SPECIALIZE=False)
-    return dict(BLOCK_M=64, BLOCK_N=16, num_warps=4, num_stages=1, TMA=False, WARP_SPECIALIZE=False)
+        return AttentionForward(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    return AttentionForward(BLOCK_M=64, BLOCK_N=16, num_warps=4, num_stages=1)
 
 
-def _dkdv_default(dp: int) -> dict:
+def _dkdv_default(dp: int) -> AttentionBackwardKV:
     if dp <= 64:
-        return dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2, TMA=False, DQ_ATOMIC=False,
-                    DQ_TMA_REDUCE=False)
+        return AttentionBackwardKV(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2)
     if dp <= 128:
-        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2, TMA=False, DQ_ATOMIC=False,
-                    DQ_TMA_REDUCE=False)
-    return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, TMA=False, DQ_ATOMIC=False, DQ_TMA_REDUCE=False)
+        return AttentionBackwardKV(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
+    return AttentionBackwardKV(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 
 
-def _dq_default(dp: int) -> dict:
+def _dq_default(dp: int) -> AttentionBackwardQ:
     if dp <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2, TMA=False)
+        return AttentionBackwardQ(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
     if dp <= 128:
-        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2, TMA=False)
-    return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, TMA=False)
+        return AttentionBackwardQ(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
+    return AttentionBackwardQ(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 
 
-_BLOCK_KEYS = ("BLOCK_M", "BLOCK_N")
-
-
-def _config(kernel: str, device, default: dict, **problem) -> dict:
-    cfg = tritonspec.launch_config(kernel, device, default, hook="attention_config", **problem)
-    for key in _BLOCK_KEYS:
-        if key in cfg:
-            val = cfg[key]
-            if not isinstance(val, int) or not 16 <= val <= MAX_BLOCK_M or val & (val - 1):
-                raise ValueError(f"attention: launch config for {kernel!r} has {key}={val!r}; "
-                                 f"it must be a power of two from 16 to {MAX_BLOCK_M}")
-    return cfg
-
-
-def _launch_opts(cfg: dict) -> dict:
-    """num_warps / num_stages, plus maxnreg when a spec sets it (register cap for WS partitions)."""
-    opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-    if cfg.get("maxnreg"):
-        opts["maxnreg"] = cfg["maxnreg"]
-    return opts
+_PREPROCESS_DEFAULT = AttentionPreprocess(BLOCK_M=64, num_warps=4, num_stages=1)
 
 
 def _problem(q: torch.Tensor, k: torch.Tensor, causal: bool) -> dict:
@@ -390,7 +370,7 @@ def _problem(q: torch.Tensor, k: torch.Tensor, causal: bool) -> dict:
                 seq_k=_pow2_bucket(k.shape[2]), group=q.shape[1] // k.shape[1])
 
 
-def _tma_ok(*tensors: torch.Tensor) -> bool:
+def tma_ok(*tensors: torch.Tensor) -> bool:
     """TMA needs a 16-byte aligned base, positive 16-byte multiple strides and a unit last stride.
 
     Transposed layouts (e.g. Hugging Face's (batch, seq, heads, dim).transpose(1, 2)) qualify: the
@@ -414,9 +394,10 @@ def _strides(t: torch.Tensor):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-# Per-row fp32 state (lse, delta) is stored with rows padded to a multiple of MAX_BLOCK_M, so the
-# backward reads whole tiles of it without masks; padded rows hold the value that makes a row
-# contribute nothing (lse = +inf: probability 0; delta = 0).
+# Per-row fp32 state (lse, delta) is stored with rows padded to a multiple of MAX_BLOCK_M (the largest
+# tile the kernel table's attention configs allow), so the backward reads whole tiles of it without
+# masks; padded rows hold the value that makes a row contribute nothing (lse = +inf: probability 0;
+# delta = 0).
 MAX_BLOCK_M = 256
 
 
@@ -433,7 +414,7 @@ def _padded_rows(b: int, h: int, s: int, fill: float, device) -> torch.Tensor:
 
 
 def _head_dim_pad(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
+    return max(16, next_pow2(d))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -451,18 +432,18 @@ def attention_forward(q, k, v, causal: bool, scale: float):
     own = lookup("attention_forward", backend=backend_for_device(q.device))
     if own is not None and own(q, k, v, o, lse, bool(causal), scale):
         return o, lse  # the backend's own kernel (e.g. Hopper's warp-specialized one) ran
-    cfg = _config("attention_fwd", q.device, _fwd_default(DP), **_problem(q, k, causal))
-    BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    tma = bool(cfg["TMA"]) and _tma_ok(q, k, v, o)
+    cfg = launch_config(AttentionForward, q.device, _fwd_default(DP), **_problem(q, k, causal))
+    BM, BN = cfg.BLOCK_M, cfg.BLOCK_N
+    tma = cfg.TMA and tma_ok(q, k, v, o)
     if tma:
         Qa, Ka, Va, Oa = _desc(q, BM, DP), _desc(k, BN, DP), _desc(v, BN, DP), _desc(o, BM, DP)
     else:
         Qa, Ka, Va, Oa = q, k, v, o
-    grid = (triton.cdiv(SQ, BM), B * HQ)
-    _attn_fwd_kernel[grid](Qa, Ka, Va, Oa, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-                           HQ, HQ // HKV, SQ, SK, lse.shape[-1], scale * LOG2E,
-                           D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), SCALE_POS=scale > 0, TMA=tma,
-                           WARP_SPEC=bool(cfg["WARP_SPECIALIZE"]), **_launch_opts(cfg))
+    launch(_attn_fwd_kernel, (cdiv(SQ, BM), B * HQ),
+           (Qa, Ka, Va, Oa, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+            HQ, HQ // HKV, SQ, SK, lse.shape[-1], scale * LOG2E),
+           dict(D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), SCALE_POS=scale > 0, TMA=tma,
+                WARP_SPEC=cfg.WARP_SPECIALIZE, **cfg.options))
     return o, lse
 
 
@@ -479,9 +460,9 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     problem = _problem(q, k, causal)
-    cfg_kv = _config("attention_bwd_dkdv", q.device, _dkdv_default(DP), **problem)
-    atomic = bool(cfg_kv["DQ_ATOMIC"])
-    cfg_pre = _config("attention_bwd_preprocess", q.device, dict(BLOCK_M=64, num_warps=4, num_stages=1), **problem)
+    cfg_kv = launch_config(AttentionBackwardKV, q.device, _dkdv_default(DP), **problem)
+    atomic = cfg_kv.DQ_ATOMIC
+    cfg_pre = launch_config(AttentionPreprocess, q.device, _PREPROCESS_DEFAULT, **problem)
 
     # a backend's own backward (e.g. Hopper's one-pass warp-specialized kernel), else the portable
     # kernels; both kinds that add dQ up across key tiles use the fp32 accumulator zeroed here
@@ -489,114 +470,70 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     accumulate = atomic or own is not None
     delta = _padded_rows(B, HQ, SQ, 0.0, q.device)
     dqa = torch.empty((B, HQ, SQ, DP), device=q.device, dtype=torch.float32) if accumulate else delta
-    pre_bm = cfg_pre["BLOCK_M"]
-    _attn_bwd_pre_kernel[(triton.cdiv(SQ, pre_bm), B * HQ)](
-        o, do, delta, dqa, *_strides(o), *_strides(do), HQ, SQ, lse.shape[-1], D=D, DP=DP, BLOCK_M=pre_bm,
-        ZERO_DQA=accumulate, **_launch_opts(cfg_pre))
+    pre_bm = cfg_pre.BLOCK_M
+    launch(_attn_bwd_pre_kernel, (cdiv(SQ, pre_bm), B * HQ),
+           (o, do, delta, dqa, *_strides(o), *_strides(do), HQ, SQ, lse.shape[-1]),
+           dict(D=D, DP=DP, BLOCK_M=pre_bm, ZERO_DQA=accumulate, **cfg_pre.options))
 
     def dq_from_accumulator():
-        _attn_bwd_dq_convert_kernel[(triton.cdiv(SQ, pre_bm), B * HQ)](
-            dqa, dq, *_strides(dq), HQ, SQ, D=D, DP=DP, BLOCK_M=pre_bm, **_launch_opts(cfg_pre))
+        launch(_attn_bwd_dq_convert_kernel, (cdiv(SQ, pre_bm), B * HQ), (dqa, dq, *_strides(dq), HQ, SQ),
+               dict(D=D, DP=DP, BLOCK_M=pre_bm, **cfg_pre.options))
         return dq, dk, dv
 
     if own is not None and own(q, k, v, do, dqa, dk, dv, lse, delta, bool(causal), scale):
         return dq_from_accumulator()
     qk_scale = scale * LOG2E
-    BM, BN = cfg_kv["BLOCK_M"], cfg_kv["BLOCK_N"]
-    tma = bool(cfg_kv["TMA"]) and _tma_ok(q, k, v, do, dk, dv)
-    tma_reduce = atomic and tma and bool(cfg_kv.get("DQ_TMA_REDUCE", False))
+    BM, BN = cfg_kv.BLOCK_M, cfg_kv.BLOCK_N
+    tma = cfg_kv.TMA and tma_ok(q, k, v, do, dk, dv)
+    tma_reduce = atomic and tma and cfg_kv.DQ_TMA_REDUCE
     if tma:
         args = (_desc(q, BM, DP), _desc(k, BN, DP), _desc(v, BN, DP), _desc(do, BM, DP), _desc(dk, BN, DP),
                 _desc(dv, BN, DP))
     else:
         args = (q, k, v, do, dk, dv)
     dqa_arg = _desc(dqa, BM, DP) if tma_reduce else dqa
-    _attn_bwd_dkdv_kernel[(triton.cdiv(SK, BN), B * HKV)](
-        *args, lse, delta, dqa_arg, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
-        *_strides(dv), HQ, HKV, HQ // HKV, SQ, SK, lse.shape[-1], qk_scale, scale,
-        D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), TMA=tma, DQ_ATOMIC=atomic,
-        DQ_TMA_REDUCE=tma_reduce, **_launch_opts(cfg_kv))
+    launch(_attn_bwd_dkdv_kernel, (cdiv(SK, BN), B * HKV),
+           (*args, lse, delta, dqa_arg, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
+            *_strides(dv), HQ, HKV, HQ // HKV, SQ, SK, lse.shape[-1], qk_scale, scale),
+           dict(D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), TMA=tma, DQ_ATOMIC=atomic,
+                DQ_TMA_REDUCE=tma_reduce, **cfg_kv.options))
 
     if atomic:
         return dq_from_accumulator()
 
-    cfg_q = _config("attention_bwd_dq", q.device, _dq_default(DP), **problem)
-    BM, BN = cfg_q["BLOCK_M"], cfg_q["BLOCK_N"]
-    tma = bool(cfg_q["TMA"]) and _tma_ok(q, k, v, do, dq)
+    cfg_q = launch_config(AttentionBackwardQ, q.device, _dq_default(DP), **problem)
+    BM, BN = cfg_q.BLOCK_M, cfg_q.BLOCK_N
+    tma = cfg_q.TMA and tma_ok(q, k, v, do, dq)
     if tma:
         args = (_desc(q, BM, DP), _desc(k, BN, DP), _desc(v, BN, DP), _desc(do, BM, DP), _desc(dq, BM, DP))
     else:
         args = (q, k, v, do, dq)
-    _attn_bwd_dq_kernel[(triton.cdiv(SQ, BM), B * HQ)](
-        *args, lse, delta, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-        HQ, HQ // HKV, SQ, SK, lse.shape[-1], qk_scale, scale,
-        D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), TMA=tma, **_launch_opts(cfg_q))
+    launch(_attn_bwd_dq_kernel, (cdiv(SQ, BM), B * HQ),
+           (*args, lse, delta, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
+            HQ, HQ // HKV, SQ, SK, lse.shape[-1], qk_scale, scale),
+           dict(D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), TMA=tma, **cfg_q.options))
     return dq, dk, dv
 
 
-class AttentionFunction(torch.autograd.Function):
-    """Saves (q, k, v, out, lse); the backward recomputes probabilities from lse."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
-        o, lse = attention_forward(q, k, v, causal, scale)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal = causal
-        ctx.scale = scale
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None
+# The op. Opaque custom ops under torch.compile, not triton_op: the sm90 launches pass host
+# TensorDescriptors, which torch.library's Triton kernel tracing does not take. Inductor calls them
+# as they are, with no graph break.
+def _backward_fake(grads, saved, statics):
+    q, k, v = saved[:3]
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
-# ----------------------------------------------------------------------------------------------
-# custom operators (what torch.compile traces)
-# ----------------------------------------------------------------------------------------------
-# Opaque custom ops, not triton_op: the sm90 launches pass host TensorDescriptors, which
-# torch.library's Triton kernel tracing does not take. Inductor calls them as they are, with no
-# graph break; eager calls keep AttentionFunction (no dispatcher on the hot path).
-@torch.library.custom_op(f"{NAMESPACE}::attention_fwd", mutates_args=())
-def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return attention_forward(q, k, v, causal, scale)
-
-
-@_attention_fwd_op.register_fake
-def _(q, k, v, causal, scale):
-    b, h, s, d = q.shape
-    return q.new_empty((b, h, s, d)), q.new_empty((b, h, _padded_len(s)), dtype=torch.float32)
-
-
-@torch.library.custom_op(f"{NAMESPACE}::attention_bwd", mutates_args=())
-def _attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                      lse: torch.Tensor, causal: bool,
-                      scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attention_backward(do, q, k, v, o, lse, causal, scale)
-
-
-@_attention_bwd_op.register_fake
-def _(do, q, k, v, o, lse, causal, scale):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            torch.empty_like(k, memory_format=torch.contiguous_format),
-            torch.empty_like(v, memory_format=torch.contiguous_format))
-
-
-def _setup_attention(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
-    ctx.save_for_backward(q, k, v, *output)
-    ctx.causal, ctx.scale = causal, scale
-
-
-def _attention_op_backward(ctx, do, _dlse):
-    q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = _attention_bwd_op(do, q, k, v, o, lse, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None
-
-
-_attention_fwd_op.register_autograd(_attention_op_backward, setup_context=_setup_attention)
+ATTENTION = Op(
+    "attention",
+    schema="(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)",
+    forward=lambda q, k, v, causal, scale, *, traced: attention_forward(q, k, v, causal, scale),
+    fake=lambda q, k, v, causal, scale: (q.new_empty(q.shape), q.new_empty(
+        (q.shape[0], q.shape[1], _padded_len(q.shape[2])), dtype=torch.float32)),
+    save=lambda inputs, outputs: (*inputs[:3], *outputs), saves=5, statics=(3, 4),
+    backward_schema="(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, float scale) "
+                    "-> (Tensor, Tensor, Tensor)",
+    backward=lambda grads, saved, statics, *, in_place, traced: attention_backward(grads[0], *saved, *statics),
+    backward_fake=_backward_fake, grads=(0, 1, 2, None, None), opaque=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -604,26 +541,14 @@ _attention_fwd_op.register_autograd(_attention_op_backward, setup_context=_setup
 # ----------------------------------------------------------------------------------------------
 def _check(q, k, v, causal, scale) -> float:
     """Validate the arguments (errors name the argument); returns the resolved scale."""
+    op = "attention"
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"attention: argument '{name}' must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"attention: argument '{name}' must be 4-D (batch, heads, seq, head_dim), got shape "
-                             f"{tuple(t.shape)}")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"attention: argument '{name}' has dtype {t.dtype} but 'q' has {q.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"attention: argument '{name}' is on {t.device} but 'q' is on {q.device}")
-    check_launchable("attention", "q", q)
-    if q.device.type == "cpu":
-        allowed = (torch.float16, torch.bfloat16, torch.float32)
-    else:
-        allowed = (torch.float16, torch.bfloat16)
-    if q.dtype not in allowed:
-        extra = " (float32 only on the CPU interpreter)" if q.dtype == torch.float32 else ""
-        raise TypeError(f"attention: argument 'q' has dtype {q.dtype}, not supported on {q.device.type}{extra}; "
-                        f"use {' or '.join(str(d) for d in allowed)}")
+        check_tensor(op, name, t, ndim=4)
+    check_same_device(op, q=q, k=k, v=v)
+    check_same_dtype(op, q=q, k=k, v=v)
+    if q.dtype == torch.float32 and q.device.type != "cpu":
+        raise TypeError(f"attention: argument 'q' has dtype {q.dtype}, not supported on {q.device.type} (float32 "
+                        "only on the CPU interpreter); use torch.float16 or torch.bfloat16")
     if k.shape != v.shape:
         raise ValueError(f"attention: arguments 'k' and 'v' must have the same shape, got {tuple(k.shape)} and "
                          f"{tuple(v.shape)}")
@@ -676,9 +601,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    if use_library_op():
-        return _attention_fwd_op(q, k, v, causal, scale)[0]
-    return AttentionFunction.apply(q, k, v, causal, scale)
+    return ATTENTION(q, k, v, causal, scale)
 
 
 def attention_ref(q, k, v, *, causal: bool = False, scale: float | None = None) -> torch.Tensor:

@@ -7,8 +7,8 @@ input dtype before the weight multiply exactly where ``LlamaRMSNorm`` rounds; th
 a decoder layer) and normalizes that.
 
 Layers: ``_rms_norm_*_kernel`` (jit) -> ``rms_norm_forward`` / ``rms_norm_backward`` (launchers)
--> ``RMSNormFunction`` (eager autograd) and the ``tritonspec::*rms_norm*`` ops (torch.compile)
--> ``rms_norm`` / ``add_rms_norm`` -> ``tritonspec.nn.RMSNorm``.
+-> the ``RMS_NORM`` / ``ADD_RMS_NORM`` ops (eager autograd, and ``tritonspec::*rms_norm*`` for
+torch.compile) -> ``rms_norm`` / ``add_rms_norm`` -> ``tritonspec.nn.RMSNorm``.
 
 Rows up to ``MAX_FUSED_N`` elements stay in registers (one read of x); longer rows loop over
 ``BLOCK_N`` chunks (two reads), so any hidden size works. dW is a two-stage reduction: a
@@ -21,10 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kernel_table import RMSNormBackward, RMSNormForward
+from ..launch import launch_config
 from ._checks import (check_eps, check_same_device, check_same_dtype, check_same_shape, check_tensor, rows_of,
                       unit_last_stride)
 from ._device import compute_units
-from ._library import PlanCache, cdiv, kernel_config, launch, library_op, next_pow2, use_library_op
+from ._library import Op, PlanCache, cdiv, launch, next_pow2
 
 # Row elements kept in registers: 16384 bf16 = 32 KB per row over 16 warps is ~32 fp32 values per
 # thread per live array; the backward keeps four (x, dy, w, dw partial), which still fits.
@@ -189,35 +191,28 @@ def _rms_norm_dw_kernel(DW_PART, DW, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.co
 
 
 # ----------------------------------------------------------------------------------------------
-# launch parameters (the backend's spec may override any key through launch_config)
+# launch parameters (the backend's spec may override any field through launch_config)
 # ----------------------------------------------------------------------------------------------
-def _check_block_n(kernel: str, cfg: dict) -> int:
-    block_n = cfg["BLOCK_N"]
-    if block_n < 1 or block_n & (block_n - 1):
-        raise ValueError(f"{kernel}: launch config BLOCK_N={block_n} is not a power of two")
-    return block_n
-
-
-def _fwd_default(n: int) -> dict:
+def _fwd_default(n: int) -> RMSNormForward:
     # ~4K-element tiles: short rows pack several per program. On the H100, BLOCK_M 1..4 x 4..16 warps
-    # all ran within 1% at N=4096 and 8192, except 4 rows at 4 warps, N=8192 (+10%) (bench/NOTES.md).
+    # all ran within 1% at N=4096 and 8192, except 4 rows at 4 warps, N=8192 (+10%).
     block_n = min(next_pow2(n), MAX_FUSED_N)
     block_m = max(1, min(16, 4096 // block_n))
-    return {"BLOCK_N": block_n, "BLOCK_M": block_m, "num_warps": min(16, max(4, block_m * block_n // 512))}
+    return RMSNormForward(BLOCK_N=block_n, BLOCK_M=block_m, num_warps=min(16, max(4, block_m * block_n // 512)))
 
 
-def _bwd_default(n: int) -> dict:
-    # H100 sweeps of the backward kernel (bench/NOTES.md). Rows of 4096 and longer: one program
-    # per SM on ~16K-element row blocks (4 rows at N=4096, 2 at 8192) ran at 88% of copy bandwidth
-    # against 82% / 81% for two programs per SM, and halves the fp32 dW partials. Shorter rows keep
-    # the earlier tuning: two programs per SM and ~2K-element blocks.
+def _bwd_default(n: int) -> RMSNormBackward:
+    # H100 sweeps of the backward kernel. Rows of 4096 and longer: one program per SM on
+    # ~16K-element row blocks (4 rows at N=4096, 2 at 8192) ran at 88% of copy bandwidth against
+    # 82% / 81% for two programs per SM, and halves the fp32 dW partials. Shorter rows keep the
+    # earlier tuning: two programs per SM and ~2K-element blocks.
     block_n = min(next_pow2(n), MAX_FUSED_N)
     if block_n >= 4096:
-        return {"BLOCK_N": block_n, "BLOCK_M": max(1, 16384 // block_n), "num_warps": min(16, block_n // 512),
-                "programs_per_unit": 1}
+        return RMSNormBackward(BLOCK_N=block_n, BLOCK_M=max(1, 16384 // block_n), num_warps=min(16, block_n // 512),
+                               programs_per_unit=1)
     block_m = max(1, min(16, 2048 // block_n))
-    return {"BLOCK_N": block_n, "BLOCK_M": block_m, "num_warps": min(16, max(4, block_m * block_n // 256)),
-            "programs_per_unit": 2}
+    return RMSNormBackward(BLOCK_N=block_n, BLOCK_M=block_m, num_warps=min(16, max(4, block_m * block_n // 256)),
+                           programs_per_unit=2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -250,14 +245,14 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
             return y, s, rstd
     x2, sx = rows_of(x)
     n_ = int(n)  # a hidden size symbolic under torch.compile is specialized
-    cfg, opts = kernel_config("rms_norm_fwd", x.device, lambda: _fwd_default(n_), N=n_, dtype=str(x.dtype))
-    block_n = _check_block_n("rms_norm_fwd", cfg)
+    cfg = launch_config(RMSNormForward, x.device, lambda: _fwd_default(n_), N=n_, dtype=str(x.dtype))
+    block_n = cfg.BLOCK_N
     r2, sr = rows_of(r)
     # y and s are contiguous: their row stride is n
-    grid = (cdiv(m, cfg["BLOCK_M"]),)
+    grid = (cdiv(m, cfg.BLOCK_M),)
     args = (x2, sx, r2, sr, y if s is None else s, n, y, n, weight, rstd, m, n, eps)
-    kwargs = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, LOOPED=block_n < n_,
-                  **opts)
+    kwargs = dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, LOOPED=block_n < n_,
+                  **cfg.options)
     plan = launch(_rms_norm_fwd_kernel, grid, args, kwargs, traced=traced, plan=key is not None)
     if plan is not None:
         _FWD_PLANS[key] = plan
@@ -299,17 +294,17 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     (x2, sx), (dy2, sdy) = rows_of(x), rows_of(dy)
     d2, sd = rows_of(d)
     n_ = int(n)
-    cfg, opts = kernel_config("rms_norm_bwd", x.device, lambda: _bwd_default(n_), N=n_, dtype=str(x.dtype))
-    block_n = _check_block_n("rms_norm_bwd", cfg)
+    cfg = launch_config(RMSNormBackward, x.device, lambda: _bwd_default(n_), N=n_, dtype=str(x.dtype))
+    block_n = cfg.BLOCK_N
     looped = block_n < n_
-    programs = compute_units(x.device) * cfg["programs_per_unit"]
+    programs = compute_units(x.device) * cfg.programs_per_unit
     if isinstance(m, int):  # not while torch.compile traces a symbolic row count
-        programs = max(1, min(programs, cdiv(m, cfg["BLOCK_M"])))
+        programs = max(1, min(programs, cdiv(m, cfg.BLOCK_M)))
     alloc = torch.zeros if looped else torch.empty
     dw_part = alloc((programs, n), dtype=torch.float32, device=x.device)
     grid = (programs,)
     args = (dy2, sdy, x2, sx, weight, rstd, d2, sd, dx, n, dw_part, m, n)
-    kwargs = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, HAS_DRES=dres is not None, LOOPED=looped, **opts)
+    kwargs = dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, HAS_DRES=dres is not None, LOOPED=looped, **cfg.options)
     main = launch(_rms_norm_bwd_kernel, grid, args, kwargs, traced=traced, plan=key is not None)
     dw = torch.empty_like(weight)  # after the main launch: the GPU starts sooner
     reduce = _launch_dw_reduce(dw_part, dw, programs, n, traced=traced, plan=key is not None)
@@ -319,97 +314,50 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
 
 
 # ----------------------------------------------------------------------------------------------
-# eager autograd (no dispatcher, and no view nodes, on the hot path)
+# the ops (eager autograd and the torch.library ops, from one declaration)
 # ----------------------------------------------------------------------------------------------
-class RMSNormFunction(torch.autograd.Function):
-    """Eager autograd for rms_norm (residual None) and add_rms_norm, on tensors of any leading dims."""
-
-    @staticmethod
-    def forward(ctx, x, weight, residual, eps, in_place_backward):
-        y, s, rstd = rms_norm_forward(x, weight, eps, residual)
-        ctx.save_for_backward(s if s is not None else x, weight, rstd)
-        ctx.has_residual = residual is not None
-        ctx.in_place = in_place_backward
-        ctx.set_materialize_grads(False)
-        return (y, s) if s is not None else y
-
-    @staticmethod
-    def backward(ctx, dy, ds=None):
-        xs, weight, rstd = ctx.saved_tensors
-        if dy is None:
-            dy = torch.zeros(xs.shape, dtype=xs.dtype, device=xs.device)
-        in_place = ctx.in_place and dy.dtype == xs.dtype and dy.is_contiguous()
-        dx, dw = rms_norm_backward(dy, xs, weight, rstd, ds, in_place=in_place)
-        if in_place:
-            torch.autograd.graph.increment_version(dy)
-            dx = dx.view_as(dx)  # a fresh alias, so a leaf adopts the buffer instead of copying it
-        return dx, dw, (dx if ctx.has_residual else None), None, None
+def _backward(grads, saved, statics, *, in_place: bool, traced: bool):
+    """``(dx, dweight)``; ``saved`` is (the normalized input, weight, rstd). With ``in_place`` the
+    gradient of the output becomes dx (dy must be contiguous and of the input's dtype)."""
+    dy, ds = grads if len(grads) == 2 else (grads[0], None)
+    xs, weight, rstd = saved
+    if dy is None:  # add_rms_norm whose normalized output was not used
+        dy = torch.zeros(xs.shape, dtype=xs.dtype, device=xs.device)
+    in_place = in_place and dy.dtype == xs.dtype and dy.is_contiguous()
+    dx, dw = rms_norm_backward(dy, xs, weight, rstd, ds, in_place=in_place, traced=traced)
+    if in_place:
+        torch.autograd.graph.increment_version(dy)
+        dx = dx.view_as(dx)  # a fresh alias, so a leaf adopts the buffer instead of copying it
+    return dx, dw
 
 
-# ----------------------------------------------------------------------------------------------
-# custom operators (what torch.compile traces)
-# ----------------------------------------------------------------------------------------------
-@library_op("rms_norm_fwd")
-def _rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    y, _, rstd = rms_norm_forward(x, weight, eps, traced=True)
-    return y, rstd
+def _backward_fake(grads, saved, statics):
+    xs, weight, _ = saved
+    return xs.new_empty(xs.shape), torch.empty_like(weight)
 
 
-@_rms_norm_fwd_op.register_fake
-def _(x, weight, eps):
-    return (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)),
-            x.new_empty(x.shape[:-1], dtype=torch.float32))
+def _out_fake(x, weight):
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
 
 
-@library_op("add_rms_norm_fwd")
-def _add_rms_norm_fwd_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                         eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    y, s, rstd = rms_norm_forward(x, weight, eps, residual, traced=True)
-    return y, s, rstd
+RMS_NORM = Op(
+    "rms_norm",
+    schema="(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)",
+    forward=lambda x, weight, eps, *, traced: rms_norm_forward(x, weight, eps, traced=traced)[::2],
+    fake=lambda x, weight, eps: (_out_fake(x, weight), x.new_empty(x.shape[:-1], dtype=torch.float32)),
+    save=lambda inputs, outputs: (inputs[0], inputs[1], outputs[1]), saves=3,
+    backward_schema="(Tensor dy, Tensor x, Tensor weight, Tensor rstd) -> (Tensor, Tensor)",
+    backward=_backward, backward_fake=_backward_fake, grads=(0, 1, None))
 
-
-@_add_rms_norm_fwd_op.register_fake
-def _(x, residual, weight, eps):
-    return (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)), x.new_empty(x.shape),
-            x.new_empty(x.shape[:-1], dtype=torch.float32))
-
-
-@library_op("rms_norm_bwd")
-def _rms_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                     dres: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return rms_norm_backward(dy, x, weight, rstd, dres, traced=True)
-
-
-@_rms_norm_bwd_op.register_fake
-def _(dy, x, weight, rstd, dres):
-    return x.new_empty(x.shape), torch.empty_like(weight)
-
-
-def _setup_rms_norm(ctx, inputs, output):
-    x, weight, _ = inputs
-    ctx.save_for_backward(x, weight, output[1])
-
-
-def _rms_norm_op_backward(ctx, dy, _drstd):
-    x, weight, rstd = ctx.saved_tensors
-    dx, dw = _rms_norm_bwd_op(dy, x, weight, rstd, None)
-    return dx, dw, None
-
-
-def _setup_add_rms_norm(ctx, inputs, output):
-    ctx.save_for_backward(output[1], inputs[2], output[2])
-
-
-def _add_rms_norm_op_backward(ctx, dy, ds, _drstd):
-    s, weight, rstd = ctx.saved_tensors
-    if dy is None:
-        dy = torch.zeros_like(s)
-    dx, dw = _rms_norm_bwd_op(dy, s, weight, rstd, ds)
-    return dx, dx, dw, None
-
-
-_rms_norm_fwd_op.register_autograd(_rms_norm_op_backward, setup_context=_setup_rms_norm)
-_add_rms_norm_fwd_op.register_autograd(_add_rms_norm_op_backward, setup_context=_setup_add_rms_norm)
+ADD_RMS_NORM = Op(
+    "add_rms_norm",
+    schema="(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor, Tensor)",
+    forward=lambda x, residual, weight, eps, *, traced: rms_norm_forward(x, weight, eps, residual, traced=traced),
+    fake=lambda x, residual, weight, eps: (_out_fake(x, weight), x.new_empty(x.shape),
+                                           x.new_empty(x.shape[:-1], dtype=torch.float32)),
+    save=lambda inputs, outputs: (outputs[1], inputs[2], outputs[2]), saves=3, visible=2,
+    backward_schema="(Tensor? dy, Tensor? ds, Tensor s, Tensor weight, Tensor rstd) -> (Tensor, Tensor)",
+    backward=_backward, backward_fake=_backward_fake, grads=(0, 0, 1, None))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -448,9 +396,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, in_pla
     """
     eps = _check("rms_norm", x, weight, eps)
     weight = unit_last_stride(weight)  # the kernels read weight with unit stride
-    if use_library_op():
-        return _rms_norm_fwd_op(x, weight, eps)[0]
-    return RMSNormFunction.apply(x, weight, None, eps, in_place_backward)
+    return RMS_NORM(x, weight, eps, in_place_backward=in_place_backward)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
@@ -461,7 +407,4 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     """
     eps = _check("add_rms_norm", x, weight, eps, residual)
     weight = unit_last_stride(weight)
-    if use_library_op():
-        y, s, _ = _add_rms_norm_fwd_op(x, residual, weight, eps)
-        return y, s
-    return RMSNormFunction.apply(x, weight, residual, eps, in_place_backward)
+    return ADD_RMS_NORM(x, residual, weight, eps, in_place_backward=in_place_backward)

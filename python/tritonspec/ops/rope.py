@@ -10,8 +10,8 @@ then k, so cos/sin cost one read instead of one per head. The backward applies t
 rotation, ``dx = dy * cos + rotate_half^T(dy * sin)`` -- for HF's duplicated-half cos/sin that is
 the forward with -sin. Outputs may alias inputs (each tile is read before it is written).
 
-Layers: ``_rope_kernel`` -> ``rope_forward`` / ``rope_backward`` -> ``RoPEFunction`` (eager) and
-``tritonspec::rope_*`` ops (torch.compile) -> ``rope``.
+Layers: ``_rope_kernel`` -> ``rope_forward`` / ``rope_backward`` -> the ``ROPE`` op (eager autograd,
+and ``tritonspec::rope_*`` for torch.compile) -> ``rope``.
 """
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kernel_table import RoPE
+from ..launch import launch_config
 from ._checks import check_same_device, check_same_dtype, check_tensor, unit_last_stride
-from ._library import PlanCache, cdiv, kernel_config, launch, library_op, next_pow2, use_library_op
+from ._library import Op, PlanCache, cdiv, launch, next_pow2
 
 
 def rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -81,15 +83,15 @@ def _rope_kernel(Q, sqb, sqh, sqs, K, skb, skh, sks, QO, sqob, sqoh, sqos, KO, s
                 BLOCK_HK, BACKWARD)
 
 
-def _default(hq: int, hk: int, half: int) -> dict:
-    # H100 sweep (bench/NOTES.md), q 4x32x4096x128 and 1x64x8192x128, k 8 heads: 16 positions x
+def _default(hq: int, hk: int, half: int) -> RoPE:
+    # H100 sweep, q 4x32x4096x128 and 1x64x8192x128, k 8 heads: 16 positions x
     # 2 heads x 64 per half-tile at 8 warps led both (92.3% / 91.7% of copy bandwidth) against
     # 8 positions x 4 heads (90.8% / 89.5%); ~2K elements per half-tile either way.
     block_d = next_pow2(half)
     block_s = max(1, min(16, 1024 // block_d))
     tile_heads = max(1, 2048 // (block_s * block_d))  # ~2K elements per half tile
-    return {"BLOCK_S": block_s, "BLOCK_HQ": min(next_pow2(hq), tile_heads), "BLOCK_HK": min(next_pow2(hk), tile_heads),
-            "num_warps": 8}
+    return RoPE(BLOCK_S=block_s, BLOCK_HQ=min(next_pow2(hq), tile_heads), BLOCK_HK=min(next_pow2(hk), tile_heads),
+                num_warps=8)
 
 
 # Eager LaunchPlans (see _launch_cache), keyed by every shape and stride the launch passes.
@@ -109,16 +111,16 @@ def _launch(q, k, qo, ko, cos, sin, backward: bool, traced: bool):
     b, hq, s, d = q.shape
     hk = k.shape[1]
     hq, hk, half = int(hq), int(hk), int(d) // 2  # specialized if torch.compile made them symbolic
-    cfg, opts = kernel_config("rope", q.device, lambda: _default(hq, hk, half), heads_q=hq, heads_k=hk,
-                              head_dim=2 * half, dtype=str(q.dtype))
+    cfg = launch_config(RoPE, q.device, lambda: _default(hq, hk, half), heads_q=hq, heads_k=hk, head_dim=2 * half,
+                        dtype=str(q.dtype))
     cb = 0 if cos.shape[0] == 1 else cos.stride(0)  # (1, seq, dim) broadcasts over the batch
     sb = 0 if sin.shape[0] == 1 else sin.stride(0)
-    grid = (cdiv(s, cfg["BLOCK_S"]), b)
+    grid = (cdiv(s, cfg.BLOCK_S), b)
     args = (q, q.stride(0), q.stride(1), q.stride(2), k, k.stride(0), k.stride(1), k.stride(2),
             qo, qo.stride(0), qo.stride(1), qo.stride(2), ko, ko.stride(0), ko.stride(1), ko.stride(2),
             cos, cb, cos.stride(1), sin, sb, sin.stride(1), hq, hk, s, half)
-    kwargs = dict(BLOCK_HQ=cfg["BLOCK_HQ"], BLOCK_HK=cfg["BLOCK_HK"], BLOCK_S=cfg["BLOCK_S"],
-                  BLOCK_D=next_pow2(half), BACKWARD=backward, **opts)
+    kwargs = dict(BLOCK_HQ=cfg.BLOCK_HQ, BLOCK_HK=cfg.BLOCK_HK, BLOCK_S=cfg.BLOCK_S, BLOCK_D=next_pow2(half),
+                  BACKWARD=backward, **cfg.options)
     plan = launch(_rope_kernel, grid, args, kwargs, traced=traced, plan=key is not None)
     if plan is not None:
         _PLANS[key] = plan
@@ -143,67 +145,33 @@ def _writable(t: torch.Tensor) -> bool:
     return t.is_contiguous() or t.transpose(1, 2).is_contiguous()
 
 
-class RoPEFunction(torch.autograd.Function):
-    """Eager autograd for rope; cos/sin get no gradient (``rope`` refuses ones that require it)."""
-
-    @staticmethod
-    def forward(ctx, q, k, cos, sin, in_place_backward):
-        ctx.save_for_backward(cos, sin)
-        ctx.in_place = in_place_backward
-        ctx.shapes = (q.shape, k.shape)
-        ctx.set_materialize_grads(False)
-        return rope_forward(q, k, cos, sin)
-
-    @staticmethod
-    def backward(ctx, dq, dk):
-        cos, sin = ctx.saved_tensors
-        # An unused output gets a zero gradient (rare: attention consumes both).
-        if dq is None or dk is None:
-            ref = dq if dq is not None else dk
-            dq, dk = (g if g is not None else ref.new_zeros(shape) for g, shape in zip((dq, dk), ctx.shapes))
-        dq, dk = unit_last_stride(dq), unit_last_stride(dk)
-        in_place = ctx.in_place and _writable(dq) and _writable(dk)
-        gq, gk = rope_backward(dq, dk, cos, sin, in_place=in_place)
-        if in_place:
-            torch.autograd.graph.increment_version(dq)
-            torch.autograd.graph.increment_version(dk)
-            gq, gk = gq.view_as(gq), gk.view_as(gk)  # fresh aliases, so a leaf adopts them uncopied
-        return gq, gk, None, None, None
+def _backward(grads, saved, statics, *, in_place: bool, traced: bool):
+    """``(dq, dk)``: the transposed rotation; with ``in_place`` it overwrites the output gradients."""
+    (dq, dk), (cos, sin) = grads, saved
+    if dq is None or dk is None:  # an unused output (rare: attention consumes both): rotate the other alone
+        g = unit_last_stride(dq if dq is not None else dk)
+        gg, _ = rope_backward(g, g[:, :0], cos, sin, traced=traced)
+        return (gg, None) if dq is not None else (None, gg)
+    dq, dk = unit_last_stride(dq), unit_last_stride(dk)
+    in_place = in_place and _writable(dq) and _writable(dk)
+    gq, gk = rope_backward(dq, dk, cos, sin, in_place=in_place, traced=traced)
+    if in_place:
+        torch.autograd.graph.increment_version(dq)
+        torch.autograd.graph.increment_version(dk)
+        gq, gk = gq.view_as(gq), gk.view_as(gk)  # fresh aliases, so a leaf adopts them uncopied
+    return gq, gk
 
 
-@library_op("rope_fwd")
-def _rope_fwd_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return rope_forward(q, k, cos, sin, traced=True)
-
-
-@_rope_fwd_op.register_fake
-def _(q, k, cos, sin):
-    return torch.empty_like(q), torch.empty_like(k)
-
-
-@library_op("rope_bwd")
-def _rope_bwd_op(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return rope_backward(dq, dk, cos, sin, traced=True)
-
-
-@_rope_bwd_op.register_fake
-def _(dq, dk, cos, sin):
-    return torch.empty_like(dq), torch.empty_like(dk)
-
-
-def _setup_rope(ctx, inputs, output):
-    ctx.save_for_backward(inputs[2], inputs[3])
-
-
-def _rope_op_backward(ctx, dq, dk):
-    cos, sin = ctx.saved_tensors
-    gq, gk = _rope_bwd_op(unit_last_stride(dq), unit_last_stride(dk), cos, sin)
-    return gq, gk, None, None
-
-
-_rope_fwd_op.register_autograd(_rope_op_backward, setup_context=_setup_rope)
+ROPE = Op(
+    "rope",
+    schema="(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)",
+    forward=lambda q, k, cos, sin, *, traced: rope_forward(q, k, cos, sin, traced=traced),
+    fake=lambda q, k, cos, sin: (torch.empty_like(q), torch.empty_like(k)),
+    save=lambda inputs, outputs: inputs[2:], saves=2, visible=2,
+    backward_schema="(Tensor dq, Tensor dk, Tensor cos, Tensor sin) -> (Tensor, Tensor)",
+    backward=_backward, backward_fake=lambda grads, saved, statics: (torch.empty_like(grads[0]),
+                                                                     torch.empty_like(grads[1])),
+    grads=(0, 1, None, None))
 
 
 def _check(q, k, cos, sin) -> None:
@@ -241,6 +209,4 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """
     _check(q, k, cos, sin)
     q, k, cos, sin = (unit_last_stride(t) for t in (q, k, cos, sin))
-    if use_library_op():
-        return _rope_fwd_op(q, k, cos, sin)
-    return RoPEFunction.apply(q, k, cos, sin, in_place_backward)
+    return ROPE(q, k, cos, sin, in_place_backward=in_place_backward)

@@ -8,8 +8,8 @@ two halves of a fused gate_up projection) run as 2-D (rows, N) tiles without a c
 1-D (CUDA limits the second grid dim to 65535).
 
 Layers: ``_swiglu_fwd_kernel`` / ``_swiglu_bwd_kernel`` -> ``swiglu_forward`` / ``swiglu_backward``
--> ``SwiGLUFunction`` (eager) and ``tritonspec::swiglu_*`` ops (torch.compile) -> ``swiglu`` ->
-``tritonspec.nn.SwiGLUMLP``.
+-> the ``SWIGLU`` op (eager autograd, and ``tritonspec::swiglu_*`` for torch.compile) -> ``swiglu``
+-> ``tritonspec.nn.SwiGLUMLP``.
 """
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kernel_table import SwiGLUBackward, SwiGLUForward
+from ..launch import launch_config
 from ._checks import as_rows, check_same_device, check_same_dtype, check_same_shape, check_tensor
-from ._library import cdiv, kernel_config, launch, library_op, next_pow2, use_library_op
+from ._library import Op, cdiv, launch, next_pow2
 
 
 def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -59,23 +61,23 @@ def _swiglu_bwd_kernel(DY, stride_dy, G, stride_g, U, stride_u, DG, stride_dg, D
     tl.store(DU + rows[:, None] * stride_du + cols[None, :], du.to(DU.dtype.element_ty), mask=mask)
 
 
-def _default(n: int, flat: bool) -> dict:
+def _default(config, n: int, flat: bool):
     """Tile of ~BLOCK elements; a flat (contiguous) problem is one long row whatever its size."""
     # 4K elements per program (8 KB per bf16 tensor): 16 per thread at 8 warps, two 16-byte loads.
     # On the H100, 1K-8K elements and 4 or 8 warps all ran within 2% of the copy bandwidth.
     block = 4096
     block_n = block if flat else min(next_pow2(n), block)
-    return {"BLOCK_N": block_n, "BLOCK_M": max(1, block // block_n), "num_warps": 8}
+    return config(BLOCK_N=block_n, BLOCK_M=max(1, block // block_n), num_warps=8)
 
 
-def _config(kernel: str, t: torch.Tensor, n, flat: bool):
+def _config(config, t: torch.Tensor, n, flat: bool):
     n_ = 0 if flat else int(n)  # a flat problem's length never enters the config (nor its cache key)
-    return kernel_config(kernel, t.device, lambda: _default(n_, flat), flat=flat, N=n_, dtype=str(t.dtype))
+    return launch_config(config, t.device, lambda: _default(config, n_, flat), flat=flat, N=n_, dtype=str(t.dtype))
 
 
-def _grid(m, n, cfg: dict):
-    n_col_blocks = cdiv(n, cfg["BLOCK_N"])
-    return (cdiv(m, cfg["BLOCK_M"]) * n_col_blocks,), n_col_blocks
+def _grid(m, n, cfg):
+    n_col_blocks = cdiv(n, cfg.BLOCK_N)
+    return (cdiv(m, cfg.BLOCK_M) * n_col_blocks,), n_col_blocks
 
 
 def _flat(*ts: torch.Tensor) -> bool:
@@ -94,10 +96,10 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, *, traced: bool = False
     flat = _flat(gate, up)
     g, u, y = _rows(gate, flat), _rows(up, flat), _rows(out, flat)
     m, n = g.shape
-    cfg, opts = _config("swiglu_fwd", gate, n, flat)
+    cfg = _config(SwiGLUForward, gate, n, flat)
     grid, n_col_blocks = _grid(m, n, cfg)
     launch(_swiglu_fwd_kernel, grid, (g, g.stride(0), u, u.stride(0), y, y.stride(0), m, n, n_col_blocks),
-           dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], **opts), traced=traced)
+           dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, **cfg.options), traced=traced)
     return out
 
 
@@ -114,67 +116,40 @@ def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, i
     flat = _flat(dy, gate, up, dg, du)
     d, g, u, dg2, du2 = (_rows(t, flat) for t in (dy, gate, up, dg, du))
     m, n = g.shape
-    cfg, opts = _config("swiglu_bwd", gate, n, flat)
+    cfg = _config(SwiGLUBackward, gate, n, flat)
     grid, n_col_blocks = _grid(m, n, cfg)
     launch(_swiglu_bwd_kernel, grid,
            (d, d.stride(0), g, g.stride(0), u, u.stride(0), dg2, dg2.stride(0), du2, du2.stride(0), m, n, n_col_blocks),
-           dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], **opts), traced=traced)
+           dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, **cfg.options), traced=traced)
     return dg, du
 
 
-class SwiGLUFunction(torch.autograd.Function):
-    """Eager autograd for swiglu; optionally overwrites gate/up with their gradients (Liger style)."""
-
-    @staticmethod
-    def forward(ctx, gate, up, in_place_backward):
-        ctx.save_for_backward(gate, up)
-        ctx.in_place = in_place_backward
-        return swiglu_forward(gate, up)
-
-    @staticmethod
-    def backward(ctx, dy):
-        gate, up = ctx.saved_tensors
-        in_place = ctx.in_place and gate.is_contiguous() and up.is_contiguous()
-        dg, du = swiglu_backward(dy, gate, up, in_place=in_place)
-        if in_place:  # anything else that saved gate/up now fails loudly instead of reading gradients
-            torch.autograd.graph.increment_version(gate)
-            torch.autograd.graph.increment_version(up)
-            # Fresh aliases: a leaf's AccumulateGrad adopts a gradient only when nothing else holds
-            # it, and gate/up are held, so returning them would add two activation-sized copies.
-            dg, du = dg.view_as(dg), du.view_as(du)
-        return dg, du, None
+def _backward(grads, saved, statics, *, in_place: bool, traced: bool):
+    """``(dgate, dup)``; with ``in_place`` they overwrite gate and up (Liger style)."""
+    (dy,), (gate, up) = grads, saved
+    if dy is None:
+        dy = torch.zeros(gate.shape, dtype=gate.dtype, device=gate.device)
+    in_place = in_place and gate.is_contiguous() and up.is_contiguous()
+    dg, du = swiglu_backward(dy, gate, up, in_place=in_place, traced=traced)
+    if in_place:  # anything else that saved gate/up now fails loudly instead of reading gradients
+        torch.autograd.graph.increment_version(gate)
+        torch.autograd.graph.increment_version(up)
+        # Fresh aliases: a leaf's AccumulateGrad adopts a gradient only when nothing else holds
+        # it, and gate/up are held, so returning them would add two activation-sized copies.
+        dg, du = dg.view_as(dg), du.view_as(du)
+    return dg, du
 
 
-@library_op("swiglu_fwd")
-def _swiglu_fwd_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return swiglu_forward(gate, up, traced=True)
-
-
-@_swiglu_fwd_op.register_fake
-def _(gate, up):
-    return gate.new_empty(gate.shape)
-
-
-@library_op("swiglu_bwd")
-def _swiglu_bwd_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return swiglu_backward(dy, gate, up, traced=True)
-
-
-@_swiglu_bwd_op.register_fake
-def _(dy, gate, up):
-    return gate.new_empty(gate.shape), up.new_empty(up.shape)
-
-
-def _setup_swiglu(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _swiglu_op_backward(ctx, dy):
-    gate, up = ctx.saved_tensors
-    return _swiglu_bwd_op(dy, gate, up)
-
-
-_swiglu_fwd_op.register_autograd(_swiglu_op_backward, setup_context=_setup_swiglu)
+SWIGLU = Op(
+    "swiglu",
+    schema="(Tensor gate, Tensor up) -> Tensor",
+    forward=lambda gate, up, *, traced: (swiglu_forward(gate, up, traced=traced),),
+    fake=lambda gate, up: (gate.new_empty(gate.shape),),
+    save=lambda inputs, outputs: inputs, saves=2,
+    backward_schema="(Tensor dy, Tensor gate, Tensor up) -> (Tensor, Tensor)",
+    backward=_backward, backward_fake=lambda grads, saved, statics: (saved[0].new_empty(saved[0].shape),
+                                                                     saved[1].new_empty(saved[1].shape)),
+    grads=(0, 1))
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, in_place_backward: bool = False) -> torch.Tensor:
@@ -190,6 +165,4 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, in_place_backward: bool = Fa
     check_same_device(op, gate=gate, up=up)
     check_same_dtype(op, gate=gate, up=up)
     check_same_shape(op, gate=gate, up=up)
-    if use_library_op():
-        return _swiglu_fwd_op(gate, up)
-    return SwiGLUFunction.apply(gate, up, in_place_backward)
+    return SWIGLU(gate, up, in_place_backward=in_place_backward)

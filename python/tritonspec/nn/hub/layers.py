@@ -19,7 +19,6 @@ other than 1, partial rotary) run the original Hugging Face formula, so a replac
 results, only speed.
 """
 import importlib
-import os
 
 import torch
 from torch import nn
@@ -27,14 +26,14 @@ from torch import nn
 __all__ = ["RMSNorm", "SwiGLUMLP", "RotaryPosEmb", "rms_norm", "swiglu_mlp", "rotary_pos_emb"]
 
 
-_OPS: dict = {}
+_IMPORTED: dict = {}
 
 
-def _op(module: str, name: str):
-    """``tritonspec.ops.<module>.<name>``, imported on first call (the ops may be installed after us)."""
-    fn = _OPS.get(name)
+def _tritonspec(module: str, name: str):
+    """``tritonspec.<module>.<name>``, imported on first call (tritonspec may be installed after us)."""
+    fn = _IMPORTED.get((module, name))
     if fn is None:
-        fn = _OPS[name] = getattr(importlib.import_module(f"tritonspec.ops.{module}"), name)
+        fn = _IMPORTED[(module, name)] = getattr(importlib.import_module(f"tritonspec.{module}"), name)
     return fn
 
 
@@ -51,9 +50,7 @@ def _triton_runs(*tensors) -> bool:
     for t in tensors:
         if t.dtype not in _TRITON_DTYPES:
             return False
-        if t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-            return False
-    return True
+    return _tritonspec("devices", "triton_runs")(tensors[0].device.type)
 
 
 def _rms_norm_eager(hidden_states, weight, eps):
@@ -68,7 +65,7 @@ def rms_norm(hidden_states, weight, eps):
     """RMSNorm with HF Llama semantics (fp32 statistics, output dtype promote(input, weight))."""
     if not _triton_runs(hidden_states, weight):
         return _rms_norm_eager(hidden_states, weight, eps)
-    return _op("rms_norm", "rms_norm")(hidden_states, weight, eps)
+    return _tritonspec("ops.rms_norm", "rms_norm")(hidden_states, weight, eps)
 
 
 def swiglu_mlp(module, x):
@@ -80,7 +77,7 @@ def swiglu_mlp(module, x):
     up = module.up_proj(x)
     if not _triton_runs(gate, up):
         return module.down_proj(torch.nn.functional.silu(gate) * up)
-    return module.down_proj(_op("swiglu", "swiglu")(gate, up, in_place_backward=True))
+    return module.down_proj(_tritonspec("ops.swiglu", "swiglu")(gate, up, in_place_backward=True))
 
 
 def _rotate_half(x):
@@ -101,7 +98,7 @@ def rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
             or q.shape[-1] != cos.shape[-1] or q.dtype != k.dtype or not _triton_runs(q, k, cos, sin)):
         # Partial rotary (cos narrower than head_dim) and other layouts stay on the reference formula.
         return _rotary_eager(q, k, cos, sin, unsqueeze_dim)
-    return _op("rope", "rope")(q, k, cos, sin)
+    return _tritonspec("ops.rope", "rope")(q, k, cos, sin)
 
 
 class RMSNorm(nn.Module):

@@ -10,7 +10,7 @@ import os
 
 from tritonspec import BackendInfo
 
-from .configs import attention_config, get_pruned_configs, kernel_config
+from .configs import get_pruned_configs, kernel_config
 from .semantic import atomic_add_int64
 
 backend_info = BackendInfo(runs="emulated", targets=("iluvatar",), check_target=("iluvatar", 90, 32),
@@ -41,5 +41,5 @@ def interpreter_libdevice():
 
 __all__ = [
     "backend_info", "atomic_add_int64", "atomic_disable_bf16", "num_stages_cap", "get_pruned_configs", "kernel_config",
-    "attention_config", "get_cc", "interpreter_libdevice",
+    "get_cc", "interpreter_libdevice",
 ]

@@ -1,13 +1,15 @@
 """Iluvatar launch parameters: smaller tiles, at most 2 pipeline stages, no TMA / warp specialization.
 
 Why: CoreX parts pipeline at most two stages and have neither TMA nor Hopper warp specialization,
-and FlagTree's iluvatar backend shipped its own matmul / attention configs for that reason. The
-numbers below were chosen for those limits, not tuned on CoreX hardware (we have none); on the
-NVIDIA GPU that runs the emulation they are merely valid, not fast.
+and FlagTree's iluvatar backend shipped its own attention configs for that reason. The numbers
+below were chosen for those limits, not tuned on CoreX hardware (we have none); on the NVIDIA GPU
+that runs the emulation they are merely valid, not fast.
 """
 from __future__ import annotations
 
 import copy
+
+from tritonspec.launch import ConfigTable
 
 MAX_STAGES = 2
 
@@ -16,20 +18,13 @@ def _pow2_at_least(n: int, lo: int) -> int:
     return max(lo, 1 << max(0, int(n) - 1).bit_length())
 
 
-def kernel_config(kernel: str, **problem):
-    """Tile sizes / warps / stages for tritonspec kernels; None for kernels with nothing to change."""
-    if kernel == "matmul":
-        small = min(problem.get("M", 128), problem.get("N", 128)) < 128
-        return {"BLOCK_M": 64 if small else 128, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4,
-                "num_stages": MAX_STAGES}
-    if kernel in ("rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope"):
-        # row kernels: one pass over memory, nothing to pipeline; fewer warps per program
-        n = int(problem.get("N", problem.get("head_dim", 1024)))
-        return {"num_warps": 4 if n <= 2048 else 8, "num_stages": 1}
-    return None
+def _rows(kernel: str, **problem):
+    """Row kernels: one pass over memory, nothing to pipeline; fewer warps per program."""
+    n = int(problem.get("N", problem.get("head_dim", 1024)))
+    return {"num_warps": 4 if n <= 2048 else 8, "num_stages": 1}
 
 
-def attention_config(kernel: str, **problem):
+def _attention(kernel: str, **problem):
     """Flash-attention tiles for CoreX limits: <= 2 stages, TMA and warp specialization off."""
     dp = _pow2_at_least(problem.get("head_dim", 64), 16)
     stages = MAX_STAGES if dp <= 128 else 1
@@ -42,9 +37,14 @@ def attention_config(kernel: str, **problem):
     if kernel == "attention_bwd_dq":
         return {"BLOCK_M": 32 if dp <= 128 else 16, "BLOCK_N": 32 if dp <= 128 else 16, "num_warps": 4,
                 "num_stages": stages, "TMA": False}
-    if kernel == "attention_bwd_preprocess":
-        return {"num_stages": 1}
-    return None
+    return {"num_stages": 1}  # attention_bwd_preprocess
+
+
+kernel_config = ConfigTable({
+    **dict.fromkeys(("rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope"), _rows),
+    **dict.fromkeys(("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "attention_bwd_preprocess"),
+                    _attention),
+})
 
 
 def _config_key(cfg):

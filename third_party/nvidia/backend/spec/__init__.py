@@ -1,8 +1,8 @@
 """NVIDIA spec: capability-aware launch parameters for tritonspec's kernels, on the stock CUDA backend.
 
 No second CUDA backend and no language or compiler hooks: kernels that do not ask for a config
-compile exactly as with stock Triton. ``kernel_config`` / ``attention_config`` return None (the
-op's own default) where we have no better choice; ``attention_forward`` and ``attention_backward``
+compile exactly as with stock Triton. ``kernel_config`` (a table by kernel, ``configs.py``) returns
+None (the op's own default) where we have no better choice; ``attention_forward`` and ``attention_backward``
 run Hopper's warp-specialized Gluon kernels where they were measured faster and decline everywhere else.
 
 Cheap to import: it is loaded on a process's first CUDA compile, so the Gluon kernels (and the
@@ -10,7 +10,7 @@ torch they need) are imported on the first attention call, not here.
 """
 from tritonspec import BackendInfo
 
-from .configs import attention_config, kernel_config
+from .configs import kernel_config
 
 backend_info = BackendInfo(runs="real", targets=("cuda",), devices=("cuda",), check_target=("cuda", 90, 32),
                            note="NVIDIA GPUs through the stock CUDA backend")
@@ -28,4 +28,4 @@ def attention_backward(q, k, v, do, dqa, dk, dv, lse, delta, causal, scale):
     return backward(q, k, v, do, dqa, dk, dv, lse, delta, causal, scale)
 
 
-__all__ = ["backend_info", "kernel_config", "attention_config", "attention_forward", "attention_backward"]
+__all__ = ["backend_info", "kernel_config", "attention_forward", "attention_backward"]

@@ -6,14 +6,14 @@ compute the softmax while the tensor cores idle. Here the CTA holds 128 query ro
 consumer warpgroups (64 rows each) and one producer warp that streams K/V through a TMA ring guarded
 by mbarriers. Nothing ties the consumers to each other, so one's softmax runs under the other's
 matmuls. On an H100 this took the head_dim-128 forward from 450-500 to 550-610 TFLOP/s, cuDNN's
-speed (bench/NOTES.md, "warp-specialized forward").
+speed.
 
 The backward is one pass over the keys, built the same way: a CTA holds 128 keys of one kv head, 64
 per consumer warpgroup, and the producer streams 64-row Q and dO blocks of every q head of the group.
 dK and dV stay in registers; dQ = dS K goes out every step, each warpgroup taking half the head dim
 over all 128 keys (the dS^T halves meet in shared memory), as TMA reduce-adds into an fp32
 accumulator. That is 5 matmuls per step where the portable kernels' separate dQ pass spends 7;
-per-element atomics instead of TMA cost a third more time (bench/NOTES.md, "one-pass backward").
+per-element atomics instead of TMA cost a third more time.
 
 The op asks for them through the ``attention_forward`` / ``attention_backward`` hooks; both decline
 (return False, the op then runs its ``tl`` kernels) for anything they were not measured on: a device
@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-from tritonspec.ops.attention import LOG2E, _tma_ok
+from tritonspec.ops.attention import LOG2E, tma_ok
 
 try:
     import triton
@@ -452,7 +452,7 @@ def eligible(q: torch.Tensor, k: torch.Tensor, scale: float, *tensors: torch.Ten
             and k.shape[2] > 0
             and q.shape[0] * q.shape[1] < 65536
             and _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device())
-            and _tma_ok(q, k, *tensors))  # the op's own TMA rules: aligned base and strides, unit last stride
+            and tma_ok(q, k, *tensors))  # the op's own TMA rules: aligned base and strides, unit last stride
 
 
 @functools.lru_cache(maxsize=None)
