@@ -296,15 +296,19 @@ def dispatch_overhead():
 # -- launch-config sweep (tuning data) ---------------------------------------------------------------
 @contextlib.contextmanager
 def override(module, cfg):
-    """Every kernel named in ``cfg`` gets those keys on top of its default (``module`` is unused: the
-    ops all ask ``_library.launch_config``, replaced here by a version without the memo)."""
-    orig = _library.launch_config
-    _library.launch_config = lambda kernel, device, default, **p: {
-        **(default() if callable(default) else default), **cfg.get(kernel, {})}
+    """Every kernel named in ``cfg`` gets those fields on top of its default: ``module`` (an op module)
+    asks this version of ``launch_config``, which has no memo."""
+    orig = module.launch_config
+
+    def launch_config(config, device, default, **problem):
+        base = default() if callable(default) else default
+        return base.override(cfg.get(config.kernel, {}))
+
+    module.launch_config = launch_config
     try:
         yield
     finally:
-        _library.launch_config = orig
+        module.launch_config = orig
 
 
 def sweep(budget_s):

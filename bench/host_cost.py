@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from tritonspec.launch import launch_config
 from tritonspec.ops import _library, rms_norm, rope
 
 rms_mod = sys.modules["tritonspec.ops.rms_norm"]
@@ -93,20 +94,19 @@ def main():
     cl = _library._cached_launchers[id(rms_mod._rms_norm_fwd_kernel)]
     compiled = next(iter(cl.compiled.values()))[0]
     args = (x0, x0.stride(0), x0, x0.stride(0), y, y.stride(0), y, y.stride(0), w0, rstd, 4, 4096, 1e-6)
-    cfg, _ = _library.kernel_config("rms_norm_fwd", x0.device, lambda: None, N=4096, dtype=str(x0.dtype))
-    grid = (_library.cdiv(4, cfg["BLOCK_M"]), 1, 1)
-    bound = args + (cfg["BLOCK_M"], cfg["BLOCK_N"], False, False)
+    config = rms_mod.RMSNormForward
+    cfg = launch_config(config, x0.device, lambda: None, N=4096, dtype=str(x0.dtype))
+    grid = (_library.cdiv(4, cfg.BLOCK_M), 1, 1)
+    bound = args + (cfg.BLOCK_M, cfg.BLOCK_N, False, False)
     runner = compiled[grid]
     rows["CompiledKernel[grid](*args)"] = per_call_us(lambda: compiled[grid](*bound))
     rows["runner(*args) (grid bound)"] = per_call_us(lambda: runner(*bound))
     rows["CachedLauncher launch"] = per_call_us(lambda: cl[grid[:1]](
-        *args, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HAS_RESIDUAL=False, LOOPED=False,
-        **_library.launch_options(cfg)))
+        *args, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, HAS_RESIDUAL=False, LOOPED=False, **cfg.options))
     rows["JITFunction[grid] launch"] = per_call_us(lambda: rms_mod._rms_norm_fwd_kernel[grid[:1]](
-        *args, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HAS_RESIDUAL=False, LOOPED=False,
-        **_library.launch_options(cfg)))
-    rows["kernel_config hit"] = per_call_us(lambda: _library.kernel_config(
-        "rms_norm_fwd", x0.device, lambda: None, N=4096, dtype=str(x0.dtype)))
+        *args, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, HAS_RESIDUAL=False, LOOPED=False, **cfg.options))
+    rows["kernel_config hit"] = per_call_us(lambda: launch_config(
+        config, x0.device, lambda: None, N=4096, dtype=str(x0.dtype)))
     rows["rms_norm_forward (allocs+launch)"] = per_call_us(lambda: rms_mod.rms_norm_forward(x0, w0, 1e-6))
     rows["rms_norm_backward (allocs+2 launches)"] = per_call_us(lambda: rms_mod.rms_norm_backward(dy, x0, w0, rstd))
     rows["rms_norm no grad"] = per_call_us(lambda: rms_norm(x0, w0))
