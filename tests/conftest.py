@@ -1,5 +1,9 @@
-"""Test setup: CPU runs go through the Triton interpreter, which must be chosen before kernels are defined."""
+"""Test setup: CPU runs go through the Triton interpreter, which must be chosen before kernels are defined.
+
+Fixtures used by several test files live here; the plain helpers they use are in helpers.py.
+"""
 import os
+import sys
 
 DEVICE = os.environ.get("TRITONSPEC_TEST_DEVICE", "cpu")
 if DEVICE == "cpu":
@@ -14,6 +18,10 @@ if "TRITON_CACHE_DIR" not in os.environ:
     import tempfile
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="tritonspec-test-cache-")
     atexit.register(shutil.rmtree, os.environ["TRITON_CACHE_DIR"], ignore_errors=True)
+# tests/gpu imports helpers (and offline, test_one_source) by name whatever pytest's import mode.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
 
 import pytest  # noqa: E402
 
@@ -30,3 +38,51 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device():
     return DEVICE
+
+
+@pytest.fixture
+def registry():
+    """Register test specs freely; the real providers and the default selection come back afterwards."""
+    import tritonspec
+    from tritonspec import REGISTRY
+    saved = dict(REGISTRY._registered), dict(REGISTRY._loaded)
+    default = tritonspec.default_backend()
+    yield REGISTRY
+    tritonspec.set_default_backend(default)
+    for mine, kept in zip((REGISTRY._registered, REGISTRY._loaded), saved):
+        mine.clear()
+        mine.update(kept)
+    REGISTRY._changed()
+
+
+@pytest.fixture
+def gen():
+    """A torch.Generator seeded with this run's seed (printed: see helpers.SEED)."""
+    from helpers import generator
+    return generator()
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Count calls of the Triton ops the hub layers, tritonspec.nn.RMSNorm and the attention use."""
+    import importlib
+    from tritonspec.nn.hub import layers as hub_layers
+    counts = {}
+
+    def wrap(modname, fn_name, *also):
+        mod = importlib.import_module(modname)
+        orig = getattr(mod, fn_name)
+
+        def counted(*a, **k):
+            counts[fn_name] = counts.get(fn_name, 0) + 1
+            return orig(*a, **k)
+        monkeypatch.setattr(mod, fn_name, counted)
+        for other in also:
+            monkeypatch.setattr(importlib.import_module(other), fn_name, counted)
+
+    wrap("tritonspec.ops.rms_norm", "rms_norm", "tritonspec.nn.layers")
+    wrap("tritonspec.ops.swiglu", "swiglu", "tritonspec.nn.layers")
+    wrap("tritonspec.ops.rope", "rope")
+    wrap("tritonspec.ops.attention", "attention")
+    monkeypatch.setattr(hub_layers, "_IMPORTED", {})
+    return counts

@@ -6,9 +6,9 @@ every path runs several blocks: the unmasked/masked loop split, the GQA loop in 
 descriptors (interpreted) and the atomic dQ variant.
 """
 import math
-import types
 
 import pytest
+from helpers import leaf, make_spec, no_interpreter
 import torch
 import torch.nn.functional as F
 
@@ -37,20 +37,16 @@ CONFIGS = {
 
 
 def _spec(table, seen=None):
-    mod = types.ModuleType("attention_test_spec")
-
     def kernel_config(kernel, device, **problem):
         if seen is not None:
             seen.append((kernel, problem))
         return None if table is None else table.get(kernel)
 
-    mod.kernel_config = kernel_config
-    mod.__all__ = ["kernel_config"]
-    return mod
+    return make_spec("attention_test_spec", kernel_config=kernel_config)
 
 
 @pytest.fixture
-def use_configs():
+def use_configs(registry):
     """Run under a throwaway backend whose spec returns the given attention configs."""
     name = "attention-test"
 
@@ -59,8 +55,7 @@ def use_configs():
             tritonspec.register_spec(name, _spec(table, seen))
             return tritonspec.use_backend(name)
 
-    yield _Ctx()
-    tritonspec.REGISTRY.unregister(name)
+    return _Ctx()
 
 
 def _inputs(B, HQ, HKV, SQ, SK, D, dtype, seed=0):
@@ -73,14 +68,14 @@ def _inputs(B, HQ, HKV, SQ, SK, D, dtype, seed=0):
 
 
 def _reference(q, k, v, do, causal, scale=None):
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    q64, k64, v64 = (leaf(t.double()) for t in (q, k, v))
     out = attention_ref(q64, k64, v64, causal=causal, scale=scale)
     out.backward(do.double())
     return out.detach(), q64.grad, k64.grad, v64.grad
 
 
 def _ours(q, k, v, do, causal, scale=None):
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    q, k, v = (leaf(t) for t in (q, k, v))
     out = attention(q, k, v, causal=causal, scale=scale)
     out.backward(do)
     return out.detach(), q.grad, k.grad, v.grad
@@ -243,8 +238,6 @@ def _own_kernels_spec(calls, written, run):
     """A spec whose ``attention_forward`` / ``attention_backward`` record each call and, when ``run``,
     compute in float64 from exactly what the hooks promise (the forward writes out and the base-2
     logsumexp; the backward reads that lse and delta = rowsum(dO * O)), keeping copies in ``written``."""
-    mod = types.ModuleType("own_kernels_spec")
-
     def attention_forward(q, k, v, o, lse, causal, scale):
         calls.append(("forward", tuple(q.shape), tuple(k.shape), causal, scale))
         if run:
@@ -269,24 +262,19 @@ def _own_kernels_spec(calls, written, run):
             written["dq"], written["dk"], written["dv"] = dqa[..., :q.shape[3]].clone(), dk.clone(), dv.clone()
         return run
 
-    mod.kernel_config = lambda kernel, **problem: CONFIGS["small"].get(kernel)
-    mod.attention_forward, mod.attention_backward = attention_forward, attention_backward
-    mod.__all__ = ["kernel_config", "attention_forward", "attention_backward"]
-    return mod
+    return make_spec("own_kernels_spec", kernel_config=lambda kernel, **problem: CONFIGS["small"].get(kernel),
+                     attention_forward=attention_forward, attention_backward=attention_backward)
 
 
 @pytest.mark.parametrize("run", [True, False], ids=["runs", "declines"])
-def test_a_backend_may_run_its_own_kernels(run):
+def test_a_backend_may_run_its_own_kernels(run, registry):
     """The forward and the backward ask the backend first: what its kernels write is the op's result;
     declining leaves the portable kernels."""
     calls, written = [], {}
     tritonspec.register_spec("own-kernels-test", _own_kernels_spec(calls, written, run))
-    try:
-        q, k, v, do = _inputs(1, 4, 2, 33, 21, 32, torch.float32, seed=11)
-        with tritonspec.use_backend("own-kernels-test"):
-            got = _ours(q, k, v, do, True, scale=0.3)
-    finally:
-        tritonspec.REGISTRY.unregister("own-kernels-test")
+    q, k, v, do = _inputs(1, 4, 2, 33, 21, 32, torch.float32, seed=11)
+    with tritonspec.use_backend("own-kernels-test"):
+        got = _ours(q, k, v, do, True, scale=0.3)
     assert calls == [(kind, (1, 4, 33, 32), (1, 2, 21, 32), True, 0.3) for kind in ("forward", "backward")]
     _check_against_reference(got, q, k, v, do, True, scale=0.3)
     if run:  # bit for bit what the spec wrote, not a second run of the portable kernels
@@ -320,7 +308,7 @@ def test_bad_inputs_raise(args, kwargs, exc, match):
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
-    monkeypatch.setattr(tritonspec.devices, "_interpreting", False)
+    no_interpreter(monkeypatch)
     x = _t(1, 1, 4, 16)
     with pytest.raises(ValueError, match="argument 'q' is on the CPU"):
         attention(x, x, x)
@@ -352,7 +340,7 @@ def test_library_op_path_in_eager(monkeypatch, use_configs):
 def test_torch_compile_fullgraph(use_configs):
     """No graph break: the forward and backward run as custom ops inside one compiled graph."""
     q, k, v, do = _inputs(1, 2, 1, 17, 17, 16, torch.float32, seed=4)
-    ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+    ql, kl, vl = (leaf(t) for t in (q, k, v))
 
     def f(q, k, v):
         return attention(q * 0.5, k, v, causal=True) + q
@@ -370,7 +358,7 @@ def test_torch_compile_fullgraph(use_configs):
 def test_opcheck():
     fwd, bwd = _library_ops()
     q, k, v, do = _inputs(1, 2, 1, 17, 17, 16, torch.float32, seed=5)
-    ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+    ql, kl, vl = (leaf(t) for t in (q, k, v))
     torch.library.opcheck(fwd, (ql, kl, vl, True, 0.25))
     o, lse = fwd(q, k, v, False, 0.25)
     torch.library.opcheck(bwd, (do, q, k, v, o, lse, False, 0.25))

@@ -6,22 +6,18 @@ target (``JITFunction`` wraps plain functions, since ``triton.jit`` interprets h
 """
 import os
 import pathlib
-import random
 import re
 import stat
 import sys
-import types
 
 import pytest
+from helpers import ASCEND, CUDA, ILUVATAR, compile_for, py_random
 from offline import run_checks, run_without_interpreter
 import torch
 import triton
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from triton.language.extra import libdevice
 from triton.language.extra.cuda import libdevice as cuda_libdevice
-from triton.runtime.jit import JITFunction
 
 import tritonspec
 from tritonspec import REGISTRY
@@ -34,22 +30,6 @@ from tritonspec_backends.nvidia.backend.spec import configs as nvidia_configs
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU tests: interpreted kernels (TRITON_INTERPRET=1)")
-
-CUDA = GPUTarget("cuda", 90, 32)
-ILUVATAR = GPUTarget("iluvatar", 90, 32)
-ASCEND = GPUTarget("ascend", "Ascend910B3", 0)
-SEED = int.from_bytes(os.urandom(4), "little")
-
-
-@pytest.fixture
-def gen():
-    print(f"seed {SEED}")
-    return torch.Generator().manual_seed(SEED)
-
-
-def compile_for(fn, target, signature, constexprs=None, **options):
-    return triton.compile(ASTSource(JITFunction(fn), signature, constexprs or {}), target=target, options=options)
-
 
 # Offline compiles run in one subprocess without TRITON_INTERPRET: under the interpreter, tl's own
 # @jit helpers (tl.zeros, ...) are interpreted functions and cannot be traced by the compiler.
@@ -158,7 +138,7 @@ def carry_heavy_int64(n, rng):
 
 
 def test_iluvatar_int64_atomic_add_is_exact_across_the_32bit_boundary():
-    rng = random.Random(SEED)
+    rng = py_random()
     n, bins = 300, 5
     vals = carry_heavy_int64(n, rng)
     idx = [rng.randrange(bins) for _ in range(n)]
@@ -195,8 +175,8 @@ def test_iluvatar_int64_atomic_add_has_no_64bit_atomic_in_the_ir(compiled):
 @compile_check
 def check_iluvatar_int64_atomic_ir():
     sig = {"out_ptr": "*i64", "old_ptr": "*i64", "val_ptr": "*i64", "idx_ptr": "*i32", "n": "i32", "BLOCK": "constexpr"}
-    ilu = compile_for(_atomic_add_kernel, ILUVATAR, sig, {"BLOCK": 64})
-    stock = compile_for(_atomic_add_kernel, CUDA, sig, {"BLOCK": 64})
+    ilu = compile_for(_atomic_add_kernel, sig, {"BLOCK": 64}, target=ILUVATAR)
+    stock = compile_for(_atomic_add_kernel, sig, {"BLOCK": 64}, target=CUDA)
     rmw = lambda k: [line for line in k.asm["ttir"].splitlines() if "tt.atomic_rmw" in line]
     assert len(rmw(ilu)) == 2 and all("tensor<64xi32>" in line for line in rmw(ilu))
     assert len(rmw(stock)) == 1 and "tensor<64xi64>" in rmw(stock)[0]
@@ -213,9 +193,9 @@ def _atomic_bf16(ptr, val_ptr):
 @compile_check
 def check_iluvatar_bf16_atomics_compile():
     sig = {"ptr": "*bf16", "val_ptr": "*bf16"}
-    compile_for(_atomic_bf16, CUDA, sig)  # stock sm90 has bf16 atomic add
+    compile_for(_atomic_bf16, sig, target=CUDA)  # stock sm90 has bf16 atomic add
     with pytest.raises(Exception, match="bfloat16 is not supported by backend 'iluvatar'"):
-        compile_for(_atomic_bf16, ILUVATAR, sig)
+        compile_for(_atomic_bf16, sig, target=ILUVATAR)
 
 
 def test_iluvatar_rejects_bf16_atomics_where_cuda_accepts_them(compiled):
@@ -242,9 +222,9 @@ def test_iluvatar_caps_num_stages_at_two(compiled):
 @compile_check
 def check_iluvatar_num_stages_cap():
     sig = {"a_ptr": "*fp16", "b_ptr": "*fp16", "c_ptr": "*fp32", "K": "i32", "BLOCK": "constexpr"}
-    assert compile_for(_matmul_loop, CUDA, sig, {"BLOCK": 64}, num_stages=4).metadata.num_stages == 4
-    assert compile_for(_matmul_loop, ILUVATAR, sig, {"BLOCK": 64}, num_stages=4).metadata.num_stages == 2
-    assert compile_for(_matmul_loop, ILUVATAR, sig, {"BLOCK": 64}, num_stages=1).metadata.num_stages == 1
+    assert compile_for(_matmul_loop, sig, {"BLOCK": 64}, num_stages=4, target=CUDA).metadata.num_stages == 4
+    assert compile_for(_matmul_loop, sig, {"BLOCK": 64}, num_stages=4, target=ILUVATAR).metadata.num_stages == 2
+    assert compile_for(_matmul_loop, sig, {"BLOCK": 64}, num_stages=1, target=ILUVATAR).metadata.num_stages == 1
 
 
 def test_iluvatar_prunes_autotune_configs_that_clamp_to_the_same_kernel():
@@ -595,7 +575,7 @@ def test_ascend_ir_binds_the_npu_symbols_and_odd_aranges_fail_at_trace_time(comp
 @compile_check
 def check_ascend_ir():
     sig = {"x_ptr": "*fp16", "out_ptr": "*fp16", "flags_ptr": "*i32", "N": "constexpr"}
-    ttir = compile_for(_npu_math, ASCEND, sig, {"N": 16}).asm["ttir"]
+    ttir = compile_for(_npu_math, sig, {"N": 16}, target=ASCEND).asm["ttir"]
     for symbol in ("__hmf_isnan", "__hmf_isinf", "__hmf_tanhDh"):  # tanh of fp16
         assert f'symbol = "{symbol}"' in ttir
     assert "math.exp" in ttir and "tensor<16xf16>" in ttir
@@ -605,7 +585,7 @@ def check_ascend_ir():
     with pytest.raises(Exception, match="tl.arange\\(0, 10\\): backend 'ascend' specializes "
                                         "'arange_disable_check_power_of_two', which applies to interpreted "
                                         "kernels only: .*powers of two"):
-        compile_for(_npu_math, ASCEND, sig, {"N": 10})
+        compile_for(_npu_math, sig, {"N": 10}, target=ASCEND)
 
 
 def _scale(x_ptr, out_ptr, N: tl.constexpr):
@@ -628,7 +608,7 @@ def check_ascend_without_toolchain():
     import tempfile
     with tempfile.TemporaryDirectory() as empty:
         os.environ["PATH"] = empty  # surely no bishengir-compile
-        kernel = compile_for(_scale, ASCEND, {"x_ptr": "*fp32", "out_ptr": "*fp32", "N": "constexpr"}, {"N": 16})
+        kernel = compile_for(_scale, {"x_ptr": "*fp32", "out_ptr": "*fp32", "N": "constexpr"}, {"N": 16}, target=ASCEND)
     assert "tt.func public @_scale" in kernel.asm["ttir"] and kernel.metadata.npu_toolchain is None
     with pytest.raises(ascend_compiler.AscendToolchainError, match="`bishengir-compile` was not on PATH"):
         _launch(kernel, torch.zeros(16), torch.zeros(16))
@@ -649,7 +629,7 @@ def check_ascend_with_toolchain():
                         "open(sys.argv[3], 'wb').write(b'NPUBIN:' + str(len(src)).encode())\n")
         tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
         os.environ["PATH"] = tmp
-        kernel = compile_for(_scale, ASCEND, {"x_ptr": "*fp32", "out_ptr": "*fp32", "N": "constexpr"}, {"N": 16})
+        kernel = compile_for(_scale, {"x_ptr": "*fp32", "out_ptr": "*fp32", "N": "constexpr"}, {"N": 16}, target=ASCEND)
         assert kernel.metadata.npu_toolchain == str(tool)
     assert kernel.asm["npubin"].startswith(b"NPUBIN:")
     with pytest.raises(NotImplementedError, match="compile-only and has no NPU runtime launcher"):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import pytest
+from helpers import make_spec
 import torch
 import triton
 import triton.language as tl
@@ -129,24 +130,18 @@ def test_yaml_rules_pick_up_a_declared_kernel(toy):
     _check_replaced(model, report)
 
 
-def test_check_and_vendor_tables_pick_up_a_declared_kernel(toy):
+def test_check_and_vendor_tables_pick_up_a_declared_kernel(toy, registry):
     from tritonspec import check
-    from tritonspec.registry import REGISTRY
-    rows, failures = check.kernel_rows(REGISTRY.providers())
+    rows, failures = check.kernel_rows(registry.providers())
     assert ["toy_scale", "toy_scale", "module: ToyScale", "toy_scale", "default", "ok"] in rows and not failures
     # a backend may now tune it, as data checked against the table
     table = ConfigTable({"toy_scale": lambda kernel, **problem: {"BLOCK": 16}})
-    spec = type(tritonspec)("toy_vendor_spec")
-    spec.kernel_config, spec.__all__ = table, ["kernel_config"]
-    tritonspec.register_spec("toy-vendor", spec)
-    try:
-        with tritonspec.use_backend("toy-vendor"):
-            x = torch.randn(3, 24)
-            w = torch.randn(24)
-            torch.testing.assert_close(toy_scale(x, w).double(), x.double() * w.double())
-        assert LAUNCHES == [16]
-    finally:
-        REGISTRY.unregister("toy-vendor")
+    tritonspec.register_spec("toy-vendor", make_spec("toy_vendor_spec", kernel_config=table))
+    with tritonspec.use_backend("toy-vendor"):
+        x = torch.randn(3, 24)
+        w = torch.randn(24)
+        torch.testing.assert_close(toy_scale(x, w).double(), x.double() * w.double())
+    assert LAUNCHES == [16]
 
 
 def test_withdrawn_and_undeclared_kernels_are_gone_everywhere():

@@ -6,6 +6,7 @@ that records launches, so the cache key and the launch arguments are checked wit
 import types
 
 import pytest
+from helpers import make_spec
 import torch
 from triton import knobs
 
@@ -189,9 +190,8 @@ def test_a_plan_keeps_no_tensor_of_the_recorded_call_alive(launcher):
     assert gone() is None and plan is not None
 
 
-def test_an_ops_plan_cache_is_bounded_and_dropped_with_the_spec_registry(monkeypatch):
+def test_an_ops_plan_cache_is_bounded_and_dropped_with_the_spec_registry(monkeypatch, registry):
     """Dropped when the registry changes; a plan made under another selection declines (see above)."""
-    import types
     import tritonspec
     from tritonspec.ops._library import PlanCache
     monkeypatch.setattr(PlanCache, "LIMIT", 3)
@@ -202,10 +202,5 @@ def test_an_ops_plan_cache_is_bounded_and_dropped_with_the_spec_registry(monkeyp
     assert len(plans) == 3
     plans[3] = "plan"  # full: starts over with the new entry
     assert dict(plans) == {3: "plan"}
-    spec = types.ModuleType("plan_cache_spec")
-    spec.__all__ = []
-    tritonspec.register_spec("plan-cache-test", spec)
-    try:
-        assert plans == {}
-    finally:
-        tritonspec.REGISTRY.unregister("plan-cache-test")
+    tritonspec.register_spec("plan-cache-test", make_spec("plan_cache_spec"))
+    assert plans == {}

@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import compare_to_original, run_model, tiny_model, token_ids
 import torch
 
 import tritonspec.nn as tnn
@@ -22,8 +23,6 @@ from tritonspec.nn.hub import LAYER_NAMES, PACKAGE_NAME, write_layer_repo
 
 kernels = pytest.importorskip("kernels")
 transformers = pytest.importorskip("transformers")
-
-from test_nn_models import _build, _compare, _inputs, _run, spy  # noqa: E402,F401  (fixture re-export)
 
 
 def test_written_repository_layout(tmp_path):
@@ -69,17 +68,17 @@ def test_kernels_kernelize_runs_our_triton_layers(tmp_path, monkeypatch, spy):
     root = write_layer_repo(tmp_path / "repo")
     mapping = {name: {"cpu": kernels.LocalLayerRepository(repo_path=root, layer_name=name)}
                for name in ("RMSNorm", "SwiGLUMLP")}
-    ids = _inputs(96)
-    ref = _run(_build("llama", torch.float64), ids)
-    base = _run(_build("llama", torch.float32), ids)
-    model = _build("llama", torch.float32)
+    ids = token_ids(96)
+    ref = run_model(tiny_model("llama", torch.float64), ids)
+    base = run_model(tiny_model("llama", torch.float32), ids)
+    model = tiny_model("llama", torch.float32)
     with kernels.use_kernel_mapping(mapping, inherit_mapping=False):
         kernels.kernelize(model, mode=kernels.Mode.TRAINING, device="cpu")
     assert model.model.norm.forward.__func__.__qualname__ == "RMSNorm.forward"
     spy.clear()
-    got = _run(model, ids)
+    got = run_model(model, ids)
     assert {"rms_norm", "swiglu"} <= set(spy)
-    _compare("llama via kernels", got, base, ref, torch.float32)
+    compare_to_original("llama via kernels", got, base, ref, torch.float32)
 
 
 def test_our_local_repository_reads_the_same_tree(tmp_path):
@@ -96,32 +95,32 @@ _TAGGED = textwrap.dedent(r'''
     import torch, kernels
     import tritonspec.nn as tnn
     from tritonspec.nn.hub import write_layer_repo
-    from test_nn_models import _build, _compare, _inputs, _run
+    from helpers import compare_to_original, run_model, tiny_model, token_ids
     from transformers.models.llama import modeling_llama as ml
     out = {"rms_tag": getattr(ml.LlamaRMSNorm, "kernel_layer_name", None),
            "rope_tag": getattr(ml.apply_rotary_pos_emb, "kernel_layer_name", None)}
-    ids = _inputs(96)
-    ref = _run(_build("llama", torch.float64), ids)
-    base = _run(_build("llama", torch.float32), ids)
+    ids = token_ids(96)
+    ref = run_model(tiny_model("llama", torch.float64), ids)
+    base = run_model(tiny_model("llama", torch.float32), ids)
 
-    model = _build("llama", torch.float32)
+    model = tiny_model("llama", torch.float32)
     tnn.kernelize(model, mode=tnn.Mode.TRAINING)
     out["ours_paths"] = sorted({c.path.rsplit(".", 1)[-1] for c in tnn.report(model)})
-    _compare("tagged llama, our kernelize", _run(model, ids), base, ref, torch.float32)
+    compare_to_original("tagged llama, our kernelize", run_model(model, ids), base, ref, torch.float32)
     tnn.revert(model)
     out["rope_forward_restored"] = "forward" not in vars(ml.apply_rotary_pos_emb)
 
     root = write_layer_repo(os.environ["REPO_DIR"])
     mapping = {"RMSNorm": {"cpu": kernels.LocalLayerRepository(repo_path=root, layer_name="RMSNorm")},
                "rotary_pos_emb": {"cpu": kernels.LocalLayerRepository(repo_path=root, layer_name="RotaryPosEmb")}}
-    model = _build("llama", torch.float32)
+    model = tiny_model("llama", torch.float32)
     with kernels.use_kernel_mapping(mapping, inherit_mapping=False):
         kernels.kernelize(model, mode=kernels.Mode.TRAINING, device="cpu")
     out["kernels_rope"] = ml.apply_rotary_pos_emb.forward.__func__.__qualname__
     import importlib; rope_mod = importlib.import_module("tritonspec.ops.rope")
     calls, real = [], rope_mod.rope
     rope_mod.rope = lambda *a, **k: calls.append(1) or real(*a, **k)
-    _compare("tagged llama, kernels.kernelize", _run(model, ids), base, ref, torch.float32)
+    compare_to_original("tagged llama, kernels.kernelize", run_model(model, ids), base, ref, torch.float32)
     out["kernels_rope_calls"] = len(calls)
     print("RESULT" + json.dumps(out))
 ''')

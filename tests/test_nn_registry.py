@@ -2,9 +2,8 @@
 import logging
 
 import pytest
+from helpers import no_interpreter, tiny_model
 import torch
-
-import tritonspec.devices
 from torch import nn
 
 import tritonspec.nn as tnn
@@ -188,11 +187,8 @@ def test_builtin_kernels_registered_for_cuda_and_cpu():
 
 def test_missing_dependency_returns_model_unchanged(monkeypatch):
     """Without the interpreter, Triton cannot run on CPU: every built-in CPU kernel leaves the model alone."""
-    monkeypatch.setattr(tritonspec.devices, "_interpreting", False)
-    from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, vocab_size=32)
-    model = LlamaForCausalLM(cfg)
+    no_interpreter(monkeypatch)
+    model = tiny_model("llama", torch.float32)
     before = model.config._attn_implementation
     out = apply_available_kernels(model)
     assert out is model and tnn.report(model) == []

@@ -9,6 +9,7 @@ under the iluvatar profile.
 import os
 
 import pytest
+from helpers import ASCEND, CUDA, HIP, ILUVATAR, compile_for
 from offline import run_checks, run_without_interpreter
 import torch
 import triton
@@ -16,8 +17,6 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 import tritonspec
-
-SEED = int.from_bytes(os.urandom(4), "little")
 
 # ------------------------------------------------------------------------------------------------
 # the kernels (one source)
@@ -164,8 +163,7 @@ CASES = {"elementwise": run_elementwise, "reduction": run_reduction, "dot": run_
 # every registered backend target, offline
 # ------------------------------------------------------------------------------------------------
 
-TARGETS = {"cuda": ("cuda", 90, 32), "hip": ("hip", "gfx942", 64), "iluvatar": ("iluvatar", 90, 32),
-           "ascend": ("ascend", "Ascend910B3", 0)}
+TARGETS = {"cuda": CUDA, "hip": HIP, "iluvatar": ILUVATAR, "ascend": ASCEND}
 BINARY = {"cuda": "cubin", "hip": "hsaco", "iluvatar": "cubin", "ascend": "npubin"}
 # the libdevice symbols each target's module map must produce for tanh (fp32)
 TANH_SYMBOL = {"cuda": "__nv_tanhf", "hip": "__ocml_tanh_f32", "iluvatar": "__nv_tanhf", "ascend": "__hmf_tanhf"}
@@ -173,12 +171,8 @@ TANH_SYMBOL = {"cuda": "__nv_tanhf", "hip": "__ocml_tanh_f32", "iluvatar": "__nv
 
 def _compile_check(name, target_name):
     def check():
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-        from triton.runtime.jit import JITFunction
         signature, constexprs = SIGNATURES[name]
-        k = triton.compile(ASTSource(JITFunction(KERNELS[name]), signature, constexprs),
-                           target=GPUTarget(*TARGETS[target_name]))
+        k = compile_for(KERNELS[name], signature, constexprs, target=TARGETS[target_name])
         assert "ttir" in k.asm and BINARY[target_name] in k.asm, sorted(k.asm)
         ttir = k.asm["ttir"]
         if name == "atomics":  # iluvatar: no 64-bit atomic; everyone else: the stock one
@@ -216,9 +210,7 @@ INTERPRETED = [(b, k) for b in ("cpu", "iluvatar", "ascend", "nvidia", "amd") fo
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter run (TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("backend,kernel", INTERPRETED)
-def test_runs_in_the_interpreter(backend, kernel):
-    gen = torch.Generator().manual_seed(SEED)
-    print(f"seed {SEED}")
+def test_runs_in_the_interpreter(backend, kernel, gen):
     if backend == "cpu":  # the default for interpreted kernels
         assert tritonspec.current_backend() == "cpu"
         CASES[kernel](triton.jit, "cpu", gen)

@@ -3,9 +3,8 @@
 Runs on the CPU through the Triton interpreter (shapes kept small); the same tests run on a GPU
 with TRITONSPEC_TEST_DEVICE=cuda.
 """
-import types
-
 import pytest
+from helpers import leaf, make_spec
 import torch
 
 import tritonspec
@@ -15,10 +14,6 @@ from tritonspec.ops.rms_norm import (ADD_RMS_NORM, MAX_FUSED_N, RMS_NORM,
                                      add_rms_norm_ref, rms_norm_ref)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def _leaf(t):
-    return t.detach().clone().requires_grad_(True)
 
 
 def dweight_scale(x, dy, eps=1e-6) -> float:
@@ -35,12 +30,12 @@ def _inputs(shape, dtype, device, wdtype=None):
 
 def _check_rms_norm(x, w, eps=1e-6, in_place_backward=False):
     """Forward and backward of rms_norm on (x, w) against the float64 reference."""
-    xl, wl = _leaf(x), _leaf(w)
+    xl, wl = leaf(x), leaf(w)
     with poisoned_allocations():
         y = rms_norm(xl, wl, eps, in_place_backward=in_place_backward)
         dy = torch.randn(y.shape, device=y.device).to(y.dtype)
         y.backward(dy.clone())
-    x64, w64 = _leaf(x.double()), _leaf(w.double())
+    x64, w64 = leaf(x.double()), leaf(w.double())
     ref = rms_norm_ref(x64, w64, eps)
     ref.backward(dy.double())
     assert y.shape == x.shape and y.dtype == torch.promote_types(x.dtype, w.dtype)
@@ -75,8 +70,8 @@ def test_rms_norm_strided_weight(device):
     gradient lands on the viewed elements only."""
     torch.manual_seed(5)
     x = torch.randn(3, 5, 64, device=device)
-    wbase = _leaf(1 + 0.5 * torch.randn(128, device=device))
-    w64 = _leaf(wbase.detach().double())
+    wbase = leaf(1 + 0.5 * torch.randn(128, device=device))
+    w64 = leaf(wbase.detach().double())
     y = rms_norm(x, wbase[::2])
     ref = rms_norm_ref(x.double(), w64[::2])
     dy = torch.randn(y.shape, device=device)
@@ -103,7 +98,7 @@ def test_rms_norm_rows_of_4096_and_longer_use_the_one_program_per_sm_blocks(devi
 def test_rms_norm_adds_no_view_nodes_to_the_autograd_graph(device):
     """Leading dims are handled inside the autograd Function: one node between y and the leaves."""
     x, w = _inputs((2, 3, 40), torch.float32, device)
-    xl, wl = _leaf(x), _leaf(w)
+    xl, wl = leaf(x), leaf(w)
     y = rms_norm(xl, wl)
     assert type(y.grad_fn).__name__ == "RmsNormFunctionBackward"
     leaves = [fn.variable for fn, _ in y.grad_fn.next_functions if fn is not None and hasattr(fn, "variable")]
@@ -114,7 +109,7 @@ def test_rms_norm_adds_no_view_nodes_to_the_autograd_graph(device):
 def test_rms_norm_in_place_backward_reuses_the_gradient(device):
     x, w = _inputs((6, 72), torch.float32, device)
     _check_rms_norm(x, w, in_place_backward=True)
-    xl = _leaf(x)
+    xl = leaf(x)
     dy = torch.randn_like(x)
     dy0 = dy.clone()
     rms_norm(xl, w, in_place_backward=True).backward(dy)
@@ -123,7 +118,7 @@ def test_rms_norm_in_place_backward_reuses_the_gradient(device):
 
 
 @pytest.fixture
-def small_blocks():
+def small_blocks(registry):
     """A backend spec forcing tiny BLOCK_N: the looped path at interpreter-friendly sizes, through
     the same launch_config override a real backend would use."""
     calls = []
@@ -134,15 +129,10 @@ def small_blocks():
             return {"BLOCK_N": 32, "BLOCK_M": 2, "programs_per_unit": 1}
         return {"BLOCK_N": 32, "BLOCK_M": 2} if kernel == "rms_norm_fwd" else None
 
-    spec = types.ModuleType("tritonspec_test_small_blocks")
-    spec.kernel_config = kernel_config
-    spec.__all__ = ["kernel_config"]
+    spec = make_spec("tritonspec_test_small_blocks", kernel_config=kernel_config)
     tritonspec.register_spec("test-small-blocks", spec)
-    try:
-        with tritonspec.use_backend("test-small-blocks"):
-            yield calls
-    finally:
-        tritonspec.REGISTRY.unregister("test-small-blocks")
+    with tritonspec.use_backend("test-small-blocks"):
+        yield calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -153,14 +143,14 @@ def test_looped_path_via_backend_spec(small_blocks, dtype, device):
 
 
 def _check_add_rms_norm(x, w, residual, grad_residual_out=True):
-    xl, rl, wl = _leaf(x), _leaf(residual), _leaf(w)
+    xl, rl, wl = leaf(x), leaf(residual), leaf(w)
     with poisoned_allocations():
         y, s = add_rms_norm(xl, rl, wl)
         dy = torch.randn(y.shape, device=y.device).to(y.dtype)
         ds = torch.randn(s.shape, device=s.device).to(s.dtype)
         loss = (y * dy).sum() + ((s * ds).sum() if grad_residual_out else 0)
         loss.backward()
-    x64, r64, w64 = _leaf(x.double()), _leaf(residual.double()), _leaf(w.double())
+    x64, r64, w64 = leaf(x.double()), leaf(residual.double()), leaf(w.double())
     ref_y, ref_s = add_rms_norm_ref(x64, r64, w64)
     ((ref_y * dy.double()).sum() + ((ref_s * ds.double()).sum() if grad_residual_out else 0)).backward()
     assert_close(y, ref_y, "y")
@@ -194,11 +184,11 @@ def test_torch_compile_fullgraph(device):
         y, s = add_rms_norm(x, r, w)
         return rms_norm(y, w) + s
 
-    xl, rl, wl = _leaf(x), _leaf(r), _leaf(w)
+    xl, rl, wl = leaf(x), leaf(r), leaf(w)
     out = torch.compile(f, fullgraph=True)(xl, rl, wl)
     dy = torch.randn_like(out)
     out.backward(dy)
-    x64, r64, w64 = _leaf(x.double()), _leaf(r.double()), _leaf(w.double())
+    x64, r64, w64 = leaf(x.double()), leaf(r.double()), leaf(w.double())
     ry, rs = add_rms_norm_ref(x64, r64, w64)
     ref = rms_norm_ref(ry, w64) + rs
     ref.backward(dy.double())
@@ -210,8 +200,8 @@ def test_torch_compile_fullgraph(device):
 def test_opcheck(device):
     x, w = _inputs((6, 40), torch.float32, device)
     r = torch.randn_like(x)
-    torch.library.opcheck(RMS_NORM.forward_op, (_leaf(x), _leaf(w), 1e-6))
-    torch.library.opcheck(ADD_RMS_NORM.forward_op, (_leaf(x), _leaf(r), _leaf(w), 1e-6))
+    torch.library.opcheck(RMS_NORM.forward_op, (leaf(x), leaf(w), 1e-6))
+    torch.library.opcheck(ADD_RMS_NORM.forward_op, (leaf(x), leaf(r), leaf(w), 1e-6))
     _, rstd = RMS_NORM.forward_op(x, w, 1e-6)
     torch.library.opcheck(RMS_NORM.backward_op, (torch.randn_like(x), x, w, rstd))
     torch.library.opcheck(ADD_RMS_NORM.backward_op, (torch.randn_like(x), torch.randn_like(x), x, w, rstd))

@@ -1,5 +1,6 @@
 """RoPE (HF apply_rotary_pos_emb, rotate-half) against the float64 reference: q_embed, k_embed, dq, dk."""
 import pytest
+from helpers import leaf, model_config
 import torch
 
 from tritonspec.ops import _library, rope
@@ -7,10 +8,6 @@ from tritonspec.ops._testing import assert_close, poisoned_allocations
 from tritonspec.ops.rope import ROPE, rope_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def _leaf(t):
-    return t.detach().clone().requires_grad_(True)
 
 
 def _cos_sin(batch, seq, dim, device, dtype=torch.float32, generic=False):
@@ -33,13 +30,13 @@ def _qk(b, hq, hk, s, d, dtype, device, hf_layout=False):
 
 
 def _check(q, k, cos, sin, in_place_backward=False):
-    ql, kl = _leaf(q), _leaf(k)
+    ql, kl = leaf(q), leaf(k)
     with poisoned_allocations():
         qo, ko = rope(ql, kl, cos, sin, in_place_backward=in_place_backward)
         dq = torch.randn(qo.shape, device=q.device).to(q.dtype)
         dk = torch.randn(ko.shape, device=q.device).to(q.dtype)
         ((qo * dq).sum() + (ko * dk).sum()).backward()
-    q64, k64 = _leaf(q.double()), _leaf(k.double())
+    q64, k64 = leaf(q.double()), leaf(k.double())
     rq, rk = rope_ref(q64, k64, cos, sin)
     ((rq * dq.double()).sum() + (rk * dk.double()).sum()).backward()
     assert qo.dtype == q.dtype and qo.shape == q.shape and ko.shape == k.shape
@@ -74,7 +71,7 @@ def test_rope_in_place_backward(device):
     q, k = _qk(2, 4, 2, 5, 16, torch.float32, device, hf_layout=True)
     cos, sin = _cos_sin(1, 5, 16, device)
     _check(q, k, cos, sin, in_place_backward=True)
-    ql, kl = _leaf(q), _leaf(k)
+    ql, kl = leaf(q), leaf(k)
     qo, ko = rope(ql, kl, cos, sin, in_place_backward=True)
     dq, dk = torch.randn_like(qo), torch.randn_like(ko)
     dq0 = dq.clone()
@@ -87,11 +84,11 @@ def test_rope_in_place_backward(device):
 def test_rope_only_one_output_used(device):
     q, k = _qk(1, 2, 2, 3, 8, torch.float32, device)
     cos, sin = _cos_sin(1, 3, 8, device)
-    ql, kl = _leaf(q), _leaf(k)
+    ql, kl = leaf(q), leaf(k)
     qo, _ = rope(ql, kl, cos, sin)
     dq = torch.randn_like(qo)
     qo.backward(dq)
-    q64 = _leaf(q.double())
+    q64 = leaf(q.double())
     (rope_ref(q64, k.double(), cos, sin)[0] * dq.double()).sum().backward()
     assert_close(ql.grad, q64.grad, "dq")
     assert kl.grad is None or torch.count_nonzero(kl.grad) == 0
@@ -99,8 +96,7 @@ def test_rope_only_one_output_used(device):
 
 def test_rope_matches_hf_apply_rotary_pos_emb(device):
     modeling = pytest.importorskip("transformers.models.llama.modeling_llama")
-    from transformers import LlamaConfig
-    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    cfg = model_config("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
     rotary = modeling.LlamaRotaryEmbedding(cfg).to(device)
     q, k = _qk(2, 4, 2, 6, 16, torch.float32, device, hf_layout=True)
     cos, sin = rotary(q, torch.arange(6, device=device)[None].expand(2, 6))
@@ -118,7 +114,7 @@ def test_library_op_path_in_eager(monkeypatch, device):
 def test_torch_compile_fullgraph(device):
     q, k = _qk(2, 4, 2, 5, 16, torch.float32, device, hf_layout=True)
     cos, sin = _cos_sin(2, 5, 16, device)
-    ql, kl = _leaf(q), _leaf(k)
+    ql, kl = leaf(q), leaf(k)
 
     def f(q, k):
         qo, ko = rope(q, k, cos, sin)
@@ -127,7 +123,7 @@ def test_torch_compile_fullgraph(device):
     out = torch.compile(f, fullgraph=True)(ql, kl)
     dy = torch.randn_like(out)
     out.backward(dy)
-    q64, k64 = _leaf(q.double()), _leaf(k.double())
+    q64, k64 = leaf(q.double()), leaf(k.double())
     rq, rk = rope_ref(q64, k64, cos, sin)
     ref = rq.sum(1) + rk.sum(1)
     ref.backward(dy.double())
@@ -139,7 +135,7 @@ def test_torch_compile_fullgraph(device):
 def test_opcheck(device):
     q, k = _qk(2, 4, 2, 5, 16, torch.float32, device, hf_layout=True)
     cos, sin = _cos_sin(1, 5, 16, device)
-    torch.library.opcheck(ROPE.forward_op, (_leaf(q), _leaf(k), cos, sin))
+    torch.library.opcheck(ROPE.forward_op, (leaf(q), leaf(k), cos, sin))
     torch.library.opcheck(ROPE.backward_op, (torch.randn_like(q), torch.randn_like(k), cos, sin))
 
 

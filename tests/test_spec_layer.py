@@ -7,41 +7,17 @@ import types
 
 import numpy as np
 import pytest
+from helpers import CUDA, HIP, compile_for, make_spec, no_interpreter, set_interpreting
 import torch
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from triton.language.extra import libdevice
 from triton.runtime.jit import JITFunction
 
 import tritonspec
 from tritonspec import REGISTRY, SpecError, SpecHookError, check, install, resolve
 from tritonspec.inject import restore as restore_injections
-
-CUDA = GPUTarget("cuda", 90, 32)
-HIP = GPUTarget("hip", "gfx942", 64)
-
-
-def make_spec(name, **exports):
-    mod = types.ModuleType(name)
-    for k, v in exports.items():
-        setattr(mod, k, v)
-    mod.__all__ = list(exports)
-    return mod
-
-
-@pytest.fixture
-def registry():
-    """Register test specs freely; the real providers and the default selection come back afterwards."""
-    saved = dict(REGISTRY._registered), dict(REGISTRY._loaded)
-    default = tritonspec.default_backend()
-    yield REGISTRY
-    tritonspec.set_default_backend(default)
-    for mine, kept in zip((REGISTRY._registered, REGISTRY._loaded), saved):
-        mine.clear()
-        mine.update(kept)
-    REGISTRY._changed()
 
 
 # -- kernels (plain functions: wrapped as compiled JITFunctions or interpreted via triton.jit) --
@@ -71,10 +47,6 @@ def _arange48(out_ptr):
 def _bf16_atomic(ptr, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     tl.atomic_add(ptr + offs, tl.full([BLOCK], 1.0, tl.bfloat16))
-
-
-def compile_for(fn, signature, constexprs, target=CUDA):
-    return triton.compile(ASTSource(JITFunction(fn), signature, constexprs), target=target)
 
 
 COPY_SIG = ({"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 128})
@@ -141,13 +113,13 @@ def test_resolution_order(registry, monkeypatch):
                                    ("cpu", (), ("cpu",))):
         info = tritonspec.BackendInfo(runs="real", targets=targets, devices=devices)
         tritonspec.register_spec(name, make_spec(f"{name}_spec", backend_info=info))
-    monkeypatch.setattr(tritonspec.devices, "_interpreting", False)
+    no_interpreter(monkeypatch)
     assert resolve.current_backend("cuda") == "nvidia"
     assert resolve.current_backend("hip") == "amd"
     assert resolve.current_backend("iluvatar") == "iluvatar"
     with resolve.compiling_for("hip"):
         assert resolve.current_backend() == "amd"
-    monkeypatch.setattr(tritonspec.devices, "_interpreting", True)
+    set_interpreting(monkeypatch, True)
     assert resolve.current_backend() == "cpu"
     tritonspec.set_default_backend("b")
     assert resolve.current_backend("cuda") == "b"
@@ -163,7 +135,7 @@ def test_resolution_order(registry, monkeypatch):
 
 def test_driver_spec_is_used_only_when_a_driver_exists(registry, monkeypatch):
     from triton.runtime.driver import driver
-    monkeypatch.setattr(tritonspec.devices, "_interpreting", False)
+    no_interpreter(monkeypatch)
     assert driver._active is None and driver._default is None
     assert tritonspec.spec("num_stages_cap") is None
     assert driver._active is None and driver._default is None, "resolving must never create a driver"
@@ -442,8 +414,9 @@ import hashlib, json, sys
 sys.path.insert(0, {testdir!r})
 import triton
 from triton.backends.compiler import GPUTarget
+from helpers import compile_for
 import test_spec_layer as t
-k = t.compile_for(t._copy, *t.COPY_SIG, target=GPUTarget(*{target!r}))
+k = compile_for(t._copy, *t.COPY_SIG, target=GPUTarget(*{target!r}))
 print(json.dumps({{s: hashlib.sha256(str(k.asm[s]).encode()).hexdigest() for s in {stages!r}}}))
 """
 

@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import pytest
+from helpers import compile_for
 import triton.language as tl
 
 STOCK_EXP_3 = 20.085536923187668  # e**3: what tl.exp(3.0) must give unless a trusted spec says otherwise
@@ -154,11 +155,8 @@ def test_a_malformed_allow_list_is_an_error(raw):
 RUNTIME_SPEC = """
 import json, sys, types
 import triton, tritonspec, triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction
 sys.path.insert(0, {testdir!r})
-from test_spec_providers import exp_kernel
+from test_spec_providers import compile_exp
 
 spec = types.ModuleType("dup_spec")
 exec({body!r}, spec.__dict__)
@@ -166,8 +164,7 @@ spec.math_ext_base_func_list = ["exp"]
 spec.__all__ = ["math_ext_base_func_list"]
 tritonspec.register_spec("dup", spec)
 with tritonspec.use_backend("dup"):
-    k = triton.compile(ASTSource(JITFunction(exp_kernel), {{"x_ptr": "*fp32", "y_ptr": "*fp32"}}, {{}}),
-                       target=GPUTarget("cuda", 90, 32))
+    k = compile_exp()
 print("RESULT " + json.dumps({{"ttir": k.asm["ttir"], "hash": k.hash,
                               "fingerprint": tritonspec.REGISTRY.get("dup").fingerprint}}))
 """
@@ -179,6 +176,11 @@ ADD = MUL.replace("mul", "add")
 
 def exp_kernel(x_ptr, y_ptr):
     tl.store(y_ptr, tl.exp(tl.load(x_ptr)))
+
+
+def compile_exp():
+    """``exp_kernel`` compiled for cuda sm90: what the scripts here compile, each in a process of its own."""
+    return compile_for(exp_kernel, {"x_ptr": "*fp32", "y_ptr": "*fp32"})
 
 
 def _compile_in_process(code, cache) -> dict:
@@ -205,15 +207,11 @@ FILE_SPEC = """
 import json, sys
 sys.path.insert(0, {site!r}); sys.path.insert(0, {testdir!r})
 import triton, tritonspec
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction
-from test_spec_providers import exp_kernel
+from test_spec_providers import compile_exp
 import toyspec
 tritonspec.register_spec("toy", toyspec)
 with tritonspec.use_backend("toy"):
-    k = triton.compile(ASTSource(JITFunction(exp_kernel), {{"x_ptr": "*fp32", "y_ptr": "*fp32"}}, {{}}),
-                       target=GPUTarget("cuda", 90, 32))
+    k = compile_exp()
 print("RESULT " + json.dumps({{"ttir": k.asm["ttir"], "fingerprint": tritonspec.REGISTRY.get("toy").fingerprint}}))
 """
 
@@ -261,13 +259,9 @@ def test_the_fingerprint_follows_helpers_closures_and_defaults():
 ZERO_COST = """
 import json, sys
 import triton, tritonspec
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction
 sys.path.insert(0, {testdir!r})
-from test_spec_providers import exp_kernel
-k = triton.compile(ASTSource(JITFunction(exp_kernel), {{"x_ptr": "*fp32", "y_ptr": "*fp32"}}, {{}}),
-                   target=GPUTarget("cuda", 90, 32))
+from test_spec_providers import compile_exp
+k = compile_exp()
 print("RESULT " + json.dumps({{"spec": tritonspec.REGISTRY.get("nvidia").module.__name__,
                               "heavy": sorted(m for m in ("torch", "tritonspec.ops", "numpy") if m in sys.modules)}}))
 """
@@ -284,12 +278,8 @@ STOCK = """
 import json, sys
 sys.path.insert(0, {testdir!r})
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction
-from test_spec_providers import exp_kernel
-triton.compile(ASTSource(JITFunction(exp_kernel), {{"x_ptr": "*fp32", "y_ptr": "*fp32"}}, {{}}),
-               target=GPUTarget("cuda", 90, 32))
+from test_spec_providers import compile_exp
+compile_exp()
 from triton.backends import backends
 print("RESULT " + json.dumps({{"backends": sorted(backends),
                               "ours": sorted(m for m in sys.modules if m.startswith("tritonspec"))}}))

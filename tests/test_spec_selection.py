@@ -5,41 +5,16 @@ import pathlib
 import subprocess
 import sys
 import threading
-import types
 
 import pytest
+from helpers import compile_for, make_spec
 import torch
 import triton
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction
 
 import tritonspec
-from tritonspec import REGISTRY, SpecContractError, SpecError, resolve
+from tritonspec import SpecContractError, SpecError, resolve
 from tritonspec.kernel_table import RMSNormForward
-
-CUDA = GPUTarget("cuda", 90, 32)
-
-
-def make_spec(name, **exports):
-    mod = types.ModuleType(name)
-    for k, v in exports.items():
-        setattr(mod, k, v)
-    mod.__all__ = list(exports)
-    return mod
-
-
-@pytest.fixture
-def registry():
-    saved = dict(REGISTRY._registered), dict(REGISTRY._loaded)
-    default = tritonspec.default_backend()
-    yield REGISTRY
-    tritonspec.set_default_backend(default)
-    for mine, kept in zip((REGISTRY._registered, REGISTRY._loaded), saved):
-        mine.clear()
-        mine.update(kept)
-    REGISTRY._changed()
 
 
 @tl.core.builtin
@@ -65,7 +40,7 @@ def _exp_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
 
 def _ttir() -> str:
     sig = {"x_ptr": "*fp32", "y_ptr": "*fp32", "BLOCK": "constexpr"}
-    return triton.compile(ASTSource(JITFunction(_exp_kernel), sig, {"BLOCK": 32}), target=CUDA).asm["ttir"]
+    return compile_for(_exp_kernel, sig, {"BLOCK": 32}).asm["ttir"]
 
 
 def _op(ttir: str) -> str:

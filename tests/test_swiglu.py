@@ -1,5 +1,6 @@
 """SwiGLU (silu(gate) * up) against the float64 reference: output, dgate, dup."""
 import pytest
+from helpers import leaf, model_config
 import torch
 
 from tritonspec.ops import _library, swiglu
@@ -9,17 +10,13 @@ from tritonspec.ops.swiglu import SWIGLU, swiglu_ref
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def _leaf(t):
-    return t.detach().clone().requires_grad_(True)
-
-
 def _check(gate, up, in_place_backward=False):
-    gl, ul = _leaf(gate), _leaf(up)
+    gl, ul = leaf(gate), leaf(up)
     with poisoned_allocations():
         y = swiglu(gl, ul, in_place_backward=in_place_backward)
         dy = torch.randn(y.shape, device=y.device).to(y.dtype)
         y.backward(dy)
-    g64, u64 = _leaf(gate.double()), _leaf(up.double())
+    g64, u64 = leaf(gate.double()), leaf(up.double())
     ref = swiglu_ref(g64, u64)
     ref.backward(dy.double())
     assert y.shape == gate.shape and y.dtype == gate.dtype
@@ -58,7 +55,7 @@ def test_swiglu_in_place_backward_writes_into_gate_and_up(device):
     gl, ul = _check(gate, up, in_place_backward=True)
     # leaves adopt the reused storage as .grad instead of copying it (the memory the option saves)
     assert gl.grad.data_ptr() == gl.data_ptr() and ul.grad.data_ptr() == ul.data_ptr()
-    g, u = _leaf(gate), _leaf(up)
+    g, u = leaf(gate), leaf(up)
     gc, uc = g.detach().clone(), u.detach().clone()
     a, b = g * 1.0, u * 1.0  # non-leaf activations, as a projection would produce
     swiglu(a, b, in_place_backward=True).sum().backward()
@@ -73,11 +70,11 @@ def test_library_op_path_in_eager(monkeypatch, device):
 
 def test_torch_compile_fullgraph(device):
     gate, up = _pair((3, 7, 123), torch.float32, device)
-    gl, ul = _leaf(gate), _leaf(up)
+    gl, ul = leaf(gate), leaf(up)
     out = torch.compile(lambda g, u: swiglu(g, u) * 2.0, fullgraph=True)(gl, ul)
     dy = torch.randn_like(out)
     out.backward(dy)
-    g64, u64 = _leaf(gate.double()), _leaf(up.double())
+    g64, u64 = leaf(gate.double()), leaf(up.double())
     ref = swiglu_ref(g64, u64) * 2.0
     ref.backward(dy.double())
     assert_close(out, ref, "out")
@@ -87,21 +84,19 @@ def test_torch_compile_fullgraph(device):
 
 def test_opcheck(device):
     gate, up = _pair((6, 40), torch.float32, device)
-    torch.library.opcheck(SWIGLU.forward_op, (_leaf(gate), _leaf(up)))
+    torch.library.opcheck(SWIGLU.forward_op, (leaf(gate), leaf(up)))
     torch.library.opcheck(SWIGLU.backward_op, (torch.randn_like(gate), gate, up))
 
 
 def test_layer_is_a_drop_in_for_llama_mlp(device):
     modeling = pytest.importorskip("transformers.models.llama.modeling_llama")
-    from transformers import LlamaConfig
-
     from tritonspec.nn.layers import SwiGLUMLP
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=72, hidden_act="silu")
+    cfg = model_config("llama", hidden_size=32, intermediate_size=72, hidden_act="silu")
     hf = modeling.LlamaMLP(cfg).to(device)
     ours = SwiGLUMLP(32, 72).to(device)
     ours.load_state_dict(hf.state_dict())
     x = torch.randn(2, 3, 32, device=device)
-    xh, xo = _leaf(x), _leaf(x)
+    xh, xo = leaf(x), leaf(x)
     ref, out = hf(xh), ours(xo)
     dy = torch.randn_like(ref)
     ref.backward(dy)

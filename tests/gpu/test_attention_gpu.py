@@ -7,9 +7,9 @@ as the nvidia spec ships (that table plus Hopper's warp-specialized forward).
 """
 import json
 import os
-import types
 
 import pytest
+from helpers import leaf, make_spec
 import torch
 import torch.nn.functional as F
 
@@ -24,14 +24,14 @@ _EPS = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 
 
 def _spec(fn, hopper=False):
-    mod = types.ModuleType("attention_gpu_test_spec")
-    mod.kernel_config = lambda kernel, **problem: fn(kernel, **{k: v for k, v in problem.items() if k != "device"})
-    mod.__all__ = ["kernel_config"]
+    def kernel_config(kernel, **problem):
+        return fn(kernel, **{k: v for k, v in problem.items() if k != "device"})
+
+    exports = {"kernel_config": kernel_config}
     if hopper:  # as the nvidia spec ships: Hopper's own forward and dK/dV kernels where they apply
-        mod.attention_forward = attention_sm90.attention_forward
-        mod.attention_backward = attention_sm90.attention_backward
-        mod.__all__ += ["attention_forward", "attention_backward"]
-    return mod
+        exports.update(attention_forward=attention_sm90.attention_forward,
+                       attention_backward=attention_sm90.attention_backward)
+    return make_spec("attention_gpu_test_spec", **exports)
 
 
 def _tuned(kernel, **problem):
@@ -71,7 +71,7 @@ SPECS = {"default": (None, False), "h100": (_tuned, True), "h100_tl": (_tuned, F
 
 
 @pytest.fixture
-def configs():
+def configs(registry):
     name = "attention-gpu-test"
 
     def use(key):
@@ -84,12 +84,11 @@ def configs():
             tritonspec.register_spec(name, _spec(fn, hopper))
         return tritonspec.use_backend(name)
 
-    yield use
-    tritonspec.REGISTRY.unregister(name)
+    return use
 
 
 def _run(q, k, v, do, causal, fn):
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    q, k, v = (leaf(t) for t in (q, k, v))
     out = fn(q, k, v, causal)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
     return out.detach(), dq, dk, dv

@@ -6,10 +6,8 @@ and run through the CUDA launcher. Checked: the 64-bit atomic add emulated with 
 under real concurrency (many programs, few addresses, carries across the 32-bit boundary), no
 bf16 atomics, num_stages <= 2, and the one-source kernel set of tests/test_one_source.py.
 """
-import os
-import sys
-
 import pytest
+import test_one_source  # the one-source kernel set (tests/ is on sys.path: conftest.py)
 import torch
 import triton
 import triton.language as tl
@@ -17,11 +15,7 @@ import triton.language as tl
 import tritonspec
 from tritonspec_backends.iluvatar.backend import driver as iluvatar_driver
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import test_one_source  # noqa: E402  (the one-source kernel set)
-
 pytestmark = pytest.mark.gpu
-SEED = int.from_bytes(os.urandom(4), "little")
 
 
 @pytest.fixture
@@ -33,12 +27,6 @@ def iluvatar():
             yield driver.active
         finally:
             driver.set_active(previous)
-
-
-@pytest.fixture
-def gen():
-    print(f"seed {SEED}")
-    return torch.Generator().manual_seed(SEED)
 
 
 @triton.jit

@@ -4,6 +4,7 @@ the triton_op path under Inductor (static and dynamic shapes), 64-bit indexing.
 Run with TRITONSPEC_TEST_DEVICE=cuda; the CPU test files run there too and cover the dtype matrix.
 """
 import pytest
+from helpers import leaf
 import torch
 
 from tritonspec.ops import _library, add_rms_norm, rms_norm, rope, swiglu
@@ -14,10 +15,6 @@ from tritonspec.ops.swiglu import SWIGLU, swiglu_ref
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
-
-
-def _leaf(t):
-    return t.detach().clone().requires_grad_(True)
 
 
 def _grads(out, ref, inputs, refs):
@@ -39,10 +36,10 @@ def test_rms_norm_hidden_sizes(n, dtype):
     x = torch.randn(m, n, device=DEV).to(dtype)
     w = (1 + 0.5 * torch.randn(n, device=DEV)).to(dtype)
     eps = 1.0 if n == 1 else 1e-6  # see test_rms_norm: N=1's gradient is ill-conditioned at tiny eps
-    xl, wl = _leaf(x), _leaf(w)
+    xl, wl = leaf(x), leaf(w)
     with poisoned_allocations():
         y = rms_norm(xl, wl, eps)
-        x64, w64 = _leaf(x.double()), _leaf(w.double())
+        x64, w64 = leaf(x.double()), leaf(w.double())
         ref = rms_norm_ref(x64, w64, eps)
         dy = torch.randn(y.shape, device=DEV).to(y.dtype)
         y.backward(dy)
@@ -57,9 +54,9 @@ def test_rms_norm_hidden_sizes(n, dtype):
 def test_add_rms_norm_model_shape():
     x, r = (torch.randn(2, 1024, 4096, device=DEV, dtype=torch.bfloat16) for _ in range(2))
     w = torch.randn(4096, device=DEV, dtype=torch.bfloat16)
-    xl, rl, wl = _leaf(x), _leaf(r), _leaf(w)
+    xl, rl, wl = leaf(x), leaf(r), leaf(w)
     y, s = add_rms_norm(xl, rl, wl)
-    x64, r64, w64 = _leaf(x.double()), _leaf(r.double()), _leaf(w.double())
+    x64, r64, w64 = leaf(x.double()), leaf(r.double()), leaf(w.double())
     ry, rs = add_rms_norm_ref(x64, r64, w64)
     dy, ds = torch.randn_like(y), torch.randn_like(s)
     torch.autograd.backward((y, s), (dy, ds))
@@ -72,9 +69,9 @@ def test_add_rms_norm_model_shape():
 
 def test_swiglu_model_shape_fused_projection_layout():
     fused = torch.randn(2048, 2 * 14336, device=DEV, dtype=torch.bfloat16)
-    g, u = _leaf(fused[:, :14336]), _leaf(fused[:, 14336:])
+    g, u = leaf(fused[:, :14336]), leaf(fused[:, 14336:])
     out = swiglu(g, u)
-    g64, u64 = _leaf(g.double()), _leaf(u.double())
+    g64, u64 = leaf(g.double()), leaf(u.double())
     ref = swiglu_ref(g64, u64)
     (dg, rdg), (du, rdu) = _grads(out, ref, (g, u), (g64, u64))
     assert_close(out, ref, "y")
@@ -106,9 +103,9 @@ def _check_rope(b, hq, hk, s, hf_layout, base=500000.0):
     inv = 1.0 / (base ** (torch.arange(0, d, 2, device=DEV).float() / d))
     emb = torch.cat([torch.arange(s, device=DEV).float()[:, None] * inv] * 2, -1)[None].expand(b, s, d)
     cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
-    ql, kl = _leaf(q), _leaf(k)
+    ql, kl = leaf(q), leaf(k)
     qo, ko = rope(ql, kl, cos, sin)
-    q64, k64 = _leaf(q.double()), _leaf(k.double())
+    q64, k64 = leaf(q.double()), leaf(k.double())
     rq, rk = rope_ref(q64, k64, cos, sin)
     dq, dk = torch.randn_like(qo), torch.randn_like(ko)
     torch.autograd.backward((qo, ko), (dq, dk))
@@ -125,7 +122,7 @@ def test_rope_model_shapes(b, hq, hk, s, hf_layout):
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_inductor_fullgraph_triton_op(dynamic):
     """Inductor sees the triton_op bodies; two row counts exercise dynamic shapes."""
-    w = _leaf(torch.randn(4096, device=DEV, dtype=torch.bfloat16))
+    w = leaf(torch.randn(4096, device=DEV, dtype=torch.bfloat16))
 
     def block(x, r, q, k, cos, sin):
         h, s = add_rms_norm(x, r, w)
@@ -135,9 +132,9 @@ def test_inductor_fullgraph_triton_op(dynamic):
 
     f = torch.compile(block, fullgraph=True, dynamic=dynamic)
     for m in (96, 160):
-        x, r = (_leaf(torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16)) for _ in range(2))
-        q = _leaf(torch.randn(1, 8, m, 128, device=DEV, dtype=torch.bfloat16))
-        k = _leaf(torch.randn(1, 2, m, 128, device=DEV, dtype=torch.bfloat16))
+        x, r = (leaf(torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16)) for _ in range(2))
+        q = leaf(torch.randn(1, 8, m, 128, device=DEV, dtype=torch.bfloat16))
+        k = leaf(torch.randn(1, 2, m, 128, device=DEV, dtype=torch.bfloat16))
         cos, sin = torch.randn(1, m, 128, device=DEV), torch.randn(1, m, 128, device=DEV)
         f(x, r, q, k, cos, sin).backward()
         got = [t.grad.clone() for t in (x, r, q, k)]
@@ -152,9 +149,9 @@ def test_inductor_fullgraph_triton_op(dynamic):
 
 
 def test_opcheck_triton_ops():
-    g, u = (_leaf(torch.randn(64, 256, device=DEV)) for _ in range(2))
+    g, u = (leaf(torch.randn(64, 256, device=DEV)) for _ in range(2))
     torch.library.opcheck(SWIGLU.forward_op, (g, u))
-    q, k = _leaf(torch.randn(2, 4, 16, 64, device=DEV)), _leaf(torch.randn(2, 2, 16, 64, device=DEV))
+    q, k = leaf(torch.randn(2, 4, 16, 64, device=DEV)), leaf(torch.randn(2, 2, 16, 64, device=DEV))
     torch.library.opcheck(ROPE.forward_op, (q, k, torch.randn(2, 16, 64, device=DEV), torch.randn(2, 16, 64, device=DEV)))
 
 
@@ -198,9 +195,9 @@ def test_eager_launch_plans_are_keyed_by_what_they_fix():
     w = (1 + 0.5 * torch.randn(4096, device=DEV)).bfloat16()
     r = torch.randn_like(x)
     for eps, in_place in [(1e-6, False), (1e-2, False), (1e-6, True), (1e-6, False)] * 2:
-        xl, wl = _leaf(x), _leaf(w)
+        xl, wl = leaf(x), leaf(w)
         y = rms_norm(xl, wl, eps, in_place_backward=in_place)
-        x64, w64 = _leaf(x.double()), _leaf(w.double())
+        x64, w64 = leaf(x.double()), leaf(w.double())
         ref = rms_norm_ref(x64, w64, eps)
         dy = torch.randn_like(y)
         y.backward(dy.clone())

@@ -10,6 +10,7 @@ import copy
 import os
 
 import pytest
+from helpers import available_models, build_model, model_config
 import torch
 
 import tritonspec.nn as tnn
@@ -21,12 +22,8 @@ FACTOR = 3.0
 ULPS = 4
 DEVICE = "cuda"
 COMMON = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
-              num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096)
-MODELS = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-          "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-          "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 128}),
-          "mistral": ("MistralConfig", "MistralForCausalLM", {})}
-MODELS = {k: v for k, v in MODELS.items() if hasattr(transformers, v[1])}
+              num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096)  # qwen3: head_dim 128
+MODELS = available_models()
 BATCH, SEQ = 2, 256
 RULES = r"""
 - match: {name: "\\.mlp$"}
@@ -39,12 +36,7 @@ RULES = r"""
 
 def _build(name, dtype, attn="sdpa"):
     """Initialised in fp32 then cast, so the fp64 reference and the bf16 models share the same weights."""
-    cfg_cls, model_cls, extra = MODELS[name]
-    cfg = getattr(transformers, cfg_cls)(**COMMON, **extra)
-    torch.manual_seed(0)
-    with torch.device(DEVICE):
-        model = getattr(transformers, model_cls)._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
-    return model.to(dtype)
+    return build_model(name, dtype, attn, seed=0, device=DEVICE, init_dtype=torch.float32, **COMMON)
 
 
 def _run(model, ids):
@@ -129,8 +121,8 @@ def test_bf16_model_matches_original(name, front, references, worst):
 def test_kernelized_model_under_torch_compile():
     """can_torch_compile=True: layers stay installed for TRAINING|TORCH_COMPILE and Inductor compiles them,
     with our attention function registered as the model's attention implementation."""
-    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=512)
+    cfg = model_config("llama", hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=512)
     torch.manual_seed(0)
     with torch.device(DEVICE):
         ref = transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.float32)
