@@ -307,3 +307,32 @@ def test_no_backend_is_spelled_in_the_core():
         source = (root / path).read_text()
         for name in vendors + ["npu", "Ascend910B3", "gfx942"]:
             assert f'"{name}"' not in source and f"'{name}'" not in source, (path, name)
+
+
+def test_a_backward_run_on_another_thread_uses_its_forwards_selection(registry):
+    """Autograd runs CUDA backwards on a device thread, where this thread's use_backend is not in
+    scope: each op's backward carries its forward's selection (the eager path and the library op)."""
+    from tritonspec.ops import _library, rms_norm
+    seen = []
+
+    def kernel_config(kernel, **problem):
+        seen.append((kernel, threading.current_thread().name))
+        return None
+
+    tritonspec.register_spec("carried", make_spec("carried_spec", kernel_config=kernel_config))
+    for library, n in ((False, 40), (True, 48)):  # another size each: launch configs are memoized
+        seen.clear()
+        _library.FORCE_LIBRARY_OP = library
+        try:
+            x = torch.randn(3, n, requires_grad=True)
+            with tritonspec.use_backend("carried"):
+                y = rms_norm(x, torch.ones(n))
+            t = threading.Thread(target=lambda: y.sum().backward(), name="autograd-elsewhere")
+            t.start()
+            t.join()
+        finally:
+            _library.FORCE_LIBRARY_OP = False
+        assert ("rms_norm_fwd", "MainThread") in seen and ("rms_norm_bwd", "autograd-elsewhere") in seen, seen
+        torch.testing.assert_close(x.grad.double(), torch.autograd.functional.vjp(
+            lambda t: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6), x.detach().double(),
+            torch.ones(3, n, dtype=torch.float64))[1], rtol=1e-5, atol=1e-5)

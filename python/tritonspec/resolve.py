@@ -68,6 +68,25 @@ def selection_key() -> tuple:
     return (stack[-1] if stack else _default, REGISTRY.generation)
 
 
+def selection() -> tuple[str, ...]:
+    """This thread's (or task's) ``use_backend`` stack, to carry into work done elsewhere."""
+    return _selection.get()
+
+
+@contextlib.contextmanager
+def selected(stack: tuple[str, ...]):
+    """Run with ``stack`` (from ``selection()``) as the selection: an op's backward runs on autograd's
+    device thread for CUDA tensors, and must see the spec its forward saw."""
+    if stack == _selection.get():
+        yield
+        return
+    token = _selection.set(stack)
+    try:
+        yield
+    finally:
+        _selection.reset(token)
+
+
 def on_selection_change(fn) -> None:
     """Call ``fn()`` whenever a thread changes its selection or the process default changes."""
     if fn not in _selection_listeners:

@@ -23,6 +23,7 @@ import torch
 from ..devices import interpreting
 from ..launch import launch_config
 from ..registry import REGISTRY
+from ..resolve import selected, selection
 from ._launch_cache import CachedLauncher
 
 NAMESPACE = "tritonspec"
@@ -117,12 +118,16 @@ class Op:
                                       opaque=opaque)
         backward_op = self.backward_op
 
+        # The backward runs where autograd runs it (a device thread for CUDA tensors), under the spec
+        # selection the forward saw.
         def setup_context(ctx, inputs, output):
             ctx.save_for_backward(*save(inputs, (output,) if single else output))
             ctx.statics = tuple(inputs[i] for i in statics)
+            ctx.selection = selection()
 
         def op_backward(ctx, *output_grads):
-            results = backward_op(*output_grads[:n_grads], *ctx.saved_tensors, *ctx.statics)
+            with selected(ctx.selection):
+                results = backward_op(*output_grads[:n_grads], *ctx.saved_tensors, *ctx.statics)
             return tuple(None if i is None else results[i] for i in grads)
 
         self.forward_op.register_autograd(op_backward, setup_context=setup_context)
@@ -132,11 +137,13 @@ class Op:
             ctx.save_for_backward(*save(inputs, outputs))
             ctx.statics = tuple(inputs[i] for i in statics) if n_statics else ()
             ctx.in_place = in_place
+            ctx.selection = selection()
             ctx.set_materialize_grads(False)
             return outputs[0] if n_grads == 1 else outputs[:n_grads]
 
         def function_backward(ctx, *output_grads):
-            results = backward(output_grads, ctx.saved_tensors, ctx.statics, in_place=ctx.in_place, traced=False)
+            with selected(ctx.selection):
+                results = backward(output_grads, ctx.saved_tensors, ctx.statics, in_place=ctx.in_place, traced=False)
             return (None, *(None if i is None else results[i] for i in grads))
 
         # Named after the op (RmsNormFunction, ...: autograd names its nodes RmsNormFunctionBackward).
