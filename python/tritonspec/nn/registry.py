@@ -42,7 +42,10 @@ def as_kernel_type(value) -> KernelType | str:
     if isinstance(value, KernelType):
         return value
     if isinstance(value, str) and value in kernel_table.KERNELS:
-        return KernelType(value) if value in KernelType._value2member_map_ else value
+        try:
+            return KernelType(value)
+        except ValueError:  # declared after import
+            return value
     raise TypeError(f"kernel_type: expected a KernelType or a declared kernel's name, got {value!r}")
 
 
