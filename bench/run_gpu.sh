@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark in one command, for a lent H100 (no network):
-#   bash bench/run_gpu.sh OUTDIR [kernels|attention|models ...]
+#   bash bench/run_gpu.sh OUTDIR [kernels|attention|moe|models ...]
 # GPU tests first, then the named benchmarks (default: kernels and models); logs and tables go to OUTDIR.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +19,7 @@ for b in "${@:-kernels models}"; do
     case $name in
       kernels) python3 bench/bench_kernels.py --cudagraph --budget 150 --out "$out/results_kernels.md" 2>&1 | tee "$out/bench_kernels.log" | tail -30 ;;
       attention) python3 bench/bench_attention.py --final 2>&1 | tee "$out/bench_attention.log" | tail -20 ;;
+      moe) python3 bench/bench_moe.py --out "$out/results_moe.md" 2>&1 | tee "$out/bench_moe.log" | tail -40 ;;
       models) python3 bench/bench_training_step.py --out "$out/results_models.md" 2>&1 | tee "$out/bench_models.log" | tail -12 ;;
     esac
   done

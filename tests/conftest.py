@@ -64,7 +64,7 @@ def gen():
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Count calls of the Triton ops the hub layers, tritonspec.nn.RMSNorm and the attention use."""
+    """Count calls of the Triton ops the hub layers, tritonspec.nn.RMSNorm, the attention and the experts use."""
     import importlib
     from tritonspec.nn.hub import layers as hub_layers
     counts = {}
@@ -84,5 +84,6 @@ def spy(monkeypatch):
     wrap("tritonspec.ops.swiglu", "swiglu", "tritonspec.nn.layers")
     wrap("tritonspec.ops.rope", "rope")
     wrap("tritonspec.ops.attention", "attention")
+    wrap("tritonspec.ops.moe", "moe_experts")
     monkeypatch.setattr(hub_layers, "_IMPORTED", {})
     return counts

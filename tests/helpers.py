@@ -102,15 +102,31 @@ def leaf(t):
 ARCHITECTURES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                  "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
 
+# MoE causal LMs: (config class, model class, the architecture's settings: 4 experts, top-2, every layer
+# sparse; DeepSeek's latent attention has as many key/value heads as query heads).
+MOE_ARCHITECTURES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, head_dim=8, mlp_only_layers=[])),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, eos_token_id=None)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, layer_types=["full_attention"])),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=0,
+                         n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                         qk_nope_head_dim=8, v_head_dim=8, n_shared_experts=1, num_key_value_heads=4)),
+}
+
 # The CPU tests' sizes: every code path of a real model, in milliseconds on the interpreter.
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
             max_position_embeddings=64, num_hidden_layers=1)
 
 
-def available_models():
-    """The names in ARCHITECTURES that the installed transformers has."""
+def available_models(architectures=None):
+    """The names in ``architectures`` (default ARCHITECTURES) that the installed transformers has."""
     import transformers
-    return [name for name, (_, model_cls) in ARCHITECTURES.items() if hasattr(transformers, model_cls)]
+    return [name for name, (_, model_cls, *_) in (architectures or ARCHITECTURES).items()
+            if hasattr(transformers, model_cls)]
 
 
 def model_config(name, **sizes):
@@ -119,6 +135,9 @@ def model_config(name, **sizes):
     qwen3's head_dim defaults to 128 whatever the hidden size, the others' to hidden_size / heads: qwen3
     gets the others' rule unless ``head_dim`` is given, so one set of sizes fits every architecture."""
     import transformers
+    if name in MOE_ARCHITECTURES:
+        config_cls, _, moe = MOE_ARCHITECTURES[name]
+        return getattr(transformers, config_cls)(**dict(sizes, **moe))  # the architecture's own needs win
     if name == "qwen3" and "hidden_size" in sizes and "num_attention_heads" in sizes:
         sizes.setdefault("head_dim", sizes["hidden_size"] // sizes["num_attention_heads"])
     return getattr(transformers, ARCHITECTURES[name][0])(**sizes)
@@ -135,7 +154,8 @@ def build_model(name, dtype, attn="sdpa", *, seed, device=None, init_dtype=None,
     torch.manual_seed(seed)
     kwargs = {} if init_dtype is None else {"dtype": init_dtype}
     with torch.device(device) if device is not None else contextlib.nullcontext():
-        model = getattr(transformers, ARCHITECTURES[name][1])._from_config(cfg, attn_implementation=attn, **kwargs)
+        model_cls = (MOE_ARCHITECTURES if name in MOE_ARCHITECTURES else ARCHITECTURES)[name][1]
+        model = getattr(transformers, model_cls)._from_config(cfg, attn_implementation=attn, **kwargs)
     return model.to(dtype)
 
 

@@ -94,7 +94,7 @@ def test_metaclass_auto_registers_unless_disabled():
     assert isinstance(MetaKernel, AutoRegisterKernelMeta)
     assert KERNEL_REGISTRY.get_kernel(KernelType.MOE, DeviceType.XPU) is Auto
     assert KERNEL_REGISTRY.get_kernel(KernelType.MOE, DeviceType.NPU) is None
-    assert KERNEL_REGISTRY.get_kernel(KernelType.MOE, DeviceType.CPU) is None  # the base never registers
+    assert KERNEL_REGISTRY.get_kernel(KernelType.MOE, DeviceType.MPS) is None  # the base never registers
 
 
 def test_moe_kernel_plugs_in_without_engine_changes():
@@ -178,11 +178,11 @@ def test_failed_apply_is_undone():
 
 
 def test_builtin_kernels_registered_for_cuda_and_cpu():
-    for kt in (KernelType.RMSNORM, KernelType.SWIGLU, KernelType.ROPE, KernelType.FLASH_ATTENTION):
+    for kt in (KernelType.RMSNORM, KernelType.SWIGLU, KernelType.ROPE, KernelType.FLASH_ATTENTION, KernelType.MOE):
         for dev in (DeviceType.CUDA, DeviceType.CPU):
             k = KERNEL_REGISTRY.get_kernel(kt, dev)
             assert issubclass(k, MetaKernel) and k.type == kt and k.device == dev
-    assert KERNEL_REGISTRY.get_kernel(KernelType.MOE, DeviceType.CUDA) is None  # no MoE kernel yet
+    assert KERNEL_REGISTRY.get_kernel(KernelType.MOE, DeviceType.MPS) is None  # Triton does not run there
 
 
 def test_missing_dependency_returns_model_unchanged(monkeypatch):

@@ -170,12 +170,47 @@ class AttentionPreprocess(LaunchConfig):
     BLOCK_M: int = field(default=64, metadata=_ATTENTION_BLOCK)
 
 
+@dataclass(frozen=True, kw_only=True)
+class MoEUp(LaunchConfig):
+    """The experts' gate/up grouped GEMM; its BLOCK_M is also the row alignment of every expert's rows."""
+    kernel: ClassVar[str] = "moe_up"
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoERows(LaunchConfig):
+    """The experts' row GEMMs (down projection, dh, dx); their BLOCK_M is moe_up's."""
+    kernel: ClassVar[str] = "moe_rows"
+    BLOCK_N: int
+    BLOCK_K: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEWeightGrad(LaunchConfig):
+    """The experts' weight gradients: (BLOCK_M x BLOCK_N) tiles of an expert's weight, BLOCK_K rows a step."""
+    kernel: ClassVar[str] = "moe_weight_grad"
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoECombine(LaunchConfig):
+    """The top-k gather-reduce: BLOCK_T tokens x BLOCK_H columns."""
+    kernel: ClassVar[str] = "moe_combine"
+    BLOCK_T: int
+    BLOCK_H: int
+
+
 # -- kernels ------------------------------------------------------------------------------------------
 
 SITES = {
     "module": "rebinds forward of the model's modules that match",
     "function": "replaces a module-level function the model's classes call (where the models look it up)",
     "attention": "switches the model's attention implementation (transformers' AttentionInterface)",
+    "experts": "switches the model's experts implementation (transformers' ExpertsInterface)",
 }
 
 
@@ -191,7 +226,8 @@ class Layer:
         tags: more layer names that select it (transformers' names, e.g. ``rotary_pos_emb``).
         classes: model class names it replaces wherever they appear, tagged or not.
         detect: a structural check for untagged modules (``"module:function"`` or a callable taking
-            the module): what the layer relies on, not a per-model class list.
+            the module), or for ``site="function"`` a check of the model's function: what the layer
+            relies on, not a per-model class list.
         function: for ``site="function"``: the module-level name the models call.
     """
 
@@ -241,7 +277,7 @@ class Kernel:
     def __post_init__(self):
         if self.site not in SITES:
             raise ValueError(f"kernel {self.name!r}: site must be one of {', '.join(SITES)}, got {self.site!r}")
-        if self.site != "attention" and self.layer is None:
+        if self.site not in ("attention", "experts") and self.layer is None:
             raise ValueError(f"kernel {self.name!r}: a {self.site!r} site needs a layer")
         if self.site == "function" and not (self.layer and self.layer.function):
             raise ValueError(f"kernel {self.name!r}: a 'function' site needs layer.function")
@@ -336,8 +372,11 @@ declare(Kernel(
     (SwiGLUForward, SwiGLUBackward)))
 declare(Kernel(
     "rope", "tritonspec.ops.rope", ("rope",), "function",
-    Layer("RotaryPosEmb", f"{_HUB}:RotaryPosEmb", tags=("rotary_pos_emb",), function="apply_rotary_pos_emb"),
+    Layer("RotaryPosEmb", f"{_HUB}:RotaryPosEmb", tags=("rotary_pos_emb",), detect=f"{_TARGETS}:is_rotate_half_rope",
+          function="apply_rotary_pos_emb"),
     (RoPE,)))
 declare(Kernel(
     "flash_attention", "tritonspec.ops.attention", ("attention",), "attention", None,
     (AttentionForward, AttentionBackwardKV, AttentionBackwardQ, AttentionPreprocess)))
+declare(Kernel(
+    "moe", "tritonspec.ops.moe", ("moe_experts", "moe_route"), "experts", None, (MoEUp, MoERows, MoEWeightGrad, MoECombine)))

@@ -6,11 +6,14 @@
 
 Whichever you use, ``report(model)`` lists what was replaced and ``revert(model)`` restores the
 original forwards. ``attn_implementation="tritonspec"`` selects the Triton attention once
-``register_attention()`` ran (the FLASH_ATTENTION registry kernel does it for you).
+``register_attention()`` ran (the FLASH_ATTENTION registry kernel does it for you), and
+``experts_implementation="tritonspec"`` the Triton MoE experts once ``register_experts()`` ran (the MOE
+registry kernel does it).
 
 ``RMSNorm`` and ``SwiGLUMLP`` (stateful modules, :mod:`tritonspec.nn.layers`) are loaded on first use.
 """
 from .attention import ATTENTION_NAME, register_attention, tritonspec_attention_forward, use_tritonspec_attention
+from .experts import EXPERTS_NAME, register_experts, tritonspec_experts_forward, use_tritonspec_experts
 from .engine import Change, Report, report, revert
 from .kernelizer import (CUDAProperties, Device, Mode, ROCMProperties, kernelize, register_kernel_mapping,
                         replace_kernel_forward_from_hub, use_kernel_forward_from_hub, use_kernel_mapping)
@@ -33,6 +36,8 @@ __all__ = [
     "revert", "report", "Report", "Change",
     # attention
     "ATTENTION_NAME", "register_attention", "tritonspec_attention_forward", "use_tritonspec_attention",
+    # experts
+    "EXPERTS_NAME", "register_experts", "tritonspec_experts_forward", "use_tritonspec_experts",
     # layers (tritonspec.nn.layers, loaded lazily)
     "RMSNorm", "SwiGLUMLP",
 ]

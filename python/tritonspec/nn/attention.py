@@ -83,11 +83,13 @@ def attention_available(device_type: str) -> bool:
 def use_tritonspec_attention(model: nn.Module, *, source: str = "registry", detail: str = "") -> engine.Change | None:
     """Switch a transformers model to ``attn_implementation="tritonspec"``, recorded for ``revert``.
 
-    Returns None (and leaves the model alone) for models without ``set_attn_implementation``.
+    Returns None (and leaves the model alone) for models without ``set_attn_implementation``, and for
+    models transformers runs without SDPA (GPT-OSS's attention sinks): SDPA is this implementation's
+    fallback, so it must be the model's too.
     """
     setter = getattr(model, "set_attn_implementation", None)
     config = getattr(model, "config", None)
-    if setter is None or config is None:
+    if setter is None or config is None or not getattr(model, "_supports_sdpa", False):
         return None
     register_attention()
     old = config._attn_implementation

@@ -6,8 +6,8 @@ implementation, and kernels that patch functions rather than layers. Each ``Meta
 where its kernel goes; installing it goes through :mod:`tritonspec.nn.engine` (see
 :meth:`MetaKernel.patch_forward`), so registry changes are reported and reverted like the others.
 
-``KernelType`` holds the kernel table's kernels (plus LLaMA-Factory's ``MOE``, which has no kernel
-here yet) and ``DeviceType`` tritonspec's device vocabulary (:mod:`tritonspec.devices`). A kernel
+``KernelType`` holds the kernel table's kernels (LLaMA-Factory's RMSNORM, SWIGLU, ROPE,
+FLASH_ATTENTION, MOE) and ``DeviceType`` tritonspec's device vocabulary (:mod:`tritonspec.devices`). A kernel
 declared after import (a vendor's, an experiment's) is registered under its table name, a str.
 """
 from __future__ import annotations
@@ -27,9 +27,8 @@ from . import engine
 
 logger = logging.getLogger("tritonspec.nn.registry")
 
-# What a kernel replaces: the kernel table's names, and LLaMA-Factory's types we have no kernel for yet.
-KernelType = enum.Enum("KernelType", {n.upper(): n for n in (*kernel_table.KERNELS, "moe")}, type=str,
-                       module=__name__)
+# What a kernel replaces: the kernel table's names.
+KernelType = enum.Enum("KernelType", {n.upper(): n for n in kernel_table.KERNELS}, type=str, module=__name__)
 KernelType.__doc__ = "What a kernel replaces: a kernel of the kernel table (``KernelType(name)``)."
 
 # Where a kernel runs.

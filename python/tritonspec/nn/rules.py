@@ -65,6 +65,10 @@ MATCH_TIMEOUT_S = 0.1
 # need about 6; PyYAML composes nodes recursively, so a bound far below Python's recursion limit turns a deep
 # file into a RuleError instead of a RecursionError.
 MAX_NESTING_DEPTH = 32
+# Group nesting a match.name regex may have: the regex compiler recurses per level, so how deep it gets
+# before a RecursionError depends on the caller's stack and recursion limit (torch.compile raises it);
+# a fixed bound gives the same answer everywhere.
+MAX_GROUP_DEPTH = 64
 _NESTED = (list, tuple, dict)
 
 
@@ -161,6 +165,29 @@ def _height(root: Any, memo: dict[int, float]) -> float:
     return memo[id(root)]
 
 
+def _group_depth(pattern: str) -> int:
+    """The deepest group nesting of a regex (escapes and character classes skipped)."""
+    depth = deepest = 0
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            i += 1
+        elif c == "[":
+            i += 1
+            i += pattern[i:i + 1] == "^"
+            i += pattern[i:i + 1] == "]"  # a leading ']' is literal
+            while i < n and pattern[i] != "]":
+                i += 2 if pattern[i] == "\\" else 1
+        elif c == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c == ")":
+            depth -= 1
+        i += 1
+    return deepest
+
+
 def _check_nesting(i: int, raw: Any) -> None:
     """Rules given as Python objects get the same bound as YAML (whose loader checks while composing), before
     anything recurses into them (a repr in an error message, a constructor taking the kwargs)."""
@@ -232,13 +259,16 @@ def _parse_rule(i: int, raw: Any) -> Rule:
     if "name" in match:
         if not isinstance(match["name"], str):
             raise RuleError(i, "match.name", f"expected a regex string, got {type(match['name']).__name__}")
+        too_deep = RuleError(i, "match.name", f"regex nests its groups too deeply to compile: {match['name'][:60]!r}"
+                             "...")
+        if _group_depth(match["name"]) > MAX_GROUP_DEPTH:
+            raise too_deep
         try:
             pattern = regex.compile(match["name"])
         except regex.error as e:
             raise RuleError(i, "match.name", f"invalid regex {match['name']!r}: {e}") from None
-        except RecursionError:  # the compiler recurses per group level, e.g. "((((...))))" 500 deep
-            raise RuleError(i, "match.name", f"regex nests its groups too deeply to compile: {match['name'][:60]!r}"
-                            "...") from None
+        except RecursionError:  # the compiler recurses per group level
+            raise too_deep from None
     match_class = match.get("class")
     if match_class is not None and (not isinstance(match_class, str) or not _DOTTED.match(match_class)):
         raise RuleError(i, "match.class", f"expected a dotted class name like pkg.module.Class, got {match_class!r}")

@@ -1,6 +1,6 @@
 """Which modules of a Hugging Face model a kernel of the kernel table replaces.
 
-The detectors here (``is_rms_norm``, ``is_swiglu_mlp``) are what the table's entries name; the
+The detectors here (``is_rms_norm``, ``is_swiglu_mlp``, ``is_rotate_half_rope``) are what the table's entries name; the
 functions below read the table to find, for any declared kernel, the modules it recognizes and the
 module-level functions (``apply_rotary_pos_emb``) the model's classes call.
 
@@ -60,6 +60,34 @@ def tagged_name(obj) -> str | None:
     return str(name) if name is not None else None
 
 
+_ROTARY_PROBES: dict[object, bool] = {}
+
+
+def is_rotate_half_rope(fn) -> bool:
+    """Whether a model's ``apply_rotary_pos_emb`` (a function, or kernels' ``Func`` module) is the
+    rotate-half formula with cos/sin as wide as the head that the RoPE layer computes.
+
+    Models share the name, not the math (GPT-OSS's takes half-width cos/sin; GLM's interleaves), so the
+    function is run once on a small float64 probe and compared with the reference.
+    """
+    if fn not in _ROTARY_PROBES:
+        import torch
+        from ..ops.rope import rope_ref
+        g = torch.Generator().manual_seed(0)
+        q, k = (torch.randn(1, h, 3, 8, generator=g, dtype=torch.float64) for h in (2, 1))
+        cos, sin = (torch.randn(1, 3, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        call = (lambda *a: type(fn).forward(fn, *a)) if isinstance(fn, nn.Module) else fn
+        try:
+            with torch.no_grad():
+                got = call(q, k, cos, sin)
+            ok = all(isinstance(a, torch.Tensor) and a.shape == b.shape and torch.allclose(a, b)
+                     for a, b in zip(got, rope_ref(q, k, cos, sin), strict=True))
+        except Exception:  # noqa: BLE001 - a function that cannot take the probe is not this formula
+            ok = False
+        _ROTARY_PROBES[fn] = ok
+    return _ROTARY_PROBES[fn]
+
+
 def infer_layer_name(module: nn.Module) -> str | None:
     """The layer name of the first declared kernel that recognizes an untagged module (by class name,
     then by its structural detector), else None."""
@@ -82,7 +110,8 @@ def function_sites(model: nn.Module) -> list[tuple[object, types.ModuleType, str
     kernel replaces (``site="function"``) that the model's classes call, once per python module.
 
     The original is a plain function when transformers built the model without ``kernels``, or the
-    ``Func`` module the kernels decorator made. If a front end has already replaced the global, it
+    ``Func`` module the kernels decorator made; where the layer declares a detector, only originals it
+    accepts are listed. If a front end has already replaced the global, it
     is the value that front end replaced, so re-running a front end works.
     """
     from ..kernel_table import KERNELS
@@ -102,6 +131,9 @@ def function_sites(model: nn.Module) -> list[tuple[object, types.ModuleType, str
             if fn is None or id(pymod) in seen:
                 continue
             if not (inspect.isfunction(fn) or isinstance(fn, nn.Module)):
+                continue
+            detect = kernel.layer.detector()
+            if detect is not None and not detect(fn):
                 continue
             seen.add(id(pymod))
             out.append((kernel, pymod, attr, fn))

@@ -2,8 +2,8 @@
 
 One class per (kernel, device type Triton runs on), named ``<Device>Triton<Layer>Kernel`` after the
 kernel's layer (``CudaTritonRMSNormKernel``, ``CpuTritonSwiGLUMLPKernel``,
-``CudaTritonRotaryPosEmbKernel``; ``CudaTritonFlashAttentionKernel`` for the attention kernel, which
-has no layer) and bound in this module under that name. ``sync()`` generates them for kernels
+``CudaTritonRotaryPosEmbKernel``; ``CudaTritonFlashAttentionKernel`` and ``CudaTritonMoeKernel`` for
+the attention and MoE kernels, which have no layer) and bound in this module under that name. ``sync()`` generates them for kernels
 declared after import too, and drops those of withdrawn kernels; ``discover_kernels`` calls it.
 
 Why CPU too: Triton runs on CPU through its interpreter (TRITON_INTERPRET=1), which is how CI checks
@@ -24,6 +24,7 @@ from .. import kernel_table
 from ..devices import triton_device_types
 from . import engine
 from .attention import attention_available, use_tritonspec_attention
+from .experts import experts_available, use_tritonspec_experts
 from .registry import KERNEL_REGISTRY, AutoRegisterKernelMeta, DeviceType, MetaKernel, as_kernel_type
 from .repository import TritonspecRepository, validate_layer
 from .targets import function_sites, infer_layer_name, tagged_name
@@ -44,6 +45,8 @@ class TritonKernel(MetaKernel):
     def _unavailable(cls) -> bool:
         if cls.entry.site == "attention":
             ok = attention_available(cls.device.value)
+        elif cls.entry.site == "experts":
+            ok = experts_available(cls.device.value)
         else:
             ok = TritonspecRepository(cls.entry.layer.name).available(cls.device.value)
         if not ok:
@@ -112,7 +115,19 @@ class TritonAttentionKernel(TritonKernel):
         return model
 
 
-_SITE_BASES = {"module": TritonLayerKernel, "function": TritonFunctionKernel, "attention": TritonAttentionKernel}
+class TritonExpertsKernel(TritonKernel):
+    """Switches transformers MoE models to ``experts_implementation="tritonspec"``."""
+
+    @classmethod
+    def apply(cls, model: nn.Module, **kwargs) -> nn.Module:
+        if cls._unavailable():
+            return model
+        use_tritonspec_experts(model, source="registry", detail=cls._detail())
+        return model
+
+
+_SITE_BASES = {"module": TritonLayerKernel, "function": TritonFunctionKernel, "attention": TritonAttentionKernel,
+               "experts": TritonExpertsKernel}
 _generated: dict[tuple[str, str], type] = {}
 
 
@@ -132,7 +147,7 @@ def sync() -> None:
             base = _SITE_BASES[kernel.site]
             cls = AutoRegisterKernelMeta(name, (base,), {
                 "type": as_kernel_type(kernel.name), "device": DeviceType(device), "entry": kernel,
-                "kernel": staticmethod(kernel.op(kernel.ops[0])) if kernel.site == "attention" else None,
+                "kernel": staticmethod(kernel.op(kernel.ops[0])) if kernel.layer is None else None,
                 "__module__": __name__, "__qualname__": name,
                 "__doc__": f"{base.__doc__.splitlines()[0]} Kernel {kernel.name!r} on {device}."})
             _generated[(kernel.name, device)] = cls

@@ -39,7 +39,8 @@ _cached_launchers: dict = {}
 FORCE_LIBRARY_OP = False
 
 
-_SCHEMA_TYPES = {"Tensor": torch.Tensor, "Tensor?": Optional[torch.Tensor], "float": float, "bool": bool, "int": int}
+_SCHEMA_TYPES = {"Tensor": torch.Tensor, "Tensor?": Optional[torch.Tensor], "float": float, "bool": bool, "int": int,
+                 "str": str}
 
 
 def _with_signature(fn: Callable, schema: str) -> Callable:
@@ -85,6 +86,7 @@ class Op:
         backward: ``(grads, saved, statics, *, in_place, traced) -> tensors``. A grad is None for an
             unused output on the eager path; ``in_place`` is the caller's ``in_place_backward``.
         grads: for each input, the index of its gradient among the backward's tensors (None: none).
+            An optional tensor input (``Tensor?``) that is None gets None whatever the backward returns.
         visible: how many leading outputs the caller gets.
         opaque: a custom_op even where kernels are compiled (host TMA descriptors, which
             torch.library's Triton kernel tracing does not take).
@@ -120,15 +122,27 @@ class Op:
 
         # The backward runs where autograd runs it (a device thread for CUDA tensors), under the spec
         # selection the forward saw.
+        # Optional tensor inputs (Tensor? in the schema) get no gradient when they are None.
+        optional = [i for i, arg in enumerate(schema.split("->")[0].strip("( )").split(","))
+                    if arg.strip().startswith("Tensor?")]
+
+        def input_grads(inputs, results):
+            return tuple(None if i is None or (p in optional and inputs[p] is None) else results[i]
+                         for p, i in enumerate(grads))
+
+        # The backward runs where autograd runs it (a device thread for CUDA tensors), under the spec
+        # selection the forward saw.
         def setup_context(ctx, inputs, output):
             ctx.save_for_backward(*save(inputs, (output,) if single else output))
             ctx.statics = tuple(inputs[i] for i in statics)
             ctx.selection = selection()
+            ctx.none_inputs = [None if inputs[p] is None else True for p in range(len(grads))] if optional else None
 
         def op_backward(ctx, *output_grads):
             with selected(ctx.selection):
                 results = backward_op(*output_grads[:n_grads], *ctx.saved_tensors, *ctx.statics)
-            return tuple(None if i is None else results[i] for i in grads)
+            return input_grads(ctx.none_inputs, results) if optional else \
+                tuple(None if i is None else results[i] for i in grads)
 
         self.forward_op.register_autograd(op_backward, setup_context=setup_context)
 
@@ -138,12 +152,15 @@ class Op:
             ctx.statics = tuple(inputs[i] for i in statics) if n_statics else ()
             ctx.in_place = in_place
             ctx.selection = selection()
+            ctx.none_inputs = [None if inputs[p] is None else True for p in range(len(grads))] if optional else None
             ctx.set_materialize_grads(False)
             return outputs[0] if n_grads == 1 else outputs[:n_grads]
 
         def function_backward(ctx, *output_grads):
             with selected(ctx.selection):
                 results = backward(output_grads, ctx.saved_tensors, ctx.statics, in_place=ctx.in_place, traced=False)
+            if optional:
+                return (None, *input_grads(ctx.none_inputs, results))
             return (None, *(None if i is None else results[i] for i in grads))
 
         # Named after the op (RmsNormFunction, ...: autograd names its nodes RmsNormFunctionBackward).

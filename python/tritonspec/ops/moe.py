@@ -1,0 +1,693 @@
+"""Mixture-of-Experts experts, forward and backward in Triton, on Hugging Face's expert weights.
+
+``out[t] = sum_j w[t, j] * down_e(act(gate_e x_t, up_e x_t))`` with ``e = ids[t, j]``, for the
+(token, expert) pairs a router chose. How it runs:
+
+* Routing metadata on the device, sized from static bounds (no ``.item()``, so a CUDA graph can
+  capture it): the ``T*k`` pairs sorted by expert (stably: token order within an expert), each
+  expert's rows padded to ``BLOCK_M`` in a buffer of ``T*k + E*(BLOCK_M-1)`` rows, and each block of
+  rows knowing its expert. Pairs whose id is outside ``[0, E)`` (transformers' expert-parallel
+  sentinels) are dropped.
+* Forward: a grouped GEMM gathers each row's token inside its loads (no permuted copy of ``x``) and
+  applies the activation in its epilogue (``h``); a second grouped GEMM projects down (``y``); a
+  gather-reduce adds each token's ``k`` rows with its routing weights. No atomics anywhere: outputs
+  and gradients are bitwise the same from run to run.
+* Backward: ``dw = <dout, y>`` per pair; ``dh = w * dout @ down_e^T`` (a grouped GEMM gathering
+  ``dout``) and the activation's backward; ``dx`` as the grouped GEMM of ``d(gate, up)`` with
+  ``gate_up_e^T`` and the same gather-reduce; ``d gate_up_e`` and ``d down_e`` as grouped GEMMs over
+  each expert's rows (the bias gradients are their column sums).
+
+Weight layouts are strides, so one kernel serves both of Hugging Face's: ``"concatenated"``
+(``gate_up_proj (E, 2I, H)`` = [gate; up], ``down_proj (E, H, I)``: Qwen2/3-MoE, Mixtral, OLMoE,
+DeepSeek-V3) and ``"interleaved_transposed"`` (``gate_up_proj (E, H, 2I)`` with gate and up in
+alternate columns, ``down_proj (E, I, H)``: GPT-OSS, with biases and its clamped SwiGLU).
+
+Layers: the ``_moe_*`` kernels -> ``moe_experts_forward`` / ``moe_experts_backward`` -> the
+``MOE_EXPERTS`` op (eager autograd, and ``tritonspec::moe_experts_*`` for torch.compile) ->
+``moe_experts``. The router in front of it, ``moe_route`` (top-k ids and weights from router logits),
+is :mod:`tritonspec.ops.moe_routing`'s.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..kernel_table import MoECombine, MoERows, MoEUp, MoEWeightGrad
+from ..launch import launch_config
+from ._checks import check_same_device, check_tensor
+from ._library import Op, cdiv, launch, next_pow2
+from .moe_routing import moe_route
+
+
+__all__ = ["moe_experts", "moe_route", "moe_experts_ref", "ACTIVATIONS", "LAYOUTS"]
+
+LAYOUTS = ("concatenated", "interleaved_transposed")
+# act(gate, up): "silu" is Llama/Qwen's silu(gate) * up; "gpt_oss" is GPT-OSS's clamped
+# (up + 1) * gate * sigmoid(1.702 * gate) with gate <= clamp and |up| <= clamp.
+ACTIVATIONS = ("silu", "gpt_oss")
+GPT_OSS_ALPHA = 1.702
+
+
+# ----------------------------------------------------------------------------------------------
+# float64 reference (shared by tests and benchmarks)
+# ----------------------------------------------------------------------------------------------
+def moe_experts_ref(x, ids, weights, gate_up_proj, down_proj, *, gate_up_bias=None, down_bias=None,
+                    layout="concatenated", activation="silu", clamp=None):
+    """The experts in float64 with a loop over experts, differentiable: the definition of correct."""
+    E = gate_up_proj.shape[0]
+    x64, w64 = x.double(), weights.double()
+    out = torch.zeros_like(x64)
+    for e in range(E):
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        wgu, wd = gate_up_proj[e].double(), down_proj[e].double()
+        if layout == "concatenated":
+            gu = x64[tok] @ wgu.T
+            gate, up = gu.chunk(2, dim=-1)
+        else:
+            gu = x64[tok] @ wgu
+            gate, up = gu[:, ::2], gu[:, 1::2]
+        if gate_up_bias is not None:
+            b = gate_up_bias[e].double()
+            gate, up = (gate + b[:gate.shape[1]], up + b[gate.shape[1]:]) if layout == "concatenated" else \
+                (gate + b[::2], up + b[1::2])
+        if activation == "silu":
+            h = torch.nn.functional.silu(gate) * up
+        else:
+            gate = gate.clamp(max=clamp) if clamp is not None else gate
+            up = up.clamp(-clamp, clamp) if clamp is not None else up
+            h = (up + 1) * gate * torch.sigmoid(GPT_OSS_ALPHA * gate)
+        y = h @ (wd.T if layout == "concatenated" else wd)
+        if down_bias is not None:
+            y = y + down_bias[e].double()
+        out = out.index_add(0, tok, y * w64[tok, slot, None])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _rows_of_block(ROW_PAIR, BLOCK_EXPERT, pid_m, TOP_K, BLOCK_M: tl.constexpr):
+    """(rows, pairs, tokens, valid, expert) of M-block ``pid_m`` of the padded, expert-sorted rows."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(ROW_PAIR + rows)
+    valid = pairs >= 0
+    tokens = tl.where(valid, pairs // TOP_K, 0)
+    expert = tl.load(BLOCK_EXPERT + pid_m)
+    return rows, pairs, tokens, valid, expert
+
+
+@triton.jit
+def _moe_up_kernel(X, stride_x, ROW_PAIR, BLOCK_EXPERT, W, stride_we, s_k, s_n, BIAS, stride_be, sb_n,
+                   H_OUT, GU_OUT, N, K, TOP_K, clamp, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   STORE_GU: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """h = act(x_rows @ gate_e, x_rows @ up_e) for one (M block, N block); x rows gathered by token.
+
+    W is the experts' gate_up weight as (E, K, 2N) by strides: gate columns [0, N) and up columns
+    [N, 2N), or (INTERLEAVED, GPT-OSS) gate and up in alternate columns, loaded as one contiguous
+    2*BLOCK_N-column tile and split in registers. Rows are stored in the padded expert-sorted order;
+    GU_OUT keeps the pre-activation gate and up (input dtype, [gate | up]) for the backward.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows, pairs, tokens, valid, expert = _rows_of_block(ROW_PAIR, BLOCK_EXPERT, pid_m, TOP_K, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    out_rows = rows.to(tl.int64)[:, None]
+    if expert < 0:  # a block past the last expert's rows: zeros, so every output element is defined
+        zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=H_OUT.dtype.element_ty)
+        tl.store(H_OUT + out_rows * N + cols[None, :], zero, mask=col_ok[None, :])
+        if STORE_GU:
+            tl.store(GU_OUT + out_rows * (2 * N) + cols[None, :], zero, mask=col_ok[None, :])
+            tl.store(GU_OUT + out_rows * (2 * N) + N + cols[None, :], zero, mask=col_ok[None, :])
+        return
+    w_e = W + expert.to(tl.int64) * stride_we
+    b_e = BIAS + expert.to(tl.int64) * stride_be
+    x_rows = X + tokens.to(tl.int64)[:, None] * stride_x
+    if INTERLEAVED:
+        c2 = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        c2_ok = c2 < 2 * N
+        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            a = tl.load(x_rows + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_e + ks[:, None] * s_k + c2[None, :] * s_n, mask=k_ok[:, None] & c2_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
+        if HAS_BIAS:
+            acc += tl.load(b_e + c2 * sb_n, mask=c2_ok, other=0.0).to(tl.float32)[None, :]
+        acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    else:
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            a = tl.load(x_rows + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+            b_off = ks[:, None] * s_k + cols[None, :] * s_n
+            b_mask = k_ok[:, None] & col_ok[None, :]
+            acc_g = tl.dot(a, tl.load(w_e + b_off, mask=b_mask, other=0.0), acc_g)
+            acc_u = tl.dot(a, tl.load(w_e + N * s_n + b_off, mask=b_mask, other=0.0), acc_u)
+        if HAS_BIAS:
+            acc_g += tl.load(b_e + cols * sb_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            acc_u += tl.load(b_e + (N + cols) * sb_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    # As a Hugging Face expert rounds: the projection's output, the activation, the product. Padding
+    # rows are stored as zeros (their loads were masked; the bias is not added to them).
+    gate = tl.where(valid[:, None], acc_g.to(H_OUT.dtype.element_ty).to(tl.float32), 0.0)
+    up = tl.where(valid[:, None], acc_u.to(H_OUT.dtype.element_ty).to(tl.float32), 0.0)
+    out_mask = col_ok[None, :]
+    if STORE_GU:
+        tl.store(GU_OUT + out_rows * (2 * N) + cols[None, :], gate.to(GU_OUT.dtype.element_ty), mask=out_mask)
+        tl.store(GU_OUT + out_rows * (2 * N) + N + cols[None, :], up.to(GU_OUT.dtype.element_ty), mask=out_mask)
+    if ACT == "silu":
+        h = (gate * tl.sigmoid(gate)).to(H_OUT.dtype.element_ty).to(tl.float32) * up
+    else:  # gpt_oss
+        g = tl.minimum(gate, clamp)
+        u = tl.minimum(tl.maximum(up, -clamp), clamp)
+        h = (u + 1.0) * (g * tl.sigmoid(1.702 * g))
+    tl.store(H_OUT + out_rows * N + cols[None, :], h.to(H_OUT.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _moe_rows_kernel(A, stride_a, GATHER: tl.constexpr, ROW_PAIR, BLOCK_EXPERT, SCALE, B, s_e, s_k, s_n,
+                     BIAS, stride_be, sb_n, C, N, K, TOP_K, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """C_rows = scale * (A_rows @ B_e) + bias_e for one (M block, N block).
+
+    A rows are the padded rows themselves, or (GATHER) the rows' tokens; scale is the pair's routing
+    weight; B is the experts' weights as (E, K, N) by strides.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows, pairs, tokens, valid, expert = _rows_of_block(ROW_PAIR, BLOCK_EXPERT, pid_m, TOP_K, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if expert < 0:  # a block past the last expert's rows: zeros, so every output element is defined
+        tl.store(C + rows.to(tl.int64)[:, None] * N + cols[None, :],
+                 tl.zeros([BLOCK_M, BLOCK_N], dtype=C.dtype.element_ty), mask=col_ok[None, :])
+        return
+    a_rows = A + (tokens if GATHER else rows).to(tl.int64)[:, None] * stride_a
+    b_e = B + expert.to(tl.int64) * s_e
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(a_rows + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_e + ks[:, None] * s_k + cols[None, :] * s_n, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc)
+    if HAS_SCALE:
+        acc *= tl.load(SCALE + tl.where(valid, pairs, 0), mask=valid, other=0.0).to(tl.float32)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(BIAS + expert.to(tl.int64) * stride_be + cols * sb_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    acc = tl.where(valid[:, None], acc, 0.0)  # padding rows: zeros
+    tl.store(C + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(C.dtype.element_ty), mask=col_ok[None, :])
+
+
+@triton.jit
+def _moe_act_backward_kernel(DH, GU, DGU, ROW_PAIR, R, N, clamp, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """d(gate), d(up) of the activation from dh and the saved pre-activations, into DGU in the gate_up
+    weight's column order ([dgate | dup], or INTERLEAVED alternate columns); padding rows (never read)
+    are skipped."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    used = tl.load(ROW_PAIR + rows, mask=rows < R, other=-1) >= 0
+    mask = used[:, None] & (cols < N)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    dh = tl.load(DH + r64 * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(GU + r64 * (2 * N) + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(GU + r64 * (2 * N) + N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ACT == "silu":
+        sig = tl.sigmoid(gate)
+        act = gate * sig
+        dgate = dh * up * sig * (1.0 + gate * (1.0 - sig))
+        dup = dh * act.to(DGU.dtype.element_ty).to(tl.float32)
+    else:  # gpt_oss, through the clamps (torch.clamp passes the gradient where min <= x <= max)
+        g = tl.minimum(gate, clamp)
+        u = tl.minimum(tl.maximum(up, -clamp), clamp)
+        sig = tl.sigmoid(1.702 * g)
+        glu = g * sig
+        dgate = tl.where(gate <= clamp, dh * (u + 1.0) * (sig + 1.702 * g * sig * (1.0 - sig)), 0.0)
+        dup = tl.where((up >= -clamp) & (up <= clamp), dh * glu, 0.0)
+    if INTERLEAVED:
+        tl.store(DGU + r64 * (2 * N) + 2 * cols[None, :], dgate.to(DGU.dtype.element_ty), mask=mask)
+        tl.store(DGU + r64 * (2 * N) + 2 * cols[None, :] + 1, dup.to(DGU.dtype.element_ty), mask=mask)
+    else:
+        tl.store(DGU + r64 * (2 * N) + cols[None, :], dgate.to(DGU.dtype.element_ty), mask=mask)
+        tl.store(DGU + r64 * (2 * N) + N + cols[None, :], dup.to(DGU.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _moe_combine_kernel(Y, POS, WEIGHTS, OUT, stride_out, T, H, TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum_j w[t, j] * Y[pos[t, j]] in float32, a fixed order (no atomics); pos < 0: dropped."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    t_ok = tokens < T
+    col_ok = cols < H
+    acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        pos = tl.load(POS + tokens * TOP_K + j, mask=t_ok, other=-1)
+        ok = pos >= 0
+        y = tl.load(Y + tl.where(ok, pos, 0).to(tl.int64)[:, None] * H + cols[None, :],
+                    mask=ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        if HAS_WEIGHTS:
+            y *= tl.load(WEIGHTS + tokens * TOP_K + j, mask=t_ok, other=0.0).to(tl.float32)[:, None]
+        acc += y
+    tl.store(OUT + tokens.to(tl.int64)[:, None] * stride_out + cols[None, :], acc.to(OUT.dtype.element_ty),
+             mask=t_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _moe_pair_dot_kernel(DOUT, stride_dout, Y, POS, DW, P, H, TOP_K, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
+    """dw[t, j] = <dout[t], Y[pos[t, j]]> in float32 (0 for dropped pairs)."""
+    pairs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    p_ok = pairs < P
+    pos = tl.load(POS + pairs, mask=p_ok, other=-1)
+    ok = pos >= 0
+    tokens = (pairs // TOP_K).to(tl.int64)
+    acc = tl.zeros([BLOCK_P], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        mask = ok[:, None] & (cols < H)[None, :]
+        d = tl.load(DOUT + tokens[:, None] * stride_dout + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(Y + tl.where(ok, pos, 0).to(tl.int64)[:, None] * H + cols[None, :], mask=mask, other=0.0)
+        acc += tl.sum(d * y.to(tl.float32), axis=1)
+    tl.store(DW + pairs, acc, mask=p_ok)
+
+
+@triton.jit
+def _moe_weight_grad_kernel(L, stride_l, GATHER_L: tl.constexpr, RHS, stride_r, GATHER_R: tl.constexpr,
+                            ROW_PAIR, EXPERT_START, EXPERT_ROWS, SCALE, DW, sd_e, sd_m, sd_n, DBIAS, sdb_e, sdb_m,
+                            M, N, TOP_K, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """dW_e[m, n] = sum over expert e's rows of scale * L_row[m] * RHS_row[n]; dbias_e[m] = sum scale * L_row[m].
+
+    L and RHS rows are the padded rows themselves, or (GATHER_*) the rows' tokens. dW_e is written
+    through strides (the weight's own layout); an expert without rows gets zeros.
+    """
+    e = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_n = tl.program_id(2)
+    start = tl.load(EXPERT_START + e)
+    count = tl.load(EXPERT_ROWS + e)
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = ms < M
+    n_ok = ns < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    bias = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, count, BLOCK_K):
+        within = k0 + tl.arange(0, BLOCK_K)
+        rows = start + within
+        pairs = tl.load(ROW_PAIR + rows, mask=within < count, other=-1)
+        valid = pairs >= 0
+        tokens = tl.where(valid, pairs // TOP_K, 0).to(tl.int64)
+        l_rows = tokens if GATHER_L else rows.to(tl.int64)
+        r_rows = tokens if GATHER_R else rows.to(tl.int64)
+        lt = tl.load(L + l_rows[:, None] * stride_l + ms[None, :], mask=valid[:, None] & m_ok[None, :], other=0.0)
+        if HAS_SCALE:
+            sc = tl.load(SCALE + tl.where(valid, pairs, 0), mask=valid, other=0.0).to(tl.float32)
+            lt = (lt.to(tl.float32) * sc[:, None]).to(L.dtype.element_ty)
+        rt = tl.load(RHS + r_rows[:, None] * stride_r + ns[None, :], mask=valid[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(tl.trans(lt), rt, acc)
+        if HAS_BIAS:
+            bias += tl.sum(lt.to(tl.float32), axis=0)
+    e64 = e.to(tl.int64)
+    tl.store(DW + e64 * sd_e + ms[:, None] * sd_m + ns[None, :] * sd_n, acc.to(DW.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+    if HAS_BIAS:
+        if pid_n == 0:
+            tl.store(DBIAS + e64 * sdb_e + ms * sdb_m, bias.to(DBIAS.dtype.element_ty), mask=m_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# routing metadata: static shapes, no host synchronization
+# ----------------------------------------------------------------------------------------------
+def _routing(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
+    """``(row_pair, block_expert, pair_pos, expert_start, expert_rows)`` for ``ids`` (T, k).
+
+    row_pair (R,): the pair (t * k + j) in each padded expert-sorted row, -1 for padding, where
+    R = T*k + E*(block_m - 1) rounded up to block_m; block_expert (R / block_m,): each block's expert
+    or -1; pair_pos (T*k,): each pair's row, -1 when its id is outside [0, E) (dropped);
+    expert_start / expert_rows (E,): each expert's first row and number of pairs.
+    """
+    device = ids.device
+    P = ids.numel()
+    E = num_experts
+    flat = ids.reshape(-1).to(torch.int64)
+    key = torch.where((flat < 0) | (flat >= E), E, flat)  # dropped pairs sort last, as expert E
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=device).scatter_add_(
+        0, key, torch.ones(P, dtype=torch.int64, device=device))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded[E] = 0
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(key, stable=True)  # token order kept within an expert
+    sorted_key = key[order]
+    dest = padded_start[sorted_key] + torch.arange(P, device=device) - start[sorted_key]
+    R = -(-(P + E * (block_m - 1)) // block_m) * block_m
+    dest = torch.where(sorted_key < E, dest, R)  # dropped pairs go to a slot that is cut off
+    row_pair = torch.full((R + 1,), -1, dtype=torch.int32, device=device)
+    row_pair.scatter_(0, dest, order.to(torch.int32))
+    pair_pos = torch.empty(P, dtype=torch.int32, device=device)
+    pair_pos.scatter_(0, order, torch.where(sorted_key < E, dest, -1).to(torch.int32))
+    block_start = torch.arange(0, R, block_m, device=device)
+    block_expert = torch.searchsorted(padded_end[:E].contiguous(), block_start, right=True)
+    block_expert = torch.where(block_expert < E, block_expert, -1).to(torch.int32)
+    return (row_pair[:R], block_expert, pair_pos, padded_start[:E].to(torch.int32),
+            counts[:E].to(torch.int32))
+
+
+# ----------------------------------------------------------------------------------------------
+# launch parameters
+# ----------------------------------------------------------------------------------------------
+def _tokens_per_expert(pairs: int, experts: int) -> int:
+    """Average rows per expert, as a power-of-two bucket (tiles and the launch-config memo key)."""
+    return next_pow2(max(1, -(-pairs // experts)))
+
+
+# Defaults from an H100 sweep (bench/bench_moe.py --sweep) at decode (a few rows per expert) and at 4096
+# tokens (hundreds): small problems want 16-row blocks; large ones 128-row blocks, 64-deep K steps and 8
+# warps, which took Qwen3-MoE fwd+bwd from 7.1 to 5.4 ms and Mixtral's from 46 to 30 ms.
+def _up_default(per_expert: int) -> MoEUp:
+    if per_expert <= 16:
+        return MoEUp(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+    return MoEUp(BLOCK_M=64 if per_expert <= 128 else 128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3)
+
+
+def _rows_default(per_expert: int) -> MoERows:
+    if per_expert <= 16:
+        return MoERows(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+    return MoERows(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+
+
+def _weight_grad_default(per_expert: int) -> MoEWeightGrad:
+    if per_expert <= 16:
+        return MoEWeightGrad(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)
+    return MoEWeightGrad(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3)
+
+
+_COMBINE_DEFAULT = MoECombine(BLOCK_T=4, BLOCK_H=256, num_warps=4)
+
+
+def _problem(x, num_experts, intermediate, top_k) -> dict:
+    return dict(tokens_per_expert=_tokens_per_expert(x.shape[0] * top_k, num_experts), H=int(x.shape[1]),
+                I=int(intermediate), E=int(num_experts), dtype=str(x.dtype))
+
+
+# ----------------------------------------------------------------------------------------------
+# weight layouts as strided views (no copies)
+# ----------------------------------------------------------------------------------------------
+def _gate_up_view(w: torch.Tensor, layout: str):
+    """``gate_up_proj`` as an (E, H, 2I) view (K = hidden, N = gate and up columns in the weight's order)."""
+    return w.transpose(1, 2) if layout == "concatenated" else w
+
+
+def _down_view(w: torch.Tensor, layout: str):
+    """``down_proj`` as an (E, I, H) view (K = intermediate, N = hidden)."""
+    return w.transpose(1, 2) if layout == "concatenated" else w
+
+
+def _dummy(device) -> torch.Tensor:
+    return torch.empty(1, device=device)
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------
+def moe_experts_forward(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, layout: str,
+                        activation: str, clamp: float, *, save: bool, traced: bool = False):
+    """``(out, saved)``; ``saved`` is what the backward needs (empty unless ``save``)."""
+    T, H = x.shape
+    k = ids.shape[1]
+    E = gate_up_proj.shape[0]
+    I = down_proj.shape[2] if layout == "concatenated" else down_proj.shape[1]
+    device = x.device
+    problem = _problem(x, E, I, k)
+    cfg = launch_config(MoEUp, device, lambda: _up_default(problem["tokens_per_expert"]), **problem)
+    row_pair, block_expert, pair_pos, expert_start, expert_rows = _routing(ids, E, cfg.BLOCK_M)
+    R = row_pair.numel()
+    h = torch.empty((R, I), dtype=x.dtype, device=device)
+    gu = torch.empty((R, 2 * I), dtype=x.dtype, device=device) if save else _dummy(device)
+    w = _gate_up_view(gate_up_proj, layout)
+    has_bias = gate_up_bias is not None
+    bias = gate_up_bias if has_bias else _dummy(device)
+    launch(_moe_up_kernel, (R // cfg.BLOCK_M, cdiv(I, cfg.BLOCK_N)),
+           (x, x.stride(0), row_pair, block_expert, w, w.stride(0), w.stride(1), w.stride(2),
+            bias, bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0, h, gu, I, H, k,
+            float(clamp if clamp is not None else 0.0)),
+           dict(INTERLEAVED=layout != "concatenated", HAS_BIAS=has_bias, STORE_GU=save, ACT=activation,
+                BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **cfg.options), traced=traced)
+    y = torch.empty((R, H), dtype=x.dtype, device=device)
+    _rows(h, False, row_pair, block_expert, None, _down_view(down_proj, layout), down_bias, y, k, cfg.BLOCK_M,
+          problem, traced)
+    out = torch.empty((T, H), dtype=x.dtype, device=device)
+    _combine(y, pair_pos, weights, out, k, problem, traced)
+    saved = (row_pair, block_expert, pair_pos, expert_start, expert_rows, h, gu, y) if save else ()
+    return out, saved
+
+
+def _rows(a, gather, row_pair, block_expert, scale, b, bias, c, top_k, block_m, problem, traced):
+    """c = scale * (a_rows @ b_e) + bias_e; ``b`` is (E, K, N) by strides."""
+    cfg = launch_config(MoERows, c.device, lambda: _rows_default(problem["tokens_per_expert"]), **problem)
+    dummy = _dummy(c.device)
+    n = c.shape[1]
+    launch(_moe_rows_kernel, (row_pair.numel() // block_m, cdiv(n, cfg.BLOCK_N)),
+           (a, a.stride(0), gather, row_pair, block_expert, dummy if scale is None else scale,
+            b, b.stride(0), b.stride(1), b.stride(2), dummy if bias is None else bias,
+            0 if bias is None else bias.stride(0), 0 if bias is None else bias.stride(1), c, n, b.shape[1], top_k),
+           dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.BLOCK_N,
+                BLOCK_K=cfg.BLOCK_K, **cfg.options), traced=traced)
+
+
+def _combine(y, pair_pos, weights, out, top_k, problem, traced):
+    cfg = launch_config(MoECombine, out.device, _COMBINE_DEFAULT, **problem)
+    T, H = out.shape
+    launch(_moe_combine_kernel, (cdiv(T, cfg.BLOCK_T), cdiv(H, cfg.BLOCK_H)),
+           (y, pair_pos, _dummy(out.device) if weights is None else weights, out, out.stride(0), T, H),
+           dict(TOP_K=top_k, HAS_WEIGHTS=weights is not None, BLOCK_T=cfg.BLOCK_T, BLOCK_H=cfg.BLOCK_H,
+                **cfg.options), traced=traced)
+
+
+def _weight_grad(lhs, gather_l, rhs, gather_r, row_pair, expert_start, expert_rows, scale, dw, dbias, top_k,
+                 problem, traced):
+    """dw: an (E, M, N) view of a weight's gradient; dbias: its (E, M) bias gradient or None."""
+    cfg = launch_config(MoEWeightGrad, dw.device, lambda: _weight_grad_default(problem["tokens_per_expert"]),
+                        **problem)
+    E, m, n = dw.shape
+    dummy = _dummy(dw.device)
+    launch(_moe_weight_grad_kernel, (E, cdiv(m, cfg.BLOCK_M), cdiv(n, cfg.BLOCK_N)),
+           (lhs, lhs.stride(0), gather_l, rhs, rhs.stride(0), gather_r, row_pair, expert_start, expert_rows,
+            dummy if scale is None else scale, dw, dw.stride(0), dw.stride(1), dw.stride(2),
+            dummy if dbias is None else dbias, 0 if dbias is None else dbias.stride(0),
+            0 if dbias is None else dbias.stride(1), m, n, top_k),
+           dict(HAS_SCALE=scale is not None, HAS_BIAS=dbias is not None, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+                BLOCK_K=cfg.BLOCK_K, **cfg.options), traced=traced)
+
+
+def moe_experts_backward(dout, x, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, saved, layout: str,
+                         activation: str, clamp: float, top_k: int, *, traced: bool = False):
+    """``(dx, dweights, dgate_up, ddown, dgate_up_bias or None, ddown_bias or None)``."""
+    row_pair, block_expert, pair_pos, expert_start, expert_rows, h, gu, y = saved
+    T, H = x.shape
+    E = gate_up_proj.shape[0]
+    I = h.shape[1]
+    R = row_pair.numel()
+    device = x.device
+    problem = _problem(x, E, I, top_k)
+    block_m = R // block_expert.numel()
+    dout = dout.contiguous()
+    w_flat = weights.reshape(-1)
+    # dw[t, j] = <dout[t], y_(t, j)>: y is the pair's expert output before its routing weight
+    dweights = torch.empty(T * top_k, dtype=torch.float32, device=device)
+    launch(_moe_pair_dot_kernel, (cdiv(T * top_k, 32),), (dout, dout.stride(0), y, pair_pos, dweights, T * top_k, H,
+                                                          top_k), dict(BLOCK_P=32, BLOCK_H=64), traced=traced)
+    # dh = w * dout @ down_e^T, then the activation's backward into d(gate, up) in the weight's column order
+    dh = torch.empty((R, I), dtype=x.dtype, device=device)
+    _rows(dout, True, row_pair, block_expert, w_flat, _down_view(down_proj, layout).transpose(1, 2), None, dh,
+          top_k, block_m, problem, traced)
+    dgu = torch.empty((R, 2 * I), dtype=x.dtype, device=device)
+    launch(_moe_act_backward_kernel, (cdiv(R, 32), cdiv(I, 64)), (dh, gu, dgu, row_pair, R, I, float(clamp or 0.0)),
+           dict(ACT=activation, INTERLEAVED=layout != "concatenated", BLOCK_M=32, BLOCK_N=64), traced=traced)
+    # dx: each pair's d(gate, up) @ gate_up_e^T, then the same gather-reduce as the forward
+    w_t = _gate_up_view(gate_up_proj, layout).transpose(1, 2)  # (E, 2I, H)
+    dxp = torch.empty((R, H), dtype=x.dtype, device=device)
+    _rows(dgu, False, row_pair, block_expert, None, w_t, None, dxp, top_k, block_m, problem, traced)
+    dx = torch.empty((T, H), dtype=x.dtype, device=device)
+    _combine(dxp, pair_pos, None, dx, top_k, problem, traced)
+    # weight gradients: each expert's rows, written in the weights' own layout
+    dgate_up = torch.empty_like(gate_up_proj)
+    dgb = torch.empty_like(gate_up_bias) if gate_up_bias is not None else None
+    _weight_grad(dgu, False, x, True, row_pair, expert_start, expert_rows, None,
+                 _gate_up_view(dgate_up, layout).transpose(1, 2), dgb, top_k, problem, traced)
+    ddown = torch.empty_like(down_proj)
+    ddb = torch.empty_like(down_bias) if down_bias is not None else None
+    # d down_e (as (E, H, I)) = sum of (w * dout_t)^T h_row
+    _weight_grad(dout, True, h, False, row_pair, expert_start, expert_rows, w_flat,
+                 _down_view(ddown, layout).transpose(1, 2), ddb, top_k, problem, traced)
+    return dx, dweights.view(T, top_k), dgate_up, ddown, dgb, ddb
+
+
+# ----------------------------------------------------------------------------------------------
+# the op (eager autograd and the torch.library ops, from one declaration)
+# ----------------------------------------------------------------------------------------------
+def _padded_rows(pairs: int, experts: int, block_m: int) -> int:
+    return -(-(pairs + experts * (block_m - 1)) // block_m) * block_m
+
+
+def _forward(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, layout, activation, clamp, *,
+             traced):
+    out, saved = moe_experts_forward(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, layout,
+                                     activation, clamp, save=True, traced=traced)
+    return (out, *saved)
+
+
+def _fake(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, layout, activation, clamp):
+    T, H = x.shape
+    E = gate_up_proj.shape[0]
+    I = down_proj.shape[2] if layout == "concatenated" else down_proj.shape[1]
+    P = ids.numel()
+    problem = _problem(x, E, I, ids.shape[1])
+    block_m = launch_config(MoEUp, x.device, lambda: _up_default(problem["tokens_per_expert"]), **problem).BLOCK_M
+    R = _padded_rows(P, E, block_m)
+    i32 = dict(dtype=torch.int32, device=x.device)
+    return (x.new_empty((T, H)), torch.empty(R, **i32), torch.empty(R // block_m, **i32), torch.empty(P, **i32),
+            torch.empty(E, **i32), torch.empty(E, **i32), x.new_empty((R, I)), x.new_empty((R, 2 * I)),
+            x.new_empty((R, H)))
+
+
+def _backward(grads, saved, statics, *, in_place, traced):
+    (dout,) = grads
+    x, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, *rest = saved
+    layout, activation, clamp = statics
+    if dout is None:
+        dout = torch.zeros_like(x)
+    dx, dw, dgu, dd, dgb, ddb = moe_experts_backward(dout, x, weights, gate_up_proj, down_proj, gate_up_bias,
+                                                     down_bias, rest, layout, activation, clamp, weights.shape[1],
+                                                     traced=traced)
+    # absent biases get empty gradients of their own (library op outputs may not alias each other)
+    return (dx, dw.to(weights.dtype), dgu, dd, x.new_empty(0) if dgb is None else dgb,
+            x.new_empty(0) if ddb is None else ddb)
+
+
+def _backward_fake(grads, saved, statics):
+    x, weights, gate_up_proj, down_proj, gate_up_bias, down_bias = saved[:6]
+    return (torch.empty_like(x), torch.empty_like(weights), torch.empty_like(gate_up_proj),
+            torch.empty_like(down_proj), x.new_empty(0) if gate_up_bias is None else torch.empty_like(gate_up_bias),
+            x.new_empty(0) if down_bias is None else torch.empty_like(down_bias))
+
+
+MOE_EXPERTS = Op(
+    "moe_experts",
+    schema="(Tensor x, Tensor ids, Tensor weights, Tensor gate_up_proj, Tensor down_proj, Tensor? gate_up_bias, "
+           "Tensor? down_bias, str layout, str activation, float clamp) "
+           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    forward=_forward, fake=_fake,
+    save=lambda inputs, outputs: (inputs[0], *inputs[2:7], *outputs[1:]), saves=14, statics=(7, 8, 9),
+    backward_schema="(Tensor dout, Tensor x, Tensor weights, Tensor gate_up_proj, Tensor down_proj, "
+                    "Tensor? gate_up_bias, Tensor? down_bias, Tensor row_pair, Tensor block_expert, Tensor pair_pos, "
+                    "Tensor expert_start, Tensor expert_rows, Tensor h, Tensor gu, Tensor y, str layout, "
+                    "str activation, float clamp) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    backward=_backward, backward_fake=_backward_fake, grads=(0, None, 1, 2, 3, 4, 5, None, None, None))
+
+
+# ----------------------------------------------------------------------------------------------
+# public API
+# ----------------------------------------------------------------------------------------------
+def _check(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, layout, activation, clamp):
+    op = "moe_experts"
+    check_tensor(op, "x", x, ndim=2)
+    check_tensor(op, "gate_up_proj", gate_up_proj, ndim=3)
+    check_tensor(op, "down_proj", down_proj, ndim=3)
+    check_tensor(op, "top_k_weights", weights, ndim=2)
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 2:
+        raise TypeError(f"{op}: argument 'top_k_ids' must be a 2-D int32 or int64 tensor (tokens, top_k), got "
+                        f"{getattr(ids, 'dtype', type(ids).__name__)} of shape {tuple(getattr(ids, 'shape', ()))}")
+    biases = {n: b for n, b in (("gate_up_bias", gate_up_bias), ("down_bias", down_bias)) if b is not None}
+    for name, bias in biases.items():
+        check_tensor(op, name, bias, ndim=2)
+    check_same_device(op, x=x, top_k_ids=ids, top_k_weights=weights, gate_up_proj=gate_up_proj, down_proj=down_proj,
+                      **biases)
+    if weights.shape != ids.shape:
+        raise ValueError(f"{op}: argument 'top_k_weights' has shape {tuple(weights.shape)} but 'top_k_ids' has "
+                         f"{tuple(ids.shape)}")
+    T, H = x.shape
+    if ids.shape[0] != T:
+        raise ValueError(f"{op}: argument 'top_k_ids' has {ids.shape[0]} rows but 'x' has {T} tokens")
+    if layout not in LAYOUTS:
+        raise ValueError(f"{op}: argument 'layout' must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: argument 'activation' must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+    if clamp is not None and (isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not clamp > 0):
+        raise ValueError(f"{op}: argument 'clamp' must be a positive number or None, got {clamp!r}")
+    if clamp is not None and activation != "gpt_oss":
+        raise ValueError(f"{op}: argument 'clamp' applies to activation 'gpt_oss' only")
+    E = gate_up_proj.shape[0]
+    if layout == "concatenated":
+        two_i, h_in = gate_up_proj.shape[1:]
+        want_down = (E, H, two_i // 2)
+    else:
+        h_in, two_i = gate_up_proj.shape[1:]
+        want_down = (E, two_i // 2, H)
+    if h_in != H or two_i % 2:
+        raise ValueError(f"{op}: argument 'gate_up_proj' has shape {tuple(gate_up_proj.shape)}; with layout {layout!r} "
+                         f"and hidden size {H} it must be " + ("(E, 2I, H)" if layout == "concatenated" else "(E, H, 2I)"))
+    if tuple(down_proj.shape) != want_down:
+        raise ValueError(f"{op}: argument 'down_proj' has shape {tuple(down_proj.shape)}; expected {want_down} "
+                         f"for layout {layout!r}")
+    for name, t in (("x", x), ("down_proj", down_proj)):
+        if t.dtype != gate_up_proj.dtype:
+            raise TypeError(f"{op}: argument '{name}' has dtype {t.dtype} but 'gate_up_proj' has {gate_up_proj.dtype}")
+    for name, bias, shape in (("gate_up_bias", gate_up_bias, (E, two_i)), ("down_bias", down_bias, (E, H))):
+        if bias is not None:
+            if tuple(bias.shape) != shape:
+                raise ValueError(f"{op}: argument '{name}' has shape {tuple(bias.shape)}; expected {shape}")
+    if x.dtype == torch.float32 and x.device.type != "cpu":
+        raise TypeError(f"{op}: argument 'x' has dtype float32, not supported on {x.device.type} (float32 only on the "
+                        "CPU interpreter); use torch.float16 or torch.bfloat16")
+
+
+def _contiguous_last(t):
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def moe_experts(x: torch.Tensor, top_k_ids: torch.Tensor, top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
+                down_proj: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
+                down_bias: torch.Tensor | None = None, layout: str = "concatenated", activation: str = "silu",
+                clamp: float | None = None) -> torch.Tensor:
+    """``out[t] = sum_j w[t, j] * down_e(act(gate_e x_t, up_e x_t))``, ``e = top_k_ids[t, j]``, in Triton.
+
+    Args:
+        x: (T, H) tokens, float16 / bfloat16 (float32 on the CPU interpreter).
+        top_k_ids: (T, k) int32 or int64 expert ids; ids outside [0, E) (transformers' expert-parallel
+            sentinels) contribute nothing.
+        top_k_weights: (T, k) routing weights, any float dtype; differentiable (their gradient feeds
+            the router).
+        gate_up_proj, down_proj: Hugging Face's expert weights. ``layout="concatenated"``:
+            (E, 2I, H) = [gate; up] and (E, H, I). ``"interleaved_transposed"`` (GPT-OSS): (E, H, 2I) with
+            gate and up in alternate columns, and (E, I, H).
+        gate_up_bias, down_bias: optional (E, 2I) (in the weight's column order) and (E, H).
+        activation: "silu" (``silu(gate) * up``) or "gpt_oss" (``(up + 1) * gate * sigmoid(1.702 * gate)``
+            with ``gate <= clamp`` and ``|up| <= clamp``).
+    Returns:
+        (T, H) in x's dtype. Gradients flow to x, the routing weights, both weights and the biases.
+    """
+    _check(x, top_k_ids, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, layout, activation, clamp)
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        # Triton's interpreter (3.6 to 3.9) feeds bf16 tl.dot operands to numpy as raw bits: compute in
+        # float32 there and round the result (on GPUs bf16 runs as it is).
+        f = lambda t: None if t is None else t.float()  # noqa: E731
+        return moe_experts(x.float(), top_k_ids, top_k_weights, f(gate_up_proj), f(down_proj), gate_up_bias=f(gate_up_bias),
+                           down_bias=f(down_bias), layout=layout, activation=activation, clamp=clamp).to(x.dtype)
+    if x.shape[0] == 0:
+        return x.new_zeros(x.shape) + 0 * top_k_weights.sum() + 0 * gate_up_proj.sum() + 0 * down_proj.sum()
+    x, top_k_weights = x.contiguous(), top_k_weights.contiguous()
+    return MOE_EXPERTS(x, top_k_ids.contiguous(), top_k_weights, gate_up_proj, down_proj,
+                       _contiguous_last(gate_up_bias), _contiguous_last(down_bias), layout, activation,
+                       float(clamp) if clamp is not None else 0.0)

@@ -1,0 +1,232 @@
+"""MoE experts (moe_experts) against the float64 loop-over-experts reference: output and the gradients of
+x, the routing weights, both expert weights and the biases, for both Hugging Face weight layouts.
+
+Tolerance: the kernels accumulate in float32 and round the output (and, in half precision, the
+intermediate h) to the input dtype, so each element is off by a few ``u`` relative to the sum of its
+terms' magnitudes. That magnitude is the same reference run on absolute values (``|x|``, ``|W|``,
+``|w|``): it bounds every term of every sum, activation included.
+"""
+import pytest
+from helpers import leaf
+import torch
+
+from tritonspec.ops import _library
+from tritonspec.ops._testing import assert_close, poisoned_allocations
+from tritonspec.ops.moe import MOE_EXPERTS, moe_experts, moe_experts_ref
+
+LAYOUTS = ["concatenated", "interleaved_transposed"]
+KINDS = {"silu": dict(activation="silu"), "gpt_oss": dict(activation="gpt_oss", clamp=7.0, bias=True)}
+
+
+def _weights(E, H, I, layout, dtype, device, gen, bias=False):
+    shape_gu, shape_d = ((E, 2 * I, H), (E, H, I)) if layout == "concatenated" else ((E, H, 2 * I), (E, I, H))
+    r = lambda *s: torch.randn(*s, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
+    gu, dn = r(*shape_gu) * H ** -0.5, r(*shape_d) * I ** -0.5
+    gb, db = (r(E, 2 * I) * 0.5, r(E, H) * 0.5) if bias else (None, None)
+    return gu, dn, gb, db
+
+
+def _routing(T, E, k, device, gen, dtype=torch.int64):
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]) if T else torch.empty(0, k)
+    w = torch.rand(T, k, generator=gen).softmax(-1)
+    return ids.to(device=device, dtype=dtype), w.to(device)
+
+
+def _problem(T, H, I, E, k, layout, kind, dtype, device, gen, ids_dtype=torch.int64):
+    opts = dict(KINDS[kind])
+    bias = opts.pop("bias", False)
+    x = torch.randn(T, H, generator=gen).to(device=device, dtype=dtype)
+    ids, w = _routing(T, E, k, device, gen, ids_dtype)
+    gu, dn, gb, db = _weights(E, H, I, layout, dtype, device, gen, bias)
+    return (x, ids, w, gu, dn), dict(gate_up_bias=gb, down_bias=db, layout=layout, **opts)
+
+
+NAMES = ("x", "top_k_weights", "gate_up_proj", "down_proj", "gate_up_bias", "down_bias")
+
+
+def _run(fn, args, kw, dout):
+    x, ids, w, gu, dn = args
+    leaves = {"x": leaf(x), "top_k_weights": leaf(w), "gate_up_proj": leaf(gu), "down_proj": leaf(dn)}
+    if kw["gate_up_bias"] is not None:
+        leaves["gate_up_bias"], leaves["down_bias"] = leaf(kw["gate_up_bias"]), leaf(kw["down_bias"])
+    kwargs = dict(kw, gate_up_bias=leaves.get("gate_up_bias"), down_bias=leaves.get("down_bias"))
+    out = fn(leaves["x"], ids, leaves["top_k_weights"], leaves["gate_up_proj"], leaves["down_proj"], **kwargs)
+    out.backward(dout.to(out.dtype))
+    return out.detach(), {n: t.grad for n, t in leaves.items()}
+
+
+def _reference(args, kw, dout, magnitude=False):
+    """float64 output and grads; ``magnitude``: the same on absolute values (the tolerance's scale)."""
+    f = (lambda t: None if t is None else t.double().abs()) if magnitude else \
+        (lambda t: None if t is None else t.double())
+    x, ids, w, gu, dn = args
+    args64 = (f(x), ids, f(w), f(gu), f(dn))
+    kw64 = dict(kw, gate_up_bias=f(kw["gate_up_bias"]), down_bias=f(kw["down_bias"]))
+    return _run(moe_experts_ref, args64, kw64, f(dout))
+
+
+def _check(args, kw, *, dout=None, gen=None):
+    x = args[0]
+    dout = dout if dout is not None else torch.randn(x.shape, generator=gen).to(x.device)
+    with poisoned_allocations():
+        out, grads = _run(moe_experts, args, kw, dout)
+    ref, ref_grads = _reference(args, kw, dout)
+    mag, mag_grads = _reference(args, kw, dout, magnitude=True)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert_close(out, ref, "out", scale=mag.abs().max().item())
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        assert grads[name].dtype == args[0].dtype if name != "top_k_weights" else args[2].dtype
+        assert_close(grads[name], ref_grads[name], f"d{name}", dtype=x.dtype,
+                     scale=mag_grads[name].abs().max().item())
+    return out, grads
+
+
+def _dtypes(device):
+    return [torch.float32, torch.bfloat16] if device == "cpu" else [torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("T", [1, 3, 17])
+def test_moe_matches_reference(T, layout, kind, device, gen):
+    for dtype in _dtypes(device):
+        args, kw = _problem(T, 32, 24, 6, 2, layout, kind, dtype, device, gen)
+        _check(args, kw, gen=gen)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_many_tokens_per_expert_fill_several_blocks(layout, device, gen):
+    """160 tokens x top-4 over 4 experts: ~160 rows per expert, several of the large problems' 128-row blocks."""
+    args, kw = _problem(160, 48, 40, 4, 4, layout, "silu", _dtypes(device)[0], device, gen)
+    _check(args, kw, gen=gen)
+
+
+def test_idle_experts_get_zero_weight_gradients(device, gen):
+    """Experts no token chose: their weight gradients are written, and are exactly zero."""
+    dtype = _dtypes(device)[0]
+    args, kw = _problem(5, 32, 16, 8, 1, "interleaved_transposed", "gpt_oss", dtype, device, gen)
+    ids = args[1].clone()
+    ids[:] = torch.tensor([1, 3, 1, 3, 1], device=device)[:, None]
+    args = (args[0], ids, *args[2:])
+    _, grads = _check(args, kw, gen=gen)
+    idle = [e for e in range(8) if e not in (1, 3)]
+    for name in ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias"):
+        assert torch.count_nonzero(grads[name][idle]) == 0, name
+        assert torch.count_nonzero(grads[name][[1, 3]]) > 0, name
+
+
+def test_every_token_on_one_expert(device, gen):
+    dtype = _dtypes(device)[0]
+    args, kw = _problem(9, 32, 16, 4, 1, "concatenated", "silu", dtype, device, gen)
+    args = (args[0], torch.full_like(args[1], 2), *args[2:])
+    _check(args, kw, gen=gen)
+
+
+def test_out_of_range_ids_contribute_nothing(device, gen):
+    """transformers' expert-parallel sentinels (ids >= E) and negative ids are dropped, gradients included."""
+    dtype = _dtypes(device)[0]
+    args, kw = _problem(7, 32, 16, 4, 2, "concatenated", "silu", dtype, device, gen)
+    x, ids, w, gu, dn = args
+    ids = ids.clone()
+    ids[1, 0], ids[4, 1], ids[6, 0] = 4, -1, 10
+    dout = torch.randn(x.shape, generator=gen).to(device)
+    out, grads = _run(moe_experts, (x, ids, w, gu, dn), kw, dout)
+    # the reference of the same problem without the dropped pairs: their routing weight set to zero
+    kept = (ids >= 0) & (ids < 4)
+    w0 = torch.where(kept, w, torch.zeros_like(w))
+    ref, ref_grads = _reference((x, ids.clamp(0, 3), w0, gu, dn), kw, dout)
+    assert_close(out, ref, "out")
+    assert_close(grads["x"], ref_grads["x"], "dx", dtype=dtype)
+    assert torch.count_nonzero(grads["top_k_weights"][~kept]) == 0
+    assert_close(grads["top_k_weights"][kept], ref_grads["top_k_weights"][kept], "dw", dtype=dtype)
+
+
+def test_int32_and_int64_ids_agree_bitwise(device, gen):
+    args, kw = _problem(11, 32, 16, 5, 2, "concatenated", "silu", _dtypes(device)[0], device, gen)
+    dout = torch.randn(args[0].shape, generator=gen).to(device)
+    a = _run(moe_experts, args, kw, dout)
+    b = _run(moe_experts, (args[0], args[1].int(), *args[2:]), kw, dout)
+    assert torch.equal(a[0], b[0])
+    assert all(torch.equal(a[1][n], b[1][n]) for n in a[1])
+
+
+def test_runs_are_bitwise_deterministic(device, gen):
+    """No atomics: two runs give the very same output and gradients."""
+    args, kw = _problem(23, 32, 24, 4, 3, "interleaved_transposed", "gpt_oss", _dtypes(device)[-1], device, gen)
+    dout = torch.randn(args[0].shape, generator=gen).to(device)
+    a, b = _run(moe_experts, args, kw, dout), _run(moe_experts, args, kw, dout)
+    assert torch.equal(a[0], b[0])
+    assert all(torch.equal(a[1][n], b[1][n]) for n in a[1])
+
+
+def test_no_tokens(device, gen):
+    args, kw = _problem(0, 32, 16, 4, 2, "concatenated", "silu", _dtypes(device)[0], device, gen)
+    out, grads = _run(moe_experts, args, kw, torch.zeros(0, 32, device=device))
+    assert out.shape == (0, 32)
+    assert grads["gate_up_proj"].shape == args[3].shape and torch.count_nonzero(grads["gate_up_proj"]) == 0
+
+
+def test_library_op_path_in_eager(monkeypatch, device, gen):
+    monkeypatch.setattr(_library, "FORCE_LIBRARY_OP", True)
+    args, kw = _problem(6, 32, 16, 4, 2, "interleaved_transposed", "gpt_oss", _dtypes(device)[0], device, gen)
+    _check(args, kw, gen=gen)
+
+
+def test_torch_compile_fullgraph(device, gen):
+    """No graph break: routing metadata has static shapes and the kernels run as custom ops."""
+    args, kw = _problem(6, 32, 16, 4, 2, "concatenated", "silu", _dtypes(device)[0], device, gen)
+    x, ids, w, gu, dn = args
+    xl, wl, gul, dnl = leaf(x), leaf(w), leaf(gu), leaf(dn)
+    f = torch.compile(lambda x, w, gu, dn: moe_experts(x * 2.0, ids, w, gu, dn, **kw), fullgraph=True)
+    out = f(xl, wl, gul, dnl)
+    dout = torch.randn(out.shape, generator=gen).to(device)
+    out.backward(dout)
+    x64, w64, gu64, dn64 = (leaf(t.double()) for t in (x, w, gu, dn))
+    ref = moe_experts_ref(x64 * 2.0, ids, w64, gu64, dn64, **kw)
+    ref.backward(dout.double())
+    scale = lambda t: t.abs().max().item() * x.shape[1] ** 0.5  # noqa: E731
+    assert_close(out, ref, "out", scale=scale(ref))
+    for name, got, want in (("dx", xl, x64), ("dw", wl, w64), ("dgate_up", gul, gu64), ("ddown", dnl, dn64)):
+        assert_close(got.grad, want.grad, name, dtype=x.dtype, scale=scale(want.grad))
+
+
+def test_opcheck(device, gen):
+    args, kw = _problem(5, 32, 16, 4, 2, "interleaved_transposed", "gpt_oss", _dtypes(device)[0], device, gen)
+    x, ids, w, gu, dn = args
+    torch.library.opcheck(MOE_EXPERTS.forward_op, (x, ids, w, gu, dn, kw["gate_up_bias"], kw["down_bias"],
+                                                  kw["layout"], kw["activation"], kw["clamp"]))
+
+
+def _bad(**changes):
+    """A call of moe_experts on ``device`` with ``changes`` applied to a valid problem's arguments."""
+    def call(device):
+        gen = torch.Generator().manual_seed(0)
+        args, kw = _problem(4, 32, 24, 4, 2, "concatenated", "silu", _dtypes(device)[0], device, gen)
+        named = dict(zip(("x", "top_k_ids", "top_k_weights", "gate_up_proj", "down_proj"), args), **kw)
+        for key, change in changes.items():  # a change to an absent argument gets x (for its device)
+            named[key] = change(named[key] if named[key] is not None else named["x"]) if callable(change) else change
+        return moe_experts(**named)
+    return call
+
+
+@pytest.mark.parametrize("call, match", [
+    (_bad(x=lambda t: t[None]), "'x' must have 2"),
+    (_bad(top_k_ids=lambda t: t.float()), "'top_k_ids' must be a 2-D int32 or int64"),
+    (_bad(x=lambda t: t[:3]), "'top_k_ids' has 4 rows but 'x' has 3"),
+    (_bad(top_k_weights=lambda t: t[:, :1]), "'top_k_weights' has shape"),
+    (_bad(gate_up_proj=lambda t: t[:, :, :16]), "'gate_up_proj' has shape"),
+    (_bad(gate_up_proj=lambda t: t.transpose(1, 2)), "'gate_up_proj' has shape"),
+    (_bad(down_proj=lambda t: t[:, :, :8]), "'down_proj' has shape"),
+    (_bad(down_proj=lambda t: t.double()), "'down_proj' has dtype"),
+    (_bad(layout="transposed"), "'layout' must be one of"),
+    (_bad(activation="gelu"), "'activation' must be one of"),
+    (_bad(clamp=7.0), "'clamp' applies to activation 'gpt_oss' only"),
+    (_bad(activation="gpt_oss", clamp=-1.0), "'clamp' must be a positive number"),
+    (_bad(down_bias=lambda x: x.new_zeros(4, 31)), "'down_bias' has shape"),
+    (_bad(down_bias=lambda x: torch.zeros(4, 32, device="meta")), "'down_bias' is on meta"),
+    (_bad(gate_up_proj=lambda t: t.to("meta")), "is on meta"),
+])
+def test_bad_arguments_raise_naming_the_argument(call, match, device):
+    with pytest.raises((TypeError, ValueError), match=match):
+        call(device)
