@@ -107,6 +107,9 @@ ARCHITECTURES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2C
 MOE_ARCHITECTURES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, head_dim=8, mlp_only_layers=[])),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4,
+                       num_experts_per_tok=2, mlp_only_layers=[])),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, eos_token_id=None)),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",

@@ -1,7 +1,8 @@
 """transformers MoE models (random weights, tiny configs) with tritonspec's experts, on the Triton interpreter.
 
-The registry's MOE kernel switches ``experts_implementation`` to ``"tritonspec"``; logits, loss and every
-gradient (router included) must be as close to a float64 run of the model's own eager experts as the
+The registry's MOE kernel switches ``experts_implementation`` to ``"tritonspec"``; logits, loss (with the
+auxiliary load-balancing loss: ``output_router_logits=True``) and every gradient (router included) must be
+as close to a float64 run of the model's own eager experts as the
 original ``grouped_mm`` model is (helpers.compare_to_original's tolerance model). One layer, so every
 router sees the same input in both models and picks the same experts.
 """
@@ -17,7 +18,7 @@ pytest.importorskip("transformers.integrations.moe")
 
 MODELS = available_models(MOE_ARCHITECTURES)
 SIZES = dict(hidden_size=32, intermediate_size=16, num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
-             max_position_embeddings=64, num_hidden_layers=1)
+             max_position_embeddings=64, num_hidden_layers=1, output_router_logits=True)
 
 
 def _model(name, dtype, experts=None, **sizes):
