@@ -638,3 +638,18 @@ def check_ascend_with_toolchain():
 
 def test_ascend_hands_ttir_to_the_toolchain_when_present(compiled):
     assert compiled["check_ascend_with_toolchain"] == "ok"
+
+
+@pytest.mark.parametrize("tokens_per_expert", [1, 256])
+def test_iluvatar_moe_configs_fit_its_limits(tokens_per_expert):
+    from tritonspec import kernel_table as kt
+    from tritonspec.ops import moe
+    problem = dict(tokens_per_expert=tokens_per_expert, H=2048, I=768, E=128, dtype="torch.bfloat16")
+    defaults = [moe._up_default(tokens_per_expert), moe._rows_default(tokens_per_expert),
+                moe._weight_grad_default(tokens_per_expert), moe._COMBINE_DEFAULT]
+    with tritonspec.use_backend("iluvatar"):
+        for default in defaults:
+            cfg = tritonspec.launch_config(type(default), "cuda", default, **problem)
+            assert cfg.num_stages <= 2 and cfg.num_warps <= 4, default.kernel
+            if isinstance(cfg, kt.MoEUp):
+                assert cfg.BLOCK_M <= 64

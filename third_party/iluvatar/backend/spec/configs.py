@@ -40,7 +40,22 @@ def _attention(kernel: str, **problem):
     return {"num_stages": 1}  # attention_bwd_preprocess
 
 
+def _moe(kernel: str, **problem):
+    """MoE grouped GEMMs: at most 2 stages and 4 warps; 64-row blocks at most once experts get many rows."""
+    if kernel == "moe_combine":
+        return {"num_warps": 4, "num_stages": 1}
+    cfg = {"num_warps": 4, "num_stages": MAX_STAGES}
+    if kernel in ("moe_up", "moe_rows"):
+        cfg["BLOCK_K"] = 32
+    if kernel == "moe_up" and problem.get("tokens_per_expert", 1) > 16:
+        cfg["BLOCK_M"] = 64
+    if kernel == "moe_weight_grad":
+        cfg.update(BLOCK_M=64, BLOCK_N=64)
+    return cfg
+
+
 kernel_config = ConfigTable({
+    **dict.fromkeys(("moe_up", "moe_rows", "moe_weight_grad", "moe_combine"), _moe),
     **dict.fromkeys(("rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope"), _rows),
     **dict.fromkeys(("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "attention_bwd_preprocess"),
                     _attention),
