@@ -15,7 +15,6 @@ this script itself.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import importlib.metadata
 import os
@@ -33,6 +32,7 @@ import triton  # noqa: E402
 
 from tritonspec.ops import _library, rms_norm, rope, swiglu  # noqa: E402
 from tritonspec.ops._testing import assert_close  # noqa: E402
+from tuning import override  # noqa: E402
 
 # The op modules themselves (the package re-exports functions of the same names).
 rms_mod = sys.modules["tritonspec.ops.rms_norm"]
@@ -294,23 +294,6 @@ def dispatch_overhead():
 
 
 # -- launch-config sweep (tuning data) ---------------------------------------------------------------
-@contextlib.contextmanager
-def override(module, cfg):
-    """Every kernel named in ``cfg`` gets those fields on top of its default: ``module`` (an op module)
-    asks this version of ``launch_config``, which has no memo."""
-    orig = module.launch_config
-
-    def launch_config(config, device, default, **problem):
-        base = default() if callable(default) else default
-        return base.override(cfg.get(config.kernel, {}))
-
-    module.launch_config = launch_config
-    try:
-        yield
-    finally:
-        module.launch_config = orig
-
-
 def sweep(budget_s):
     """Kernel-level timings of launch-config variants, most important first, until ``budget_s``."""
     lines = []

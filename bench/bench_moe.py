@@ -16,7 +16,6 @@ interpreter to check this script itself.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import os
 import sys
@@ -32,6 +31,7 @@ import triton  # noqa: E402
 from tritonspec.nn.experts import EXPERTS_NAME, register_experts  # noqa: E402
 from tritonspec.ops import moe as moe_mod  # noqa: E402
 from tritonspec.ops.moe import moe_experts_ref  # noqa: E402
+from tuning import override  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 DT = torch.float32 if SMOKE else torch.bfloat16
@@ -106,22 +106,6 @@ def _reference_error(experts, x, ids, w, dout, impl):
     return rel(out.detach(), ref.detach()), rel(xl.grad, x64.grad)
 
 
-@contextlib.contextmanager
-def override(cfg):
-    """Every MoE kernel named in ``cfg`` gets those fields on top of its default (no memo)."""
-    orig = moe_mod.launch_config
-
-    def launch_config(config, device, default, **problem):
-        base = default() if callable(default) else default
-        return base.override(cfg.get(config.kernel, {}))
-
-    moe_mod.launch_config = launch_config
-    try:
-        yield
-    finally:
-        moe_mod.launch_config = orig
-
-
 _BIG = dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 VARIANTS = {
     "default": {},
@@ -156,14 +140,13 @@ def sweep():
                     experts.zero_grad(set_to_none=True)
                     experts(x, ids, w).backward(dout)
                 try:
-                    with override(variant):
+                    with override(moe_mod, variant):
                         tf, tb = bench(fwd)[0], bench(fb)[0]
                 except Exception as e:  # noqa: BLE001
                     print(f"# sweep {case[0]} {T} {name}: {type(e).__name__}: {str(e)[:200]}")
                     continue
                 lines.append(f"| {case[0]} | {T} | {name} | {tf:.3f} | {tb:.3f} |")
                 print(lines[-1], flush=True)
-        del experts
         if not SMOKE:
             torch.cuda.empty_cache()
     return "\n".join(lines)
@@ -216,7 +199,6 @@ def main(argv=None):
                     f = flops if mode == "fwd" else 3 * flops
                     rows.append(dict(case=case[0], T=T, impl=impl, mode=mode, ms=t[0], p20=t[1], p80=t[2],
                                      tflops=f / (t[0] * 1e-3) / 1e12, err=errs[impl][0], derr=errs[impl][1]))
-        del experts
         if not SMOKE:
             torch.cuda.empty_cache()
     speed = {(r["case"], r["T"], r["mode"]): r["ms"] for r in rows if r["impl"] == EXPERTS_NAME}

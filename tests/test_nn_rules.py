@@ -350,3 +350,22 @@ def test_cyclic_and_widely_shared_python_rules():
 def test_regex_with_deeply_nested_groups_is_a_rule_error():
     with pytest.raises(RuleError, match=r"rule 0: match\.name: regex nests its groups too deeply"):
         load_rules([{"match": {"name": "(" * 500 + "a" + ")" * 500}, "replace": {"class": "default"}}])
+
+
+def test_regex_depth_limit_does_not_depend_on_the_recursion_limit():
+    """torch.compile raises the recursion limit; a rule nesting 100 groups fails the same way there."""
+    import sys
+    deep = "(" * 100 + "a" + ")" * 100
+    previous = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)
+    try:
+        with pytest.raises(RuleError, match="nests its groups too deeply"):
+            load_rules([{"match": {"name": deep}, "replace": {"class": "default"}}])
+    finally:
+        sys.setrecursionlimit(previous)
+
+
+def test_parentheses_in_character_classes_and_escapes_are_not_groups():
+    name = r"[(]" * 80 + r"\(" * 80 + "[^)(]x"
+    rules = load_rules([{"match": {"name": name}, "replace": {"class": "default"}}])
+    assert len(rules) == 1

@@ -10,12 +10,10 @@ SDPA path, so results never depend on which path ran.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 
 import torch
 from torch import nn
 
-from ..devices import triton_runs
 from . import engine
 
 ATTENTION_NAME = "tritonspec"
@@ -67,17 +65,6 @@ def register_attention(name: str = ATTENTION_NAME) -> str:
     AttentionInterface.register(name, tritonspec_attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)
     return name
-
-
-def attention_available(device_type: str) -> bool:
-    """The attention op exists and Triton can run on ``device_type`` (CPU only through the interpreter)."""
-    if not triton_runs(device_type):
-        return False
-    try:
-        return (importlib.util.find_spec("transformers") is not None
-                and importlib.util.find_spec("tritonspec.ops.attention") is not None)
-    except ImportError:
-        return False
 
 
 def use_tritonspec_attention(model: nn.Module, *, source: str = "registry", detail: str = "") -> engine.Change | None:

@@ -10,7 +10,6 @@ unsupported dtype) runs transformers' ``grouped_mm`` path, so results never depe
 from __future__ import annotations
 
 import importlib
-import importlib.util
 
 import torch
 from torch import nn
@@ -89,17 +88,6 @@ def register_experts(name: str = EXPERTS_NAME) -> str:
     from transformers.integrations.moe import ExpertsInterface
     ExpertsInterface.register(name, tritonspec_experts_forward)
     return name
-
-
-def experts_available(device_type: str) -> bool:
-    """The MoE op exists, transformers has an ExpertsInterface, and Triton runs on ``device_type``."""
-    if not triton_runs(device_type):
-        return False
-    try:
-        return (importlib.util.find_spec("transformers.integrations.moe") is not None
-                and importlib.util.find_spec("tritonspec.ops.moe") is not None)
-    except ImportError:
-        return False
 
 
 def use_tritonspec_experts(model: nn.Module, *, source: str = "registry", detail: str = "") -> engine.Change | None:

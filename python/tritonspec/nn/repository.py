@@ -68,6 +68,17 @@ def validate_layer(layer: type, reference: Callable | type, *, repo: object) -> 
                             f"{p.kind.description}, `{ref_name}` has {r.name!r} as {r.kind.description}")
 
 
+def kernel_available(kernel: kernel_table.Kernel, device_type: str) -> bool:
+    """Triton can run on ``device_type`` (a GPU-like backend, or the CPU interpreter) and the kernel's op
+    module imports (a missing op makes the kernel unavailable, not an error)."""
+    if not triton_runs(device_type):
+        return False
+    try:
+        return importlib.util.find_spec(kernel.module) is not None
+    except ImportError:  # tritonspec.ops itself failed to import
+        return False
+
+
 class TritonspecRepository:
     """The hub layer of a kernel of the kernel table (:mod:`tritonspec.kernel_table`), no files involved."""
 
@@ -83,14 +94,7 @@ class TritonspecRepository:
         return self.kernel.layer.load()
 
     def available(self, device_type: str) -> bool:
-        """Triton can run there (a GPU-like backend, or the CPU interpreter) and the kernel's ops import
-        (a missing op makes the layer unavailable, not an error)."""
-        if not triton_runs(device_type):
-            return False
-        try:
-            return importlib.util.find_spec(self.kernel.module) is not None
-        except ImportError:  # tritonspec.ops itself failed to import
-            return False
+        return kernel_available(self.kernel, device_type)
 
     def __eq__(self, other):
         return isinstance(other, TritonspecRepository) and other.layer_name == self.layer_name

@@ -12,9 +12,11 @@ names the original ``forward`` uses), not at per-model class tables that break o
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import types
+import weakref
 
 from torch import nn
 
@@ -60,7 +62,7 @@ def tagged_name(obj) -> str | None:
     return str(name) if name is not None else None
 
 
-_ROTARY_PROBES: dict[object, bool] = {}
+_ROTARY_PROBES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per function: probed once, not kept alive
 
 
 def is_rotate_half_rope(fn) -> bool:
@@ -70,22 +72,26 @@ def is_rotate_half_rope(fn) -> bool:
     Models share the name, not the math (GPT-OSS's takes half-width cos/sin; GLM's interleaves), so the
     function is run once on a small float64 probe and compared with the reference.
     """
-    if fn not in _ROTARY_PROBES:
-        import torch
-        from ..ops.rope import rope_ref
-        g = torch.Generator().manual_seed(0)
-        q, k = (torch.randn(1, h, 3, 8, generator=g, dtype=torch.float64) for h in (2, 1))
-        cos, sin = (torch.randn(1, 3, 8, generator=g, dtype=torch.float64) for _ in range(2))
-        call = (lambda *a: type(fn).forward(fn, *a)) if isinstance(fn, nn.Module) else fn
-        try:
-            with torch.no_grad():
-                got = call(q, k, cos, sin)
-            ok = all(isinstance(a, torch.Tensor) and a.shape == b.shape and torch.allclose(a, b)
-                     for a, b in zip(got, rope_ref(q, k, cos, sin), strict=True))
-        except Exception:  # noqa: BLE001 - a function that cannot take the probe is not this formula
-            ok = False
+    try:
+        return _ROTARY_PROBES[fn]
+    except (KeyError, TypeError):  # not probed yet, or not weak-referenceable (probed every time)
+        pass
+    import torch
+    from ..ops.rope import rope_ref
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, h, 3, 8, generator=g, dtype=torch.float64) for h in (2, 1))
+    cos, sin = (torch.randn(1, 3, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    call = (lambda *a: type(fn).forward(fn, *a)) if isinstance(fn, nn.Module) else fn
+    try:
+        with torch.no_grad():
+            got = call(q, k, cos, sin)
+        ok = all(isinstance(a, torch.Tensor) and a.shape == b.shape and torch.allclose(a, b)
+                 for a, b in zip(got, rope_ref(q, k, cos, sin), strict=True))
+    except Exception:  # noqa: BLE001 - a function that cannot take the probe is not this formula
+        ok = False
+    with contextlib.suppress(TypeError):
         _ROTARY_PROBES[fn] = ok
-    return _ROTARY_PROBES[fn]
+    return ok
 
 
 def infer_layer_name(module: nn.Module) -> str | None:

@@ -23,10 +23,10 @@ from torch import nn
 from .. import kernel_table
 from ..devices import triton_device_types
 from . import engine
-from .attention import attention_available, use_tritonspec_attention
-from .experts import experts_available, use_tritonspec_experts
+from .attention import use_tritonspec_attention
+from .experts import use_tritonspec_experts
 from .registry import KERNEL_REGISTRY, AutoRegisterKernelMeta, DeviceType, MetaKernel, as_kernel_type
-from .repository import TritonspecRepository, validate_layer
+from .repository import kernel_available, validate_layer
 from .targets import function_sites, infer_layer_name, tagged_name
 
 logger = logging.getLogger("tritonspec.nn.registry")
@@ -43,12 +43,7 @@ class TritonKernel(MetaKernel):
 
     @classmethod
     def _unavailable(cls) -> bool:
-        if cls.entry.site == "attention":
-            ok = attention_available(cls.device.value)
-        elif cls.entry.site == "experts":
-            ok = experts_available(cls.device.value)
-        else:
-            ok = TritonspecRepository(cls.entry.layer.name).available(cls.device.value)
+        ok = kernel_available(cls.entry, cls.device.value)
         if not ok:
             logger.info("%s: Triton/op not available on %s; model unchanged", cls.__name__, cls.device.value)
         return not ok
@@ -104,26 +99,28 @@ class TritonFunctionKernel(TritonKernel):
         return model
 
 
-class TritonAttentionKernel(TritonKernel):
+class TritonSwitchKernel(TritonKernel):
+    """Switches a transformers model's implementation to tritonspec's through ``switch`` (recorded for revert)."""
+
+    switch = None  # use_tritonspec_attention / use_tritonspec_experts
+
+    @classmethod
+    def apply(cls, model: nn.Module, **kwargs) -> nn.Module:
+        if not cls._unavailable():
+            cls.switch(model, source="registry", detail=cls._detail())
+        return model
+
+
+class TritonAttentionKernel(TritonSwitchKernel):
     """Switches transformers models to ``attn_implementation="tritonspec"``."""
 
-    @classmethod
-    def apply(cls, model: nn.Module, **kwargs) -> nn.Module:
-        if cls._unavailable():
-            return model
-        use_tritonspec_attention(model, source="registry", detail=cls._detail())
-        return model
+    switch = staticmethod(use_tritonspec_attention)
 
 
-class TritonExpertsKernel(TritonKernel):
+class TritonExpertsKernel(TritonSwitchKernel):
     """Switches transformers MoE models to ``experts_implementation="tritonspec"``."""
 
-    @classmethod
-    def apply(cls, model: nn.Module, **kwargs) -> nn.Module:
-        if cls._unavailable():
-            return model
-        use_tritonspec_experts(model, source="registry", detail=cls._detail())
-        return model
+    switch = staticmethod(use_tritonspec_experts)
 
 
 _SITE_BASES = {"module": TritonLayerKernel, "function": TritonFunctionKernel, "attention": TritonAttentionKernel,

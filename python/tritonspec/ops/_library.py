@@ -21,7 +21,6 @@ from typing import Callable, Optional
 import torch
 
 from ..devices import interpreting
-from ..launch import launch_config
 from ..registry import REGISTRY
 from ..resolve import selected, selection
 from ._launch_cache import CachedLauncher
@@ -120,15 +119,15 @@ class Op:
                                       opaque=opaque)
         backward_op = self.backward_op
 
-        # The backward runs where autograd runs it (a device thread for CUDA tensors), under the spec
-        # selection the forward saw.
         # Optional tensor inputs (Tensor? in the schema) get no gradient when they are None.
-        optional = [i for i, arg in enumerate(schema.split("->")[0].strip("( )").split(","))
-                    if arg.strip().startswith("Tensor?")]
+        optional = frozenset(i for i, arg in enumerate(schema.split("->")[0].strip("( )").split(","))
+                             if arg.strip().startswith("Tensor?"))
 
-        def input_grads(inputs, results):
-            return tuple(None if i is None or (p in optional and inputs[p] is None) else results[i]
-                         for p, i in enumerate(grads))
+        def absent(inputs):
+            return frozenset(p for p in optional if inputs[p] is None)
+
+        def input_grads(none_inputs, results):
+            return tuple(None if i is None or p in none_inputs else results[i] for p, i in enumerate(grads))
 
         # The backward runs where autograd runs it (a device thread for CUDA tensors), under the spec
         # selection the forward saw.
@@ -136,13 +135,12 @@ class Op:
             ctx.save_for_backward(*save(inputs, (output,) if single else output))
             ctx.statics = tuple(inputs[i] for i in statics)
             ctx.selection = selection()
-            ctx.none_inputs = [None if inputs[p] is None else True for p in range(len(grads))] if optional else None
+            ctx.absent = absent(inputs)
 
         def op_backward(ctx, *output_grads):
             with selected(ctx.selection):
                 results = backward_op(*output_grads[:n_grads], *ctx.saved_tensors, *ctx.statics)
-            return input_grads(ctx.none_inputs, results) if optional else \
-                tuple(None if i is None else results[i] for i in grads)
+            return input_grads(ctx.absent, results)
 
         self.forward_op.register_autograd(op_backward, setup_context=setup_context)
 
@@ -152,16 +150,14 @@ class Op:
             ctx.statics = tuple(inputs[i] for i in statics) if n_statics else ()
             ctx.in_place = in_place
             ctx.selection = selection()
-            ctx.none_inputs = [None if inputs[p] is None else True for p in range(len(grads))] if optional else None
+            ctx.absent = absent(inputs)
             ctx.set_materialize_grads(False)
             return outputs[0] if n_grads == 1 else outputs[:n_grads]
 
         def function_backward(ctx, *output_grads):
             with selected(ctx.selection):
                 results = backward(output_grads, ctx.saved_tensors, ctx.statics, in_place=ctx.in_place, traced=False)
-            if optional:
-                return (None, *input_grads(ctx.none_inputs, results))
-            return (None, *(None if i is None else results[i] for i in grads))
+            return (None, *input_grads(ctx.absent, results))
 
         # Named after the op (RmsNormFunction, ...: autograd names its nodes RmsNormFunctionBackward).
         self.Function = type(f"{''.join(w.capitalize() for w in name.split('_'))}Function", (torch.autograd.Function,),
