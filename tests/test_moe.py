@@ -142,6 +142,32 @@ def test_out_of_range_ids_contribute_nothing(device, gen):
     assert_close(grads["top_k_weights"][kept], ref_grads["top_k_weights"][kept], "dw", dtype=dtype)
 
 
+@pytest.mark.parametrize("T, E, k, block_m", [(1, 8, 2, 16), (37, 6, 3, 4), (300, 4, 2, 16)])
+def test_routing_metadata_is_a_stable_padded_sort_by_expert(T, E, k, block_m, device, gen):
+    """The routing metadata against its definition, written in plain Python: each expert's pairs in token
+    order from its first row, rows padded to block_m with -1, each block's expert, each pair's row."""
+    from tritonspec.ops.moe import _routing as routing
+    ids = torch.randint(-1, E + 2, (T, k), generator=gen)  # with dropped ids on both sides
+    row_pair, block_expert, pair_pos, expert_start, expert_rows = (t.cpu().tolist() for t in routing(
+        ids.to(device), E, block_m))
+    flat = ids.reshape(-1).tolist()
+    want_rows, want_pos, want_blocks, starts, counts = [], [-1] * len(flat), [], [], []
+    for e in range(E):
+        mine = [p for p, key in enumerate(flat) if key == e]
+        starts.append(len(want_rows))
+        counts.append(len(mine))
+        for p in mine:
+            want_pos[p] = len(want_rows)
+            want_rows.append(p)
+        want_rows += [-1] * (-len(mine) % block_m)
+        want_blocks += [e] * ((len(want_rows) - starts[-1]) // block_m)
+    R = len(row_pair)
+    assert R % block_m == 0 and R >= len(flat) + E * (block_m - 1)
+    assert row_pair == want_rows + [-1] * (R - len(want_rows))
+    assert block_expert == want_blocks + [-1] * (R // block_m - len(want_blocks))
+    assert pair_pos == want_pos and expert_start == starts and expert_rows == counts
+
+
 def test_int32_and_int64_ids_agree_bitwise(device, gen):
     args, kw = _problem(11, 32, 16, 5, 2, "concatenated", "silu", _dtypes(device)[0], device, gen)
     dout = torch.randn(args[0].shape, generator=gen).to(device)

@@ -177,6 +177,7 @@ class MoEUp(LaunchConfig):
     BLOCK_M: int
     BLOCK_N: int
     BLOCK_K: int
+    GROUP_M: int = 8  # M blocks whose N blocks run together (their rows and the expert's columns stay in L2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,6 +186,7 @@ class MoERows(LaunchConfig):
     kernel: ClassVar[str] = "moe_rows"
     BLOCK_N: int
     BLOCK_K: int
+    GROUP_M: int = 8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,6 +196,7 @@ class MoEWeightGrad(LaunchConfig):
     BLOCK_M: int
     BLOCK_N: int
     BLOCK_K: int
+    GROUP_M: int = 8
 
 
 @dataclass(frozen=True, kw_only=True)

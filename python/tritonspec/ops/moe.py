@@ -12,10 +12,12 @@
   applies the activation in its epilogue (``h``); a second grouped GEMM projects down (``y``); a
   gather-reduce adds each token's ``k`` rows with its routing weights. No atomics anywhere: outputs
   and gradients are bitwise the same from run to run.
-* Backward: ``dw = <dout, y>`` per pair; ``dh = w * dout @ down_e^T`` (a grouped GEMM gathering
-  ``dout``) and the activation's backward; ``dx`` as the grouped GEMM of ``d(gate, up)`` with
-  ``gate_up_e^T`` and the same gather-reduce; ``d gate_up_e`` and ``d down_e`` as grouped GEMMs over
-  each expert's rows (the bias gradients are their column sums).
+* Backward: ``g = dout @ down_e^T`` (a grouped GEMM gathering ``dout``); one pass over g recomputes
+  ``h`` from the saved pre-activations and gives the routing weights' gradient ``<g, h>`` (so neither
+  ``h`` nor ``y`` is kept from the forward), the activation's backward of ``w * g``, and ``w * h``;
+  ``dx`` as the grouped GEMM of ``d(gate, up)`` with ``gate_up_e^T`` and the same gather-reduce;
+  ``d gate_up_e`` and ``d down_e`` as grouped GEMMs over each expert's rows (the bias gradients are
+  their column sums).
 
 Weight layouts are strides, so one kernel serves both of Hugging Face's: ``"concatenated"``
 (``gate_up_proj (E, 2I, H)`` = [gate; up], ``down_proj (E, H, I)``: Qwen2/3-MoE, Mixtral, OLMoE,
@@ -90,6 +92,17 @@ def moe_experts_ref(x, ids, weights, gate_up_proj, down_proj, *, gate_up_bias=No
 # kernels
 # ----------------------------------------------------------------------------------------------
 @triton.jit
+def _grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of program ``pid`` with the N blocks of GROUP_M consecutive M blocks running together:
+    each row block is read once from memory and each column block serves GROUP_M row blocks from L2
+    (launching M blocks fastest re-reads every row block once per N block)."""
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
+
+
+@triton.jit
 def _rows_of_block(ROW_PAIR, BLOCK_EXPERT, pid_m, TOP_K, BLOCK_M: tl.constexpr):
     """(rows, pairs, tokens, valid, expert) of M-block ``pid_m`` of the padded, expert-sorted rows."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -102,9 +115,9 @@ def _rows_of_block(ROW_PAIR, BLOCK_EXPERT, pid_m, TOP_K, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _moe_up_kernel(X, stride_x, ROW_PAIR, BLOCK_EXPERT, W, stride_we, s_k, s_n, BIAS, stride_be, sb_n,
-                   H_OUT, GU_OUT, N, K, TOP_K, clamp, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   H_OUT, GU_OUT, N, K, TOP_K, clamp, num_m, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
                    STORE_GU: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """h = act(x_rows @ gate_e, x_rows @ up_e) for one (M block, N block); x rows gathered by token.
 
     W is the experts' gate_up weight as (E, K, 2N) by strides: gate columns [0, N) and up columns
@@ -112,8 +125,7 @@ def _moe_up_kernel(X, stride_x, ROW_PAIR, BLOCK_EXPERT, W, stride_we, s_k, s_n, 
     2*BLOCK_N-column tile and split in registers. Rows are stored in the padded expert-sorted order;
     GU_OUT keeps the pre-activation gate and up (input dtype, [gate | up]) for the backward.
     """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, pairs, tokens, valid, expert = _rows_of_block(ROW_PAIR, BLOCK_EXPERT, pid_m, TOP_K, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -174,15 +186,14 @@ def _moe_up_kernel(X, stride_x, ROW_PAIR, BLOCK_EXPERT, W, stride_we, s_k, s_n, 
 
 @triton.jit
 def _moe_rows_kernel(A, stride_a, GATHER: tl.constexpr, ROW_PAIR, BLOCK_EXPERT, SCALE, B, s_e, s_k, s_n,
-                     BIAS, stride_be, sb_n, C, N, K, TOP_K, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BIAS, stride_be, sb_n, C, N, K, TOP_K, num_m, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """C_rows = scale * (A_rows @ B_e) + bias_e for one (M block, N block).
 
     A rows are the padded rows themselves, or (GATHER) the rows' tokens; scale is the pair's routing
     weight; B is the experts' weights as (E, K, N) by strides.
     """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, pairs, tokens, valid, expert = _rows_of_block(ROW_PAIR, BLOCK_EXPERT, pid_m, TOP_K, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -208,37 +219,66 @@ def _moe_rows_kernel(A, stride_a, GATHER: tl.constexpr, ROW_PAIR, BLOCK_EXPERT, 
 
 
 @triton.jit
-def _moe_act_backward_kernel(DH, GU, DGU, ROW_PAIR, R, N, clamp, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """d(gate), d(up) of the activation from dh and the saved pre-activations, into DGU in the gate_up
-    weight's column order ([dgate | dup], or INTERLEAVED alternate columns); padding rows (never read)
-    are skipped."""
+def _moe_act_backward_kernel(G, GU, DGU, ROW_PAIR, BLOCK_EXPERT, SCALE, DW, DOUT, stride_dout, DOWN_BIAS, stride_db,
+                             R, N, H, TOP_K, ALIGN, clamp, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The activation's backward and the routing weights' gradient, for BLOCK_M rows over all their columns.
+
+    G holds ``g = dout_t @ down_e^T`` per row. With h recomputed from the saved pre-activations (rounded
+    as the forward rounded it) and s the pair's routing weight:
+    * ``dw = <dout_t, y> = <g, h> (+ <dout_t, down_bias_e>)`` into DW (y is never kept);
+    * ``d(gate), d(up)`` of ``s * g`` into DGU in the gate_up weight's column order ([dgate | dup], or
+      INTERLEAVED alternate columns);
+    * G overwritten with ``s * h``, the down weight's gradient's right-hand side, so that GEMM multiplies
+      tiles straight from memory.
+    Padding rows (never read) are skipped.
+    """
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    used = tl.load(ROW_PAIR + rows, mask=rows < R, other=-1) >= 0
-    mask = used[:, None] & (cols < N)[None, :]
+    pairs = tl.load(ROW_PAIR + rows, mask=rows < R, other=-1)
+    used = pairs >= 0
+    scale = tl.load(SCALE + tl.where(used, pairs, 0), mask=used, other=0.0).to(tl.float32)[:, None]
     r64 = rows.to(tl.int64)[:, None]
-    dh = tl.load(DH + r64 * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    gate = tl.load(GU + r64 * (2 * N) + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(GU + r64 * (2 * N) + N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if ACT == "silu":
-        sig = tl.sigmoid(gate)
-        act = gate * sig
-        dgate = dh * up * sig * (1.0 + gate * (1.0 - sig))
-        dup = dh * act.to(DGU.dtype.element_ty).to(tl.float32)
-    else:  # gpt_oss, through the clamps (torch.clamp passes the gradient where min <= x <= max)
-        g = tl.minimum(gate, clamp)
-        u = tl.minimum(tl.maximum(up, -clamp), clamp)
-        sig = tl.sigmoid(1.702 * g)
-        glu = g * sig
-        dgate = tl.where(gate <= clamp, dh * (u + 1.0) * (sig + 1.702 * g * sig * (1.0 - sig)), 0.0)
-        dup = tl.where((up >= -clamp) & (up <= clamp), dh * glu, 0.0)
-    if INTERLEAVED:
-        tl.store(DGU + r64 * (2 * N) + 2 * cols[None, :], dgate.to(DGU.dtype.element_ty), mask=mask)
-        tl.store(DGU + r64 * (2 * N) + 2 * cols[None, :] + 1, dup.to(DGU.dtype.element_ty), mask=mask)
-    else:
-        tl.store(DGU + r64 * (2 * N) + cols[None, :], dgate.to(DGU.dtype.element_ty), mask=mask)
-        tl.store(DGU + r64 * (2 * N) + N + cols[None, :], dup.to(DGU.dtype.element_ty), mask=mask)
+    dw = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for c0 in range(0, N, BLOCK_N):
+        cols = c0 + tl.arange(0, BLOCK_N)
+        mask = used[:, None] & (cols < N)[None, :]
+        g_in = tl.load(G + r64 * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(GU + r64 * (2 * N) + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(GU + r64 * (2 * N) + N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dh = g_in * scale
+        if ACT == "silu":
+            sig = tl.sigmoid(gate)
+            act = (gate * sig).to(DGU.dtype.element_ty).to(tl.float32)
+            dgate = dh * up * sig * (1.0 + gate * (1.0 - sig))
+            dup = dh * act
+            h = act * up
+        else:  # gpt_oss, through the clamps (torch.clamp passes the gradient where min <= x <= max)
+            g = tl.minimum(gate, clamp)
+            u = tl.minimum(tl.maximum(up, -clamp), clamp)
+            sig = tl.sigmoid(1.702 * g)
+            glu = g * sig
+            dgate = tl.where(gate <= clamp, dh * (u + 1.0) * (sig + 1.702 * g * sig * (1.0 - sig)), 0.0)
+            dup = tl.where((up >= -clamp) & (up <= clamp), dh * glu, 0.0)
+            h = (u + 1.0) * glu
+        h = h.to(G.dtype.element_ty).to(tl.float32)
+        dw += tl.sum(g_in * h, axis=1)
+        if INTERLEAVED:
+            tl.store(DGU + r64 * (2 * N) + 2 * cols[None, :], dgate.to(DGU.dtype.element_ty), mask=mask)
+            tl.store(DGU + r64 * (2 * N) + 2 * cols[None, :] + 1, dup.to(DGU.dtype.element_ty), mask=mask)
+        else:
+            tl.store(DGU + r64 * (2 * N) + cols[None, :], dgate.to(DGU.dtype.element_ty), mask=mask)
+            tl.store(DGU + r64 * (2 * N) + N + cols[None, :], dup.to(DGU.dtype.element_ty), mask=mask)
+        tl.store(G + r64 * N + cols[None, :], (h * scale).to(G.dtype.element_ty), mask=mask)
+    if HAS_BIAS:
+        tokens = tl.where(used, pairs // TOP_K, 0).to(tl.int64)
+        expert = tl.load(BLOCK_EXPERT + rows // ALIGN, mask=used, other=0).to(tl.int64)
+        for c0 in range(0, H, BLOCK_N):
+            cols = c0 + tl.arange(0, BLOCK_N)
+            mask = used[:, None] & (cols < H)[None, :]
+            d = tl.load(DOUT + tokens[:, None] * stride_dout + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            b = tl.load(DOWN_BIAS + expert[:, None] * stride_db + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dw += tl.sum(d * b, axis=1)
+    tl.store(DW + tl.where(used, pairs, 0), dw, mask=used)
 
 
 @triton.jit
@@ -263,36 +303,18 @@ def _moe_combine_kernel(Y, POS, WEIGHTS, OUT, stride_out, T, H, TOP_K: tl.conste
 
 
 @triton.jit
-def _moe_pair_dot_kernel(DOUT, stride_dout, Y, POS, DW, P, H, TOP_K, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
-    """dw[t, j] = <dout[t], Y[pos[t, j]]> in float32 (0 for dropped pairs)."""
-    pairs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    p_ok = pairs < P
-    pos = tl.load(POS + pairs, mask=p_ok, other=-1)
-    ok = pos >= 0
-    tokens = (pairs // TOP_K).to(tl.int64)
-    acc = tl.zeros([BLOCK_P], dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        cols = h0 + tl.arange(0, BLOCK_H)
-        mask = ok[:, None] & (cols < H)[None, :]
-        d = tl.load(DOUT + tokens[:, None] * stride_dout + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = tl.load(Y + tl.where(ok, pos, 0).to(tl.int64)[:, None] * H + cols[None, :], mask=mask, other=0.0)
-        acc += tl.sum(d * y.to(tl.float32), axis=1)
-    tl.store(DW + pairs, acc, mask=p_ok)
-
-
-@triton.jit
 def _moe_weight_grad_kernel(L, stride_l, GATHER_L: tl.constexpr, RHS, stride_r, GATHER_R: tl.constexpr,
                             ROW_PAIR, EXPERT_START, EXPERT_ROWS, SCALE, DW, sd_e, sd_m, sd_n, DBIAS, sdb_e, sdb_m,
                             M, N, TOP_K, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """dW_e[m, n] = sum over expert e's rows of scale * L_row[m] * RHS_row[n]; dbias_e[m] = sum scale * L_row[m].
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """dW_e[m, n] = sum over expert e's rows of L_row[m] * RHS_row[n]; dbias_e[m] = sum of scale * L_row[m].
 
     L and RHS rows are the padded rows themselves, or (GATHER_*) the rows' tokens. dW_e is written
-    through strides (the weight's own layout); an expert without rows gets zeros.
+    through strides (the weight's own layout); an expert without rows gets zeros. Programs run expert by
+    expert (grid axis 1), so an expert's rows are read while they are in L2.
     """
-    e = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_n = tl.program_id(2)
+    e = tl.program_id(1)
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     start = tl.load(EXPERT_START + e)
     count = tl.load(EXPERT_ROWS + e)
     ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -310,13 +332,13 @@ def _moe_weight_grad_kernel(L, stride_l, GATHER_L: tl.constexpr, RHS, stride_r, 
         l_rows = tokens if GATHER_L else rows.to(tl.int64)
         r_rows = tokens if GATHER_R else rows.to(tl.int64)
         lt = tl.load(L + l_rows[:, None] * stride_l + ms[None, :], mask=valid[:, None] & m_ok[None, :], other=0.0)
-        if HAS_SCALE:
-            sc = tl.load(SCALE + tl.where(valid, pairs, 0), mask=valid, other=0.0).to(tl.float32)
-            lt = (lt.to(tl.float32) * sc[:, None]).to(L.dtype.element_ty)
         rt = tl.load(RHS + r_rows[:, None] * stride_r + ns[None, :], mask=valid[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(tl.trans(lt), rt, acc)
         if HAS_BIAS:
-            bias += tl.sum(lt.to(tl.float32), axis=0)
+            lf = lt.to(tl.float32)
+            if HAS_SCALE:
+                lf *= tl.load(SCALE + tl.where(valid, pairs, 0), mask=valid, other=0.0).to(tl.float32)[:, None]
+            bias += tl.sum(lf, axis=0)
     e64 = e.to(tl.int64)
     tl.store(DW + e64 * sd_e + ms[:, None] * sd_m + ns[None, :] * sd_n, acc.to(DW.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
@@ -328,8 +350,64 @@ def _moe_weight_grad_kernel(L, stride_l, GATHER_L: tl.constexpr, RHS, stride_r, 
 # ----------------------------------------------------------------------------------------------
 # routing metadata: static shapes, no host synchronization
 # ----------------------------------------------------------------------------------------------
-def _routing(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
-    """``(row_pair, block_expert, pair_pos, expert_start, expert_rows)`` for ``ids`` (T, k).
+@triton.jit
+def _moe_count_kernel(IDS, EXPERT_ROWS, P, BLOCK_P: tl.constexpr):
+    """Expert e's number of pairs (program e scans all pairs; ids stay in L2)."""
+    e = tl.program_id(0)
+    count = tl.zeros([BLOCK_P], dtype=tl.int32)
+    for p0 in range(0, P, BLOCK_P):
+        pairs = p0 + tl.arange(0, BLOCK_P)
+        count += (tl.load(IDS + pairs, mask=pairs < P, other=-1) == e).to(tl.int32)
+    tl.store(EXPERT_ROWS + e, tl.sum(count, axis=0))
+
+
+@triton.jit
+def _moe_offsets_kernel(EXPERT_ROWS, EXPERT_START, BLOCK_EXPERT, ROW_PAIR, E, R, ALIGN: tl.constexpr,
+                        E_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One program: each expert's rows padded to ALIGN and laid out in expert order; each ALIGN-row
+    block's expert (-1 past the last expert's rows); -1 in every padding row."""
+    experts = tl.arange(0, E_PAD)
+    e_ok = experts < E
+    count = tl.load(EXPERT_ROWS + experts, mask=e_ok, other=0)
+    padded = (count + ALIGN - 1) // ALIGN * ALIGN
+    end = tl.cumsum(padded, axis=0)
+    start = end - padded
+    tl.store(EXPERT_START + experts, start, mask=e_ok)
+    pad = tl.arange(0, ALIGN)  # each expert's padding rows: fewer than ALIGN
+    tl.store(ROW_PAIR + (start + count)[:, None] + pad[None, :], tl.full([E_PAD, ALIGN], -1, tl.int32),
+             mask=e_ok[:, None] & (pad[None, :] < (padded - count)[:, None]))
+    used = tl.sum(padded, axis=0)
+    for r0 in range(used, R, BLOCK_R):  # the rows after the last expert's
+        rows = r0 + tl.arange(0, BLOCK_R)
+        tl.store(ROW_PAIR + rows, tl.full([BLOCK_R], -1, tl.int32), mask=rows < R)
+    for b0 in range(0, R // ALIGN, BLOCK_R):
+        blocks = b0 + tl.arange(0, BLOCK_R)
+        expert = tl.sum(((end[None, :] <= blocks[:, None] * ALIGN) & e_ok[None, :]).to(tl.int32), axis=1)
+        tl.store(BLOCK_EXPERT + blocks, tl.where(expert < E, expert, -1), mask=blocks < R // ALIGN)
+
+
+@triton.jit
+def _moe_scatter_kernel(IDS, EXPERT_START, ROW_PAIR, PAIR_POS, P, E, BLOCK_P: tl.constexpr):
+    """Program e places expert e's pairs in token order from its first row: ROW_PAIR[row] = pair and
+    PAIR_POS[pair] = row. Program 0 also marks pairs whose id is outside [0, E) as dropped (-1)."""
+    e = tl.program_id(0)
+    row = tl.load(EXPERT_START + e)
+    for p0 in range(0, P, BLOCK_P):
+        pairs = p0 + tl.arange(0, BLOCK_P)
+        in_range = pairs < P
+        key = tl.load(IDS + pairs, mask=in_range, other=-1)
+        mine = key == e
+        rows = row + tl.cumsum(mine.to(tl.int32), axis=0) - 1
+        tl.store(ROW_PAIR + rows, pairs, mask=mine)
+        tl.store(PAIR_POS + pairs, rows, mask=mine)
+        if e == 0:
+            tl.store(PAIR_POS + pairs, tl.full([BLOCK_P], -1, tl.int32), mask=in_range & ((key < 0) | (key >= E)))
+        row += tl.sum(mine.to(tl.int32), axis=0)
+
+
+def _routing(ids: torch.Tensor, num_experts: int, block_m: int, traced: bool = False) -> tuple[torch.Tensor, ...]:
+    """``(row_pair, block_expert, pair_pos, expert_start, expert_rows)`` for ``ids`` (T, k): a counting
+    sort by expert in three launches, sized from static bounds (no host synchronization).
 
     row_pair (R,): the pair (t * k + j) in each padded expert-sorted row, -1 for padding, where
     R = T*k + E*(block_m - 1) rounded up to block_m; block_expert (R / block_m,): each block's expert
@@ -339,29 +417,18 @@ def _routing(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.T
     device = ids.device
     P = ids.numel()
     E = num_experts
-    flat = ids.reshape(-1).to(torch.int64)
-    key = torch.where((flat < 0) | (flat >= E), E, flat)  # dropped pairs sort last, as expert E
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=device).scatter_add_(
-        0, key, torch.ones(P, dtype=torch.int64, device=device))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded[E] = 0
-    padded_end = torch.cumsum(padded, 0)
-    padded_start = padded_end - padded
-    start = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(key, stable=True)  # token order kept within an expert
-    sorted_key = key[order]
-    dest = padded_start[sorted_key] + torch.arange(P, device=device) - start[sorted_key]
-    R = -(-(P + E * (block_m - 1)) // block_m) * block_m
-    dest = torch.where(sorted_key < E, dest, R)  # dropped pairs go to a slot that is cut off
-    row_pair = torch.full((R + 1,), -1, dtype=torch.int32, device=device)
-    row_pair.scatter_(0, dest, order.to(torch.int32))
-    pair_pos = torch.empty(P, dtype=torch.int32, device=device)
-    pair_pos.scatter_(0, order, torch.where(sorted_key < E, dest, -1).to(torch.int32))
-    block_start = torch.arange(0, R, block_m, device=device)
-    block_expert = torch.searchsorted(padded_end[:E].contiguous(), block_start, right=True)
-    block_expert = torch.where(block_expert < E, block_expert, -1).to(torch.int32)
-    return (row_pair[:R], block_expert, pair_pos, padded_start[:E].to(torch.int32),
-            counts[:E].to(torch.int32))
+    R = _padded_rows(P, E, block_m)
+    i32 = dict(dtype=torch.int32, device=device)
+    row_pair, block_expert, pair_pos = torch.empty(R, **i32), torch.empty(R // block_m, **i32), torch.empty(P, **i32)
+    expert_start, expert_rows = torch.empty(E, **i32), torch.empty(E, **i32)
+    flat = ids.reshape(-1)
+    block_p = min(next_pow2(P), 1024)
+    launch(_moe_count_kernel, (E,), (flat, expert_rows, P), dict(BLOCK_P=block_p), traced=traced)
+    launch(_moe_offsets_kernel, (1,), (expert_rows, expert_start, block_expert, row_pair, E, R),
+           dict(ALIGN=block_m, E_PAD=next_pow2(E), BLOCK_R=1024), traced=traced)
+    launch(_moe_scatter_kernel, (E,), (flat, expert_start, row_pair, pair_pos, P, E), dict(BLOCK_P=block_p),
+           traced=traced)
+    return row_pair, block_expert, pair_pos, expert_start, expert_rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -372,9 +439,9 @@ def _tokens_per_expert(pairs: int, experts: int) -> int:
     return next_pow2(max(1, -(-pairs // experts)))
 
 
-# Defaults from an H100 sweep (bench/bench_moe.py --sweep) at decode (a few rows per expert) and at 4096
-# tokens (hundreds): small problems want 16-row blocks; large ones 128-row blocks, 64-deep K steps and 8
-# warps, which took Qwen3-MoE fwd+bwd from 7.1 to 5.4 ms and Mixtral's from 46 to 30 ms.
+# Defaults from H100 sweeps (bench/bench_moe.py --sweep) at decode (a few rows per expert) and at 4096
+# tokens (hundreds): small problems want 16-row blocks; large ones 128-row blocks, 64-deep K steps, 8 warps
+# and 256-column row GEMMs; the weight gradients 128 x 128 tiles of one warpgroup, 64 rows a step.
 def _up_default(per_expert: int) -> MoEUp:
     if per_expert <= 16:
         return MoEUp(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
@@ -384,13 +451,13 @@ def _up_default(per_expert: int) -> MoEUp:
 def _rows_default(per_expert: int) -> MoERows:
     if per_expert <= 16:
         return MoERows(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
-    return MoERows(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    return MoERows(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
 def _weight_grad_default(per_expert: int) -> MoEWeightGrad:
     if per_expert <= 16:
         return MoEWeightGrad(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)
-    return MoEWeightGrad(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3)
+    return MoEWeightGrad(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)
 
 
 _COMBINE_DEFAULT = MoECombine(BLOCK_T=4, BLOCK_H=256, num_warps=4)
@@ -431,25 +498,26 @@ def moe_experts_forward(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, 
     device = x.device
     problem = _problem(x, E, I, k)
     cfg = launch_config(MoEUp, device, lambda: _up_default(problem["tokens_per_expert"]), **problem)
-    row_pair, block_expert, pair_pos, expert_start, expert_rows = _routing(ids, E, cfg.BLOCK_M)
+    row_pair, block_expert, pair_pos, expert_start, expert_rows = _routing(ids, E, cfg.BLOCK_M, traced)
     R = row_pair.numel()
     h = torch.empty((R, I), dtype=x.dtype, device=device)
     gu = torch.empty((R, 2 * I), dtype=x.dtype, device=device) if save else _dummy(device)
     w = _gate_up_view(gate_up_proj, layout)
     has_bias = gate_up_bias is not None
     bias = gate_up_bias if has_bias else _dummy(device)
-    launch(_moe_up_kernel, (R // cfg.BLOCK_M, cdiv(I, cfg.BLOCK_N)),
+    launch(_moe_up_kernel, (R // cfg.BLOCK_M * cdiv(I, cfg.BLOCK_N),),
            (x, x.stride(0), row_pair, block_expert, w, w.stride(0), w.stride(1), w.stride(2),
             bias, bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0, h, gu, I, H, k,
-            float(clamp if clamp is not None else 0.0)),
+            float(clamp if clamp is not None else 0.0), R // cfg.BLOCK_M),
            dict(INTERLEAVED=layout != "concatenated", HAS_BIAS=has_bias, STORE_GU=save, ACT=activation,
-                BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, **cfg.options), traced=traced)
+                BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, **cfg.options),
+           traced=traced)
     y = torch.empty((R, H), dtype=x.dtype, device=device)
     _rows(h, False, row_pair, block_expert, None, _down_view(down_proj, layout), down_bias, y, k, cfg.BLOCK_M,
           problem, traced)
     out = torch.empty((T, H), dtype=x.dtype, device=device)
     _combine(y, pair_pos, weights, out, k, problem, traced)
-    saved = (row_pair, block_expert, pair_pos, expert_start, expert_rows, h, gu, y) if save else ()
+    saved = (row_pair, block_expert, pair_pos, expert_start, expert_rows, gu) if save else ()
     return out, saved
 
 
@@ -458,12 +526,14 @@ def _rows(a, gather, row_pair, block_expert, scale, b, bias, c, top_k, block_m, 
     cfg = launch_config(MoERows, c.device, lambda: _rows_default(problem["tokens_per_expert"]), **problem)
     dummy = _dummy(c.device)
     n = c.shape[1]
-    launch(_moe_rows_kernel, (row_pair.numel() // block_m, cdiv(n, cfg.BLOCK_N)),
+    num_m = row_pair.numel() // block_m
+    launch(_moe_rows_kernel, (num_m * cdiv(n, cfg.BLOCK_N),),
            (a, a.stride(0), gather, row_pair, block_expert, dummy if scale is None else scale,
             b, b.stride(0), b.stride(1), b.stride(2), dummy if bias is None else bias,
-            0 if bias is None else bias.stride(0), 0 if bias is None else bias.stride(1), c, n, b.shape[1], top_k),
+            0 if bias is None else bias.stride(0), 0 if bias is None else bias.stride(1), c, n, b.shape[1], top_k,
+            num_m),
            dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.BLOCK_N,
-                BLOCK_K=cfg.BLOCK_K, **cfg.options), traced=traced)
+                BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, **cfg.options), traced=traced)
 
 
 def _combine(y, pair_pos, weights, out, top_k, problem, traced):
@@ -482,39 +552,41 @@ def _weight_grad(lhs, gather_l, rhs, gather_r, row_pair, expert_start, expert_ro
                         **problem)
     E, m, n = dw.shape
     dummy = _dummy(dw.device)
-    launch(_moe_weight_grad_kernel, (E, cdiv(m, cfg.BLOCK_M), cdiv(n, cfg.BLOCK_N)),
+    launch(_moe_weight_grad_kernel, (cdiv(m, cfg.BLOCK_M) * cdiv(n, cfg.BLOCK_N), E),
            (lhs, lhs.stride(0), gather_l, rhs, rhs.stride(0), gather_r, row_pair, expert_start, expert_rows,
             dummy if scale is None else scale, dw, dw.stride(0), dw.stride(1), dw.stride(2),
             dummy if dbias is None else dbias, 0 if dbias is None else dbias.stride(0),
             0 if dbias is None else dbias.stride(1), m, n, top_k),
            dict(HAS_SCALE=scale is not None, HAS_BIAS=dbias is not None, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-                BLOCK_K=cfg.BLOCK_K, **cfg.options), traced=traced)
+                BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, **cfg.options), traced=traced)
 
 
 def moe_experts_backward(dout, x, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, saved, layout: str,
                          activation: str, clamp: float, top_k: int, *, traced: bool = False):
     """``(dx, dweights, dgate_up, ddown, dgate_up_bias or None, ddown_bias or None)``."""
-    row_pair, block_expert, pair_pos, expert_start, expert_rows, h, gu, y = saved
+    row_pair, block_expert, pair_pos, expert_start, expert_rows, gu = saved
     T, H = x.shape
     E = gate_up_proj.shape[0]
-    I = h.shape[1]
+    I = gu.shape[1] // 2
     R = row_pair.numel()
     device = x.device
     problem = _problem(x, E, I, top_k)
     block_m = R // block_expert.numel()
     dout = dout.contiguous()
     w_flat = weights.reshape(-1)
-    # dw[t, j] = <dout[t], y_(t, j)>: y is the pair's expert output before its routing weight
-    dweights = torch.empty(T * top_k, dtype=torch.float32, device=device)
-    launch(_moe_pair_dot_kernel, (cdiv(T * top_k, 32),), (dout, dout.stride(0), y, pair_pos, dweights, T * top_k, H,
-                                                          top_k), dict(BLOCK_P=32, BLOCK_H=64), traced=traced)
-    # dh = w * dout @ down_e^T, then the activation's backward into d(gate, up) in the weight's column order
-    dh = torch.empty((R, I), dtype=x.dtype, device=device)
-    _rows(dout, True, row_pair, block_expert, w_flat, _down_view(down_proj, layout).transpose(1, 2), None, dh,
+    # g = dout_t @ down_e^T per row; then the activation's backward, dw = <g, h> (+ the bias term) and s * h
+    g = torch.empty((R, I), dtype=x.dtype, device=device)
+    _rows(dout, True, row_pair, block_expert, None, _down_view(down_proj, layout).transpose(1, 2), None, g,
           top_k, block_m, problem, traced)
     dgu = torch.empty((R, 2 * I), dtype=x.dtype, device=device)
-    launch(_moe_act_backward_kernel, (cdiv(R, 32), cdiv(I, 64)), (dh, gu, dgu, row_pair, R, I, float(clamp or 0.0)),
-           dict(ACT=activation, INTERLEAVED=layout != "concatenated", BLOCK_M=32, BLOCK_N=64), traced=traced)
+    dweights = torch.zeros(T * top_k, dtype=torch.float32, device=device)  # dropped pairs keep 0
+    launch(_moe_act_backward_kernel, (cdiv(R, 16),),
+           (g, gu, dgu, row_pair, block_expert, w_flat, dweights, dout, dout.stride(0),
+            _dummy(device) if down_bias is None else down_bias, 0 if down_bias is None else down_bias.stride(0),
+            R, I, H, top_k, block_m, float(clamp or 0.0)),
+           dict(ACT=activation, INTERLEAVED=layout != "concatenated", HAS_BIAS=down_bias is not None, BLOCK_M=16,
+                BLOCK_N=128), traced=traced)
+    hw = g
     # dx: each pair's d(gate, up) @ gate_up_e^T, then the same gather-reduce as the forward
     w_t = _gate_up_view(gate_up_proj, layout).transpose(1, 2)  # (E, 2I, H)
     dxp = torch.empty((R, H), dtype=x.dtype, device=device)
@@ -528,8 +600,8 @@ def moe_experts_backward(dout, x, weights, gate_up_proj, down_proj, gate_up_bias
                  _gate_up_view(dgate_up, layout).transpose(1, 2), dgb, top_k, problem, traced)
     ddown = torch.empty_like(down_proj)
     ddb = torch.empty_like(down_bias) if down_bias is not None else None
-    # d down_e (as (E, H, I)) = sum of (w * dout_t)^T h_row
-    _weight_grad(dout, True, h, False, row_pair, expert_start, expert_rows, w_flat,
+    # d down_e (as (E, H, I)) = sum of dout_t^T (s * h_row); its bias: sum of s * dout_t
+    _weight_grad(dout, True, hw, False, row_pair, expert_start, expert_rows, w_flat,
                  _down_view(ddown, layout).transpose(1, 2), ddb, top_k, problem, traced)
     return dx, dweights.view(T, top_k), dgate_up, ddown, dgb, ddb
 
@@ -558,8 +630,7 @@ def _fake(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, lay
     R = _padded_rows(P, E, block_m)
     i32 = dict(dtype=torch.int32, device=x.device)
     return (x.new_empty((T, H)), torch.empty(R, **i32), torch.empty(R // block_m, **i32), torch.empty(P, **i32),
-            torch.empty(E, **i32), torch.empty(E, **i32), x.new_empty((R, I)), x.new_empty((R, 2 * I)),
-            x.new_empty((R, H)))
+            torch.empty(E, **i32), torch.empty(E, **i32), x.new_empty((R, 2 * I)))
 
 
 def _backward(grads, saved, statics, *, in_place, traced):
@@ -587,12 +658,12 @@ MOE_EXPERTS = Op(
     "moe_experts",
     schema="(Tensor x, Tensor ids, Tensor weights, Tensor gate_up_proj, Tensor down_proj, Tensor? gate_up_bias, "
            "Tensor? down_bias, str layout, str activation, float clamp) "
-           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     forward=_forward, fake=_fake,
-    save=lambda inputs, outputs: (inputs[0], *inputs[2:7], *outputs[1:]), saves=14, statics=(7, 8, 9),
+    save=lambda inputs, outputs: (inputs[0], *inputs[2:7], *outputs[1:]), saves=12, statics=(7, 8, 9),
     backward_schema="(Tensor dout, Tensor x, Tensor weights, Tensor gate_up_proj, Tensor down_proj, "
                     "Tensor? gate_up_bias, Tensor? down_bias, Tensor row_pair, Tensor block_expert, Tensor pair_pos, "
-                    "Tensor expert_start, Tensor expert_rows, Tensor h, Tensor gu, Tensor y, str layout, "
+                    "Tensor expert_start, Tensor expert_rows, Tensor gu, str layout, "
                     "str activation, float clamp) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     backward=_backward, backward_fake=_backward_fake, grads=(0, None, 1, 2, 3, 4, 5, None, None, None))
 
