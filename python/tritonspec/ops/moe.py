@@ -364,34 +364,32 @@ def _moe_count_kernel(IDS, EXPERT_ROWS, P, BLOCK_P: tl.constexpr):
 @triton.jit
 def _moe_offsets_kernel(EXPERT_ROWS, EXPERT_START, BLOCK_EXPERT, ROW_PAIR, E, R, ALIGN: tl.constexpr,
                         E_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
-    """One program: each expert's rows padded to ALIGN and laid out in expert order; each ALIGN-row
-    block's expert (-1 past the last expert's rows); -1 in every padding row."""
+    """One program: each expert's first row (its rows padded to ALIGN, experts in order), and -1 in
+    every row and block after the last expert's."""
     experts = tl.arange(0, E_PAD)
     e_ok = experts < E
-    count = tl.load(EXPERT_ROWS + experts, mask=e_ok, other=0)
-    padded = (count + ALIGN - 1) // ALIGN * ALIGN
+    padded = (tl.load(EXPERT_ROWS + experts, mask=e_ok, other=0) + ALIGN - 1) // ALIGN * ALIGN
     end = tl.cumsum(padded, axis=0)
-    start = end - padded
-    tl.store(EXPERT_START + experts, start, mask=e_ok)
-    pad = tl.arange(0, ALIGN)  # each expert's padding rows: fewer than ALIGN
-    tl.store(ROW_PAIR + (start + count)[:, None] + pad[None, :], tl.full([E_PAD, ALIGN], -1, tl.int32),
-             mask=e_ok[:, None] & (pad[None, :] < (padded - count)[:, None]))
+    tl.store(EXPERT_START + experts, end - padded, mask=e_ok)
     used = tl.sum(padded, axis=0)
-    for r0 in range(used, R, BLOCK_R):  # the rows after the last expert's
+    for r0 in range(used, R, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         tl.store(ROW_PAIR + rows, tl.full([BLOCK_R], -1, tl.int32), mask=rows < R)
-    for b0 in range(0, R // ALIGN, BLOCK_R):
+    for b0 in range(used // ALIGN, R // ALIGN, BLOCK_R):
         blocks = b0 + tl.arange(0, BLOCK_R)
-        expert = tl.sum(((end[None, :] <= blocks[:, None] * ALIGN) & e_ok[None, :]).to(tl.int32), axis=1)
-        tl.store(BLOCK_EXPERT + blocks, tl.where(expert < E, expert, -1), mask=blocks < R // ALIGN)
+        tl.store(BLOCK_EXPERT + blocks, tl.full([BLOCK_R], -1, tl.int32), mask=blocks < R // ALIGN)
 
 
 @triton.jit
-def _moe_scatter_kernel(IDS, EXPERT_START, ROW_PAIR, PAIR_POS, P, E, BLOCK_P: tl.constexpr):
-    """Program e places expert e's pairs in token order from its first row: ROW_PAIR[row] = pair and
-    PAIR_POS[pair] = row. Program 0 also marks pairs whose id is outside [0, E) as dropped (-1)."""
+def _moe_scatter_kernel(IDS, EXPERT_START, EXPERT_ROWS, ROW_PAIR, PAIR_POS, BLOCK_EXPERT, P, E, ALIGN: tl.constexpr,
+                        BLOCK_P: tl.constexpr):
+    """Program e lays out expert e's rows: its pairs in token order from its first row (ROW_PAIR[row] =
+    pair, PAIR_POS[pair] = row), -1 in its padding rows, e in its blocks. Program 0 also marks pairs whose
+    id is outside [0, E) as dropped (PAIR_POS -1)."""
     e = tl.program_id(0)
-    row = tl.load(EXPERT_START + e)
+    start = tl.load(EXPERT_START + e)
+    count = tl.load(EXPERT_ROWS + e)
+    row = start
     for p0 in range(0, P, BLOCK_P):
         pairs = p0 + tl.arange(0, BLOCK_P)
         in_range = pairs < P
@@ -403,6 +401,12 @@ def _moe_scatter_kernel(IDS, EXPERT_START, ROW_PAIR, PAIR_POS, P, E, BLOCK_P: tl
         if e == 0:
             tl.store(PAIR_POS + pairs, tl.full([BLOCK_P], -1, tl.int32), mask=in_range & ((key < 0) | (key >= E)))
         row += tl.sum(mine.to(tl.int32), axis=0)
+    n_blocks = (count + ALIGN - 1) // ALIGN
+    pad = tl.arange(0, ALIGN)
+    tl.store(ROW_PAIR + start + count + pad, tl.full([ALIGN], -1, tl.int32), mask=pad < n_blocks * ALIGN - count)
+    for b0 in range(0, n_blocks, BLOCK_P):
+        blocks = b0 + tl.arange(0, BLOCK_P)
+        tl.store(BLOCK_EXPERT + start // ALIGN + blocks, tl.full([BLOCK_P], 0, tl.int32) + e, mask=blocks < n_blocks)
 
 
 def _routing(ids: torch.Tensor, num_experts: int, block_m: int, traced: bool = False) -> tuple[torch.Tensor, ...]:
@@ -426,8 +430,8 @@ def _routing(ids: torch.Tensor, num_experts: int, block_m: int, traced: bool = F
     launch(_moe_count_kernel, (E,), (flat, expert_rows, P), dict(BLOCK_P=block_p), traced=traced)
     launch(_moe_offsets_kernel, (1,), (expert_rows, expert_start, block_expert, row_pair, E, R),
            dict(ALIGN=block_m, E_PAD=next_pow2(E), BLOCK_R=1024), traced=traced)
-    launch(_moe_scatter_kernel, (E,), (flat, expert_start, row_pair, pair_pos, P, E), dict(BLOCK_P=block_p),
-           traced=traced)
+    launch(_moe_scatter_kernel, (E,), (flat, expert_start, expert_rows, row_pair, pair_pos, block_expert, P, E),
+           dict(ALIGN=block_m, BLOCK_P=block_p), traced=traced)
     return row_pair, block_expert, pair_pos, expert_start, expert_rows
 
 
