@@ -64,7 +64,7 @@ def gen():
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Count calls of the Triton ops the hub layers, tritonspec.nn.RMSNorm, the attention and the experts use."""
+    """Count calls of the ops the hub layers, tritonspec.nn.RMSNorm, the attention, the experts and the routers use."""
     import importlib
     from tritonspec.nn.hub import layers as hub_layers
     counts = {}
@@ -85,5 +85,6 @@ def spy(monkeypatch):
     wrap("tritonspec.ops.rope", "rope")
     wrap("tritonspec.ops.attention", "attention")
     wrap("tritonspec.ops.moe", "moe_experts")
+    wrap("tritonspec.ops.moe_routing", "moe_route")
     monkeypatch.setattr(hub_layers, "_IMPORTED", {})
     return counts

@@ -144,6 +144,17 @@ def test_check_and_vendor_tables_pick_up_a_declared_kernel(toy, registry):
     assert LAUNCHES == [16]
 
 
+def test_check_lists_the_moe_layers(registry):
+    """The MoE experts and router are module-site layers like the others (no site of their own)."""
+    from tritonspec import check
+    rows, failures = check.kernel_rows(registry.providers())
+    assert not failures
+    sites = {row[0]: (row[1], row[2]) for row in rows}
+    assert sites["moe"] == ("moe_experts", "module: MoEExperts")
+    assert sites["moe_router"] == ("moe_route", "module: MoERouter")
+    assert set(kernel_table.SITES) == {"module", "function", "attention"}
+
+
 def test_withdrawn_and_undeclared_kernels_are_gone_everywhere():
     from tritonspec import nn as tnn
     from tritonspec.nn import triton_kernels

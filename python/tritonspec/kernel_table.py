@@ -213,7 +213,6 @@ SITES = {
     "module": "rebinds forward of the model's modules that match",
     "function": "replaces a module-level function the model's classes call (where the models look it up)",
     "attention": "switches the model's attention implementation (transformers' AttentionInterface)",
-    "experts": "switches the model's experts implementation (transformers' ExpertsInterface)",
 }
 
 
@@ -280,7 +279,7 @@ class Kernel:
     def __post_init__(self):
         if self.site not in SITES:
             raise ValueError(f"kernel {self.name!r}: site must be one of {', '.join(SITES)}, got {self.site!r}")
-        if self.site not in ("attention", "experts") and self.layer is None:
+        if self.site != "attention" and self.layer is None:
             raise ValueError(f"kernel {self.name!r}: a {self.site!r} site needs a layer")
         if self.site == "function" and not (self.layer and self.layer.function):
             raise ValueError(f"kernel {self.name!r}: a 'function' site needs layer.function")
@@ -382,4 +381,9 @@ declare(Kernel(
     "flash_attention", "tritonspec.ops.attention", ("attention",), "attention", None,
     (AttentionForward, AttentionBackwardKV, AttentionBackwardQ, AttentionPreprocess)))
 declare(Kernel(
-    "moe", "tritonspec.ops.moe", ("moe_experts", "moe_route"), "experts", None, (MoEUp, MoERows, MoEWeightGrad, MoECombine)))
+    "moe", "tritonspec.ops.moe", ("moe_experts",), "module",
+    Layer("MoEExperts", f"{_HUB}:MoEExperts", detect=f"{_TARGETS}:is_fused_experts"),
+    (MoEUp, MoERows, MoEWeightGrad, MoECombine)))
+declare(Kernel(
+    "moe_router", "tritonspec.ops.moe_routing", ("moe_route",), "module",
+    Layer("MoERouter", f"{_HUB}:MoERouter", detect=f"{_TARGETS}:is_topk_router")))

@@ -6,14 +6,14 @@
 
 Whichever you use, ``report(model)`` lists what was replaced and ``revert(model)`` restores the
 original forwards. ``attn_implementation="tritonspec"`` selects the Triton attention once
-``register_attention()`` ran (the FLASH_ATTENTION registry kernel does it for you), and
-``experts_implementation="tritonspec"`` the Triton MoE experts once ``register_experts()`` ran (the MOE
-registry kernel does it).
+``register_attention()`` ran (the FLASH_ATTENTION registry kernel does it for you). MoE experts and routers are
+layers like the others (``MoEExperts``, ``MoERouter``: the MOE and MOE_ROUTER registry kernels); transformers'
+own switch, ``experts_implementation="tritonspec"`` after ``register_experts()``, runs the same experts.
 
 ``RMSNorm`` and ``SwiGLUMLP`` (stateful modules, :mod:`tritonspec.nn.layers`) are loaded on first use.
 """
 from .attention import ATTENTION_NAME, register_attention, tritonspec_attention_forward, use_tritonspec_attention
-from .experts import EXPERTS_NAME, register_experts, tritonspec_experts_forward, use_tritonspec_experts
+from .experts import EXPERTS_NAME, register_experts, tritonspec_experts_forward
 from .engine import Change, Report, report, revert
 from .kernelizer import (CUDAProperties, Device, Mode, ROCMProperties, kernelize, register_kernel_mapping,
                         replace_kernel_forward_from_hub, use_kernel_forward_from_hub, use_kernel_mapping)
@@ -37,7 +37,7 @@ __all__ = [
     # attention
     "ATTENTION_NAME", "register_attention", "tritonspec_attention_forward", "use_tritonspec_attention",
     # experts
-    "EXPERTS_NAME", "register_experts", "tritonspec_experts_forward", "use_tritonspec_experts",
+    "EXPERTS_NAME", "register_experts", "tritonspec_experts_forward",
     # layers (tritonspec.nn.layers, loaded lazily)
     "RMSNorm", "SwiGLUMLP",
 ]

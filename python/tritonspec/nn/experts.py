@@ -1,21 +1,21 @@
-"""tritonspec's Triton MoE experts as a transformers experts implementation (``experts_implementation="tritonspec"``).
+"""tritonspec's Triton MoE experts behind transformers' experts-function signature.
 
-Why through ``ExpertsInterface`` and not a forward patch: transformers' MoE families decorate their
-experts with ``use_experts_implementation``, which dispatches on ``config._experts_implementation`` and
-records the weights' layout on the module (``has_gate``, ``has_bias``, ``is_transposed``,
-``is_concatenated``); one registration covers all of them. What the kernel does not cover (ungated or
-post-normed experts, another activation, a layout other than Qwen/Mixtral/DeepSeek's and GPT-OSS's, an
-unsupported dtype) runs transformers' ``grouped_mm`` path, so results never depend on which path ran.
+transformers' MoE families decorate their experts with ``use_experts_implementation``, which dispatches on
+``config._experts_implementation`` and records the weights' layout on the module (``has_gate``, ``has_bias``,
+``is_transposed``, ``is_concatenated``). :func:`tritonspec_experts_forward` serves two routes: registered with
+``ExpertsInterface`` (``register_experts()``, then ``experts_implementation="tritonspec"``: transformers' own
+switch, one registration for every family), and as the ``MoEExperts`` hub layer's forward, which the
+registry, ``kernelize`` and the YAML rules install. What the kernel does not cover (ungated or post-normed
+experts, another activation, a layout other than Qwen/Mixtral/DeepSeek's and GPT-OSS's, an unsupported
+dtype) runs transformers' ``grouped_mm`` path, so results never depend on which path ran. Expert-parallel
+sentinel ids (``>= num_experts``, zero weights) contribute nothing on either path.
 """
 from __future__ import annotations
-
-import importlib
 
 import torch
 from torch import nn
 
 from ..devices import triton_runs
-from . import engine
 
 EXPERTS_NAME = "tritonspec"
 _GPU_DTYPES = (torch.float16, torch.bfloat16)
@@ -23,7 +23,8 @@ _CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _ops():
-    return importlib.import_module("tritonspec.ops.moe")
+    from ..ops import moe  # an import statement, not importlib: Dynamo traces it (fullgraph compiles)
+    return moe
 
 
 def _grouped_mm(*args, **kwargs):
@@ -88,23 +89,3 @@ def register_experts(name: str = EXPERTS_NAME) -> str:
     from transformers.integrations.moe import ExpertsInterface
     ExpertsInterface.register(name, tritonspec_experts_forward)
     return name
-
-
-def use_tritonspec_experts(model: nn.Module, *, source: str = "registry", detail: str = "") -> engine.Change | None:
-    """Switch a transformers model to ``experts_implementation="tritonspec"``, recorded for ``revert``.
-
-    Returns None (and leaves the model alone) for models without ``set_experts_implementation`` or
-    without experts transformers can dispatch.
-    """
-    setter = getattr(model, "set_experts_implementation", None)
-    config = getattr(model, "config", None)
-    can_set = getattr(model, "_can_set_experts_implementation", None)
-    if setter is None or config is None or can_set is None or not can_set():
-        return None
-    register_experts()
-    old = model.get_experts_implementation()
-    setter(EXPERTS_NAME)
-    return engine.record_custom(model, config, "_experts_implementation", lambda: setter(old),
-                                path="", what="experts_implementation",
-                                kernel=engine.qualname(tritonspec_experts_forward), source=source,
-                                detail=detail or f"{old['']} -> {EXPERTS_NAME}")

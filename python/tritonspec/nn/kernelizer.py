@@ -314,7 +314,8 @@ def kernelize(model: nn.Module, *, mode: Mode, device: str | torch.device | Devi
             torch.compile support, keep the original forward (True) or raise ValueError (False).
             Loading errors always raise.
         infer_layer_names: give untagged modules that match our layers' contracts (Llama-style RMSNorm,
-            SwiGLU MLP, module-level ``apply_rotary_pos_emb``) the matching layer name.
+            SwiGLU MLP, module-level ``apply_rotary_pos_emb``, transformers' fused MoE experts, top-k MoE
+            routers) the matching layer name.
 
     Every replacement is logged at INFO on ``tritonspec.nn.kernelize`` and listed by
     ``tritonspec.nn.report(model)``; ``tritonspec.nn.revert(model)`` undoes them.

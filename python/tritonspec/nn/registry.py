@@ -7,7 +7,7 @@ where its kernel goes; installing it goes through :mod:`tritonspec.nn.engine` (s
 :meth:`MetaKernel.patch_forward`), so registry changes are reported and reverted like the others.
 
 ``KernelType`` holds the kernel table's kernels (LLaMA-Factory's RMSNORM, SWIGLU, ROPE,
-FLASH_ATTENTION, MOE) and ``DeviceType`` tritonspec's device vocabulary (:mod:`tritonspec.devices`). A kernel
+FLASH_ATTENTION, MOE, and MOE_ROUTER) and ``DeviceType`` tritonspec's device vocabulary (:mod:`tritonspec.devices`). A kernel
 declared after import (a vendor's, an experiment's) is registered under its table name, a str.
 """
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Which modules of a Hugging Face model a kernel of the kernel table replaces.
 
-The detectors here (``is_rms_norm``, ``is_swiglu_mlp``, ``is_rotate_half_rope``) are what the table's entries name; the
-functions below read the table to find, for any declared kernel, the modules it recognizes and the
-module-level functions (``apply_rotary_pos_emb``) the model's classes call.
+The detectors here (``is_rms_norm``, ``is_swiglu_mlp``, ``is_rotate_half_rope``, ``is_fused_experts``,
+``is_topk_router``) are what the table's entries name; the functions below read the table to find, for any
+declared kernel, the modules it recognizes and the module-level functions (``apply_rotary_pos_emb``) the
+model's classes call.
 
 Why structural checks and not only transformers' ``kernel_layer_name`` tags: the tags exist only when
 transformers accepts the installed ``kernels`` version (transformers 5.23 wants kernels >=0.18.2,<0.19, so
@@ -17,6 +18,7 @@ import inspect
 import sys
 import types
 import weakref
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -92,6 +94,173 @@ def is_rotate_half_rope(fn) -> bool:
     with contextlib.suppress(TypeError):
         _ROTARY_PROBES[fn] = ok
     return ok
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """transformers' fused experts (``use_experts_implementation``): 3-D ``gate_up_proj``/``down_proj`` in a layout,
+    gate and activation the Triton experts compute (``experts_kind``)."""
+    params = module._parameters
+    gate_up, down = params.get("gate_up_proj"), params.get("down_proj")
+    if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
+        return False
+    from .experts import experts_kind
+    return experts_kind(module) is not None
+
+
+@dataclass(frozen=True)
+class RouterKind:
+    """How a top-k router computes ``(router_logits, weights, ids)``: ``moe_route``'s arguments, which of the
+    router's tensors it reads, and the dtypes it returns. Built and verified by :func:`router_kind`."""
+
+    top_k: int
+    scoring: str  # moe_route's scoring
+    renormalize: bool
+    bias: bool  # ``bias`` is added to the logits (GPT-OSS)
+    correction_bias: bool  # ``e_score_correction_bias`` is added to the scores for choosing (DeepSeek-V3)
+    n_group: int | None
+    topk_group: int | None
+    scaling_factor: float
+    float32_logits: bool  # logits from float32 inputs and weight (DeepSeek-V3), else in the input's dtype
+    float32_weights: bool  # weights stay float32 (Mixtral), else are cast to the logits' dtype (Qwen, OLMoE, GPT-OSS)
+
+
+_ROUTER_PROBES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per class: {router state: kind or None}
+_PROBE_TOKENS = 8
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _router_weight(module: nn.Module):
+    """The (experts, hidden) ``weight`` of what may be a top-k router (with an int ``top_k``), else None."""
+    w = module._parameters.get("weight")
+    top_k = getattr(module, "top_k", None)
+    if w is None or w.dim() != 2 or module._modules or not _is_int(top_k) or not 1 <= top_k <= w.shape[0]:
+        return None
+    return w
+
+
+def _router_state(module: nn.Module) -> tuple:
+    """What a router's math may depend on besides its class: its plain attributes (``training`` included) and
+    the names and shapes of its tensors. A change of any of them is probed again, never served stale."""
+    plain = tuple(sorted((k, v) for k, v in vars(module).items()
+                         if isinstance(v, (bool, int, float, str, type(None)))))
+    tensors = tuple((n, None if t is None else tuple(t.shape))
+                    for d in (module._parameters, module._buffers) for n, t in d.items())
+    return plain, tensors
+
+
+def _router_candidates(module: nn.Module, weight) -> list[RouterKind]:
+    """The routings the router's attributes allow: moe_route's arguments from ``top_k``, ``norm_topk_prob``
+    (absent: Mixtral always renormalizes, so that first), ``e_score_correction_bias``, ``n_group`` (or
+    ``num_group``), ``topk_group``, ``routed_scaling_factor``; each scoring and dtype convention."""
+    experts = weight.shape[0]
+    bias = module._parameters.get("bias")
+    correction = getattr(module, "e_score_correction_bias", None)
+    if (set(module._parameters) - {"weight", "bias"} or getattr(module, "num_experts", experts) != experts
+            or (bias is not None and tuple(bias.shape) != (experts,))
+            or (correction is not None and tuple(getattr(correction, "shape", ())) != (experts,))):
+        return []
+    norm = getattr(module, "norm_topk_prob", None)
+    renorms = (norm,) if isinstance(norm, bool) else (True, False)
+    scaling = getattr(module, "routed_scaling_factor", None)
+    common = dict(top_k=module.top_k, bias=bias is not None, correction_bias=correction is not None,
+                  n_group=getattr(module, "n_group", getattr(module, "num_group", None)),
+                  topk_group=getattr(module, "topk_group", None), scaling_factor=1.0 if scaling is None else scaling)
+    return [RouterKind(scoring=scoring, renormalize=renormalize, float32_logits=f32_logits,
+                       float32_weights=f32_weights, **common)
+            for scoring in ("softmax", "sigmoid", "topk_softmax")
+            for renormalize in (renorms if scoring != "topk_softmax" else (False,))  # its weights sum to 1 anyway
+            for f32_logits in (False, True) for f32_weights in (False, True)]
+
+
+def _same_routing(got, want) -> bool:
+    """Logits and ids equal, every dtype and shape the same; float32 weights equal, and others within two units
+    of their dtype's eps (a float32 result cast down once, against the same math run in that dtype)."""
+    import torch
+    if not (isinstance(want, tuple) and len(want) == 3 and all(isinstance(t, torch.Tensor) for t in want)):
+        return False
+    for g, w in zip(got, want):
+        if g.dtype != w.dtype or g.shape != w.shape:
+            return False
+    (g_logits, g_weights, g_ids), (w_logits, w_weights, w_ids) = got, want
+    if not (torch.equal(g_logits, w_logits) and torch.equal(g_ids, w_ids)):
+        return False
+    if w_weights.dtype == torch.float32:
+        return torch.equal(g_weights, w_weights)
+    eps = torch.finfo(w_weights.dtype).eps
+    return torch.allclose(g_weights.float(), w_weights.float(), rtol=2 * eps, atol=0.0)
+
+
+def _probe_router(module: nn.Module, weight, candidates: list[RouterKind]) -> RouterKind | None:
+    """The first candidate whose routing is the class forward's on random tensors, else None.
+
+    Two probes: float32, where the candidate must give the very same weights (the same ops in the same order,
+    so softmax-then-renormalize does not pass for GPT-OSS's softmax over the top-k logits), and bfloat16,
+    where each router's casts show in the dtypes (in float32 they are no-ops). The class forward runs on a
+    shallow copy holding the random tensors: the module is neither changed nor called through its hooks
+    (transformers records router logits with a forward hook), and a forward already replaced on the
+    instance is not what is checked.
+    """
+    import torch
+    from .hub.layers import moe_router
+    g = torch.Generator().manual_seed(0)
+    hidden = weight.shape[1]
+
+    def rand(t, scale):
+        return t if t is None or not t.is_floating_point() else torch.randn(tuple(t.shape), generator=g) * scale
+
+    params = {n: rand(p, hidden ** -0.5 if n == "weight" else 1.0) for n, p in module._parameters.items()}
+    buffers = {n: rand(b, 0.5) for n, b in module._buffers.items()}
+    x = torch.randn(_PROBE_TOKENS, hidden, generator=g)
+    probes = []
+    for dtype in (torch.float32, torch.bfloat16):
+        cast = lambda t: t.to(dtype) if t is not None and t.is_floating_point() else t  # noqa: E731
+        probe = object.__new__(type(module))
+        probe.__dict__.update(module.__dict__)
+        probe.__dict__.pop("forward", None)
+        probe.__dict__["_parameters"] = {n: cast(p) for n, p in params.items()}
+        probe.__dict__["_buffers"] = {n: cast(b) for n, b in buffers.items()}
+        probes.append((probe, cast(x)))
+    with torch.no_grad():
+        try:
+            wants = [type(module).forward(probe, px) for probe, px in probes]
+        except Exception:  # noqa: BLE001 - a forward that cannot take the probe is not a router we know
+            return None
+        for kind in candidates:
+            try:
+                if all(_same_routing(moe_router(probe, px, kind), want) for (probe, px), want in zip(probes, wants)):
+                    return kind
+            except (TypeError, ValueError):  # arguments moe_route refuses (a bad n_group, ...)
+                continue
+    return None
+
+
+def router_kind(module: nn.Module) -> RouterKind | None:
+    """How ``module`` routes, if it is a top-k MoE router whose math ``moe_route`` reproduces, else None.
+
+    Why probed: routers share attribute names, not math (Qwen casts the weights back to the logits' dtype,
+    Mixtral keeps float32, DeepSeek-V3 computes the logits in float32, GPT-OSS applies softmax after top-k).
+    The candidates read from the attributes are run against the class forward once per class and router
+    state (:func:`_router_state`), cached weakly per class.
+    """
+    weight = _router_weight(module)
+    if weight is None:
+        return None
+    probes = _ROUTER_PROBES.setdefault(type(module), {})
+    state = _router_state(module)
+    try:
+        return probes[state]
+    except KeyError:
+        pass
+    kind = probes[state] = _probe_router(module, weight, _router_candidates(module, weight))
+    return kind
+
+
+def is_topk_router(module: nn.Module) -> bool:
+    """A top-k MoE router ``moe_route`` computes exactly (:func:`router_kind`)."""
+    return router_kind(module) is not None
 
 
 def infer_layer_name(module: nn.Module) -> str | None:

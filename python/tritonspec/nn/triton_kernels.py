@@ -1,10 +1,10 @@
 """The kernel table's kernels as registry kernels (LLaMA-Factory style), generated per device type.
 
 One class per (kernel, device type Triton runs on), named ``<Device>Triton<Layer>Kernel`` after the
-kernel's layer (``CudaTritonRMSNormKernel``, ``CpuTritonSwiGLUMLPKernel``,
-``CudaTritonRotaryPosEmbKernel``; ``CudaTritonFlashAttentionKernel`` and ``CudaTritonMoeKernel`` for
-the attention and MoE kernels, which have no layer) and bound in this module under that name. ``sync()`` generates them for kernels
-declared after import too, and drops those of withdrawn kernels; ``discover_kernels`` calls it.
+kernel's layer (``CudaTritonRMSNormKernel``, ``CpuTritonSwiGLUMLPKernel``, ``CudaTritonRotaryPosEmbKernel``,
+``CudaTritonMoEExpertsKernel``, ``CudaTritonMoERouterKernel``; ``CudaTritonFlashAttentionKernel`` for the
+attention, which has no layer) and bound in this module under that name. ``sync()`` generates them for
+kernels declared after import too, and drops those of withdrawn kernels; ``discover_kernels`` calls it.
 
 Why CPU too: Triton runs on CPU through its interpreter (TRITON_INTERPRET=1), which is how CI checks
 numerics on real models; without the interpreter the CPU kernels report a missing dependency and leave
@@ -24,7 +24,6 @@ from .. import kernel_table
 from ..devices import triton_device_types
 from . import engine
 from .attention import use_tritonspec_attention
-from .experts import use_tritonspec_experts
 from .registry import KERNEL_REGISTRY, AutoRegisterKernelMeta, DeviceType, MetaKernel, as_kernel_type
 from .repository import kernel_available, validate_layer
 from .targets import function_sites, infer_layer_name, tagged_name
@@ -99,32 +98,17 @@ class TritonFunctionKernel(TritonKernel):
         return model
 
 
-class TritonSwitchKernel(TritonKernel):
-    """Switches a transformers model's implementation to tritonspec's through ``switch`` (recorded for revert)."""
-
-    switch = None  # use_tritonspec_attention / use_tritonspec_experts
+class TritonAttentionKernel(TritonKernel):
+    """Switches transformers models to ``attn_implementation="tritonspec"`` (recorded for revert)."""
 
     @classmethod
     def apply(cls, model: nn.Module, **kwargs) -> nn.Module:
         if not cls._unavailable():
-            cls.switch(model, source="registry", detail=cls._detail())
+            use_tritonspec_attention(model, source="registry", detail=cls._detail())
         return model
 
 
-class TritonAttentionKernel(TritonSwitchKernel):
-    """Switches transformers models to ``attn_implementation="tritonspec"``."""
-
-    switch = staticmethod(use_tritonspec_attention)
-
-
-class TritonExpertsKernel(TritonSwitchKernel):
-    """Switches transformers MoE models to ``experts_implementation="tritonspec"``."""
-
-    switch = staticmethod(use_tritonspec_experts)
-
-
-_SITE_BASES = {"module": TritonLayerKernel, "function": TritonFunctionKernel, "attention": TritonAttentionKernel,
-               "experts": TritonExpertsKernel}
+_SITE_BASES = {"module": TritonLayerKernel, "function": TritonFunctionKernel, "attention": TritonAttentionKernel}
 _generated: dict[tuple[str, str], type] = {}
 
 

@@ -10,20 +10,25 @@ tree by :func:`tritonspec.nn.hub.write_layer_repo` — the real ``kernels`` pack
 ``can_torch_compile = True``: under torch.compile the ops dispatch to their ``torch.library`` registrations
 (``triton_op`` on GPUs), which Dynamo traces; checked with ``torch.compile`` in tests/test_nn_models.py.
 
+Two layers need more than the module's tensors to know what to compute, and ask tritonspec when they run:
+``MoEExperts`` the experts' layout and activation (``tritonspec.nn.experts.experts_kind``), ``MoERouter`` the
+routing its router computes (``tritonspec.nn.targets.router_kind``, verified against the router's own forward).
+
 This file must stay self-contained: only the standard library and torch at import time; tritonspec's ops
 are imported when a forward runs (the kernels are installed as the ``tritonspec`` package, which a hub
 kernel directory cannot ship), so copying the file elsewhere keeps it importable.
 
 Cases the Triton ops do not cover (float64, CPU tensors without the interpreter, an ``unsqueeze_dim``
-other than 1, partial rotary) run the original Hugging Face formula, so a replaced layer never changes
-results, only speed.
+other than 1, partial rotary, experts in another dtype than their input) run the original Hugging Face
+formula (for the experts, transformers' ``grouped_mm``), so a replaced layer never changes results, only speed.
 """
 import importlib
 
 import torch
 from torch import nn
 
-__all__ = ["RMSNorm", "SwiGLUMLP", "RotaryPosEmb", "rms_norm", "swiglu_mlp", "rotary_pos_emb"]
+__all__ = ["RMSNorm", "SwiGLUMLP", "RotaryPosEmb", "MoEExperts", "MoERouter", "rms_norm", "swiglu_mlp",
+           "rotary_pos_emb", "moe_router"]
 
 
 _IMPORTED: dict = {}
@@ -101,6 +106,23 @@ def rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     return _tritonspec("ops.rope", "rope")(q, k, cos, sin)
 
 
+def moe_router(module, hidden_states, kind):
+    """``(router_logits, weights, ids)`` of a top-k router, with the routing ``kind`` describes (a
+    ``tritonspec.nn.targets.RouterKind``): the router's ``weight`` (and ``bias``, ``e_score_correction_bias``
+    where ``kind`` says), ``moe_route``, and the router's dtypes."""
+    weight = module.weight
+    bias = module.bias if kind.bias else None
+    x = hidden_states.reshape(-1, weight.shape[-1])
+    if kind.float32_logits:
+        x, weight, bias = x.float(), weight.float(), None if bias is None else bias.float()
+    logits = torch.nn.functional.linear(x, weight, bias)
+    weights, ids = _tritonspec("ops.moe_routing", "moe_route")(
+        logits, kind.top_k, scoring=kind.scoring, renormalize=kind.renormalize,
+        correction_bias=module.e_score_correction_bias if kind.correction_bias else None, n_group=kind.n_group,
+        topk_group=kind.topk_group, scaling_factor=kind.scaling_factor)
+    return logits, weights if kind.float32_weights else weights.to(logits.dtype), ids
+
+
 class RMSNorm(nn.Module):
     """Replaces the forward of HF ``*RMSNorm`` (layer name ``RMSNorm``); uses ``weight``, ``variance_epsilon``."""
 
@@ -136,3 +158,39 @@ class RotaryPosEmb(nn.Module):
 
     def forward(self, q, k, cos, sin, unsqueeze_dim=1):
         return rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+
+
+class MoEExperts(nn.Module):
+    """Replaces the forward of transformers' fused experts (layer name ``MoEExperts``); uses ``gate_up_proj``,
+    ``down_proj`` (and their biases) with ``tritonspec.nn.experts.tritonspec_experts_forward``: the Triton
+    experts, or transformers' ``grouped_mm`` where they do not apply."""
+
+    gate_up_proj: torch.Tensor
+    down_proj: torch.Tensor
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return _tritonspec("nn.experts", "tritonspec_experts_forward")(self, hidden_states, top_k_index,
+                                                                        top_k_weights)
+
+
+class MoERouter(nn.Module):
+    """Replaces the forward of a top-k MoE router (layer name ``MoERouter``); uses ``weight`` (and ``bias``,
+    ``e_score_correction_bias``) with ``moe_route``, returning what the router returns, in its dtypes.
+
+    float64 (``moe_route`` computes in float32) and a router whose routing is no longer one ``router_kind``
+    verified run the router's own forward.
+    """
+
+    weight: torch.Tensor
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, hidden_states):
+        kind = _tritonspec("nn.targets", "router_kind")(self)
+        if kind is None or hidden_states.dtype == torch.float64:
+            return type(self).forward(self, hidden_states)
+        return moe_router(self, hidden_states, kind)
