@@ -1,17 +1,20 @@
-"""Benchmark the MoE experts (``moe_experts``) against transformers' own experts implementations, at the
-expert shapes of real MoE models, in bf16, on one GPU.
+"""Benchmark the MoE experts (``moe_experts``) against the MoE paths a user can pick, at the expert shapes of
+real MoE models, in bf16, on one GPU.
 
-    python bench/bench_moe.py [--out FILE.md] [--sweep] [--smoke]
+    python bench/bench_moe.py [--cases qwen3-30b-a3b,...] [--out FILE.md] [--sweep] [--smoke]
 
-Each case builds the model family's transformers experts module (Qwen3-MoE, Mixtral, GPT-OSS) with
-random weights and routes random tokens with a softmax top-k router; implementations are switched the
-way users switch them (``config._experts_implementation``): ``tritonspec`` against ``grouped_mm``
-(``torch._grouped_mm``) and ``batched_mm``. Per (case, tokens, impl, mode): median / p20 / p80 of
-``triton.testing.do_bench`` and TFLOP/s over the useful FLOPs (forward ``2*T*k*3*H*I``, backward
-twice that). Our output and gradients are checked against the float64 reference first; the baselines'
-errors against the same reference are printed beside ours. ``--sweep`` first times launch-config
-variants of our kernels at the largest token count (tuning data, not results). ``--smoke`` runs tiny shapes on the CPU
-interpreter to check this script itself.
+Each case builds the model family's transformers experts module (Qwen3-MoE, Mixtral, DeepSeek-V3,
+GPT-OSS) with random weights and routes random tokens with a softmax top-k router. Implementations:
+``tritonspec`` and ``grouped_mm`` (``torch._grouped_mm``, transformers' default), switched the way users
+switch them (``config._experts_implementation``); Liger-Kernel's ``LigerFusedMoEFunction`` on the same
+weights when it is importable ([gate; up] layouts); and, at decode sizes, our forward replayed from a
+CUDA graph (how decode runs once launches cost more than the GPU's work; grouped_mm and Liger's host
+synchronization cannot be captured). Per (case, tokens, impl, mode): median / p20 / p80 of
+``triton.testing.do_bench``, TFLOP/s over the useful FLOPs (forward ``2*T*k*3*H*I``, backward twice
+that), and the peak memory of one forward+backward above what was allocated before it. Outputs and
+dx are checked first against the float64 reference where it fits in memory, else against grouped_mm.
+``--sweep`` first times launch-config variants of our kernels (tuning data, not results). ``--smoke``
+runs tiny shapes on the CPU interpreter to check this script itself.
 """
 from __future__ import annotations
 
@@ -42,12 +45,17 @@ CASES = [
      dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)),
     ("mixtral-8x7b", "MixtralConfig", "transformers.models.mixtral.modeling_mixtral:MixtralExperts",
      dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2)),
+    ("deepseek-v3", "DeepseekV3Config", "transformers.models.deepseek_v3.modeling_deepseek_v3:DeepseekV3Experts",
+     dict(hidden_size=7168, moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=8)),
     ("gpt-oss-20b", "GptOssConfig", "transformers.models.gpt_oss.modeling_gpt_oss:GptOssExperts",
      dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4)),
 ]
 TOKENS = [16, 512, 4096] if not SMOKE else [3]
+# the token counts of each case's table rows (the issue's: prefill/training batches and decode)
+TOKENS_OF = {"qwen3-30b-a3b": [32768, 8192, 4096, 128, 1], "mixtral-8x7b": [4096, 1], "deepseek-v3": [4096],
+             "gpt-oss-20b": [4096, 1]}
 SMOKE_SIZES = dict(hidden_size=32, moe_intermediate_size=16, intermediate_size=16, num_experts=4, num_local_experts=4,
-                   num_experts_per_tok=2)
+                   n_routed_experts=4, num_experts_per_tok=2)
 
 
 def _experts(case):
@@ -59,12 +67,13 @@ def _experts(case):
     cfg = getattr(transformers, config_cls)(**sizes)
     mod, cls = path.split(":")
     torch.manual_seed(0)
-    experts = getattr(importlib.import_module(mod), cls)(cfg).to(DEV)
+    with torch.device("meta"):  # built in bf16 on the GPU directly: DeepSeek-V3's experts are 22 GiB in bf16
+        experts = getattr(importlib.import_module(mod), cls)(cfg)
+    experts = experts.to(DT).to_empty(device=DEV)
     with torch.no_grad():
-        for n, p in experts.named_parameters():  # HF leaves them uninitialized: draw fan-in scaled weights
+        for n, p in experts.named_parameters():  # draw fan-in scaled weights in place
             fan_in = p.shape[-1] if not getattr(experts, "is_transposed", False) or p.dim() < 3 else p.shape[-2]
-            p.copy_(torch.randn_like(p) * fan_in ** -0.5 if p.dim() == 3 else torch.randn_like(p) * 0.1)
-    experts = experts.to(DT)
+            p.normal_(0.0, fan_in ** -0.5 if p.dim() == 3 else 0.1)
     top_k = sizes["num_experts_per_tok"]
     intermediate = sizes.get("moe_intermediate_size", sizes.get("intermediate_size"))
     return experts, cfg, top_k, sizes["hidden_size"], intermediate
@@ -89,21 +98,38 @@ def bench(fn):
     return tuple(triton.testing.do_bench(fn, warmup=10, rep=60, quantiles=[0.5, 0.2, 0.8]))
 
 
-def _reference_error(experts, x, ids, w, dout, impl):
-    """max |impl - float64 reference| of the output and of dx, relative to the reference's max."""
-    experts.config._experts_implementation = impl
+def _module_call(experts, impl):
+    """The experts module itself, switched the way users switch it (``config._experts_implementation``)."""
+    def call(experts, x, ids, w):
+        experts.config._experts_implementation = impl
+        return experts(x, ids, w)
+    return call
+
+
+def _error(experts, fn, x, ids, w, dout, against_float64, baseline):
+    """(max |out - ref| / max |ref|, the same for dx, what ref is): the float64 reference where it fits in
+    memory, else grouped_mm's bf16 result."""
     xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
-    out = experts(xl, ids, wl)
+    out = fn(experts, xl, ids, wl)
     out.backward(dout)
-    kw = dict(gate_up_bias=experts.gate_up_proj_bias.double() if experts.has_bias else None,
-              down_bias=experts.down_proj_bias.double() if experts.has_bias else None,
-              layout="concatenated" if experts.is_concatenated else "interleaved_transposed",
-              activation="gpt_oss" if hasattr(experts, "limit") else "silu", clamp=getattr(experts, "limit", None))
-    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    ref = moe_experts_ref(x64, ids, w64, experts.gate_up_proj.double(), experts.down_proj.double(), **kw)
-    ref.backward(dout.double())
-    rel = lambda a, b: ((a.double() - b).abs().max() / b.abs().max()).item()  # noqa: E731
-    return rel(out.detach(), ref.detach()), rel(xl.grad, x64.grad)
+    experts.zero_grad(set_to_none=True)
+    if against_float64:
+        kw = dict(gate_up_bias=experts.gate_up_proj_bias.double() if experts.has_bias else None,
+                  down_bias=experts.down_proj_bias.double() if experts.has_bias else None,
+                  layout="concatenated" if experts.is_concatenated else "interleaved_transposed",
+                  activation="gpt_oss" if hasattr(experts, "limit") else "silu", clamp=getattr(experts, "limit", None))
+        x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        ref = moe_experts_ref(x64, ids, w64, experts.gate_up_proj.double(), experts.down_proj.double(), **kw)
+        ref.backward(dout.double())
+        ref_dx, what = x64.grad, "float64"
+    else:
+        xb = x.detach().requires_grad_()
+        ref = baseline(experts, xb, ids, w.detach())
+        ref.backward(dout)
+        experts.zero_grad(set_to_none=True)
+        ref_dx, what = xb.grad.double(), "grouped_mm"
+    rel = lambda a, b: ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()  # noqa: E731
+    return rel(out.detach(), ref.detach()), rel(xl.grad, ref_dx), what
 
 
 _BIG = dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
@@ -152,66 +178,163 @@ def sweep():
     return "\n".join(lines)
 
 
+def _liger():
+    """Liger-Kernel's fused MoE (``LigerFusedMoEFunction``), when importable: an anchor for [gate; up] weights."""
+    try:
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+    except ImportError:
+        return None
+    return lambda experts, x, ids, w: LigerFusedMoEFunction.apply(x, experts.gate_up_proj, experts.down_proj,
+                                                                   ids.int(), w)
+
+
+def _graphed(fn):
+    """``fn`` (no arguments) captured in a CUDA graph: how decode runs once launches cost more than the GPU work."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _peak_mib(call):
+    """Peak memory of one call above what was allocated before it (MiB)."""
+    if SMOKE:
+        return float("nan")
+    call()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    call()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+
+def block_rows(tokens=(4096, 32768)):
+    """The whole Qwen3-MoE block (router + experts) as transformers runs it in a model (grouped_mm experts)
+    against the same block after ``kernelize`` (our router and experts): fwd and fwd+bwd ms, peak MiB of
+    fwd+bwd."""
+    import transformers
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    import tritonspec.nn as tnn
+    cfg = transformers.Qwen3MoeConfig(**(dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128,
+                                              num_experts_per_tok=8, norm_topk_prob=True) if not SMOKE else
+                                         dict(SMOKE_SIZES, norm_topk_prob=True)))
+    cfg._experts_implementation = "grouped_mm"  # what a model built by from_pretrained / from_config runs
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        block = Qwen3MoeSparseMoeBlock(cfg)
+    block = block.to(DT).to_empty(device=DEV)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, p.shape[-1] ** -0.5)
+    lines = ["| block | T | impl | fwd ms | fwd+bwd ms | peak MiB fwd+bwd |", "|---|---|---|---|---|---|"]
+    for T in (tokens if not SMOKE else (3,)):
+        x = torch.randn(1, T, cfg.hidden_size, device=DEV).to(DT).requires_grad_()
+        dout = torch.randn_like(x)
+        for impl in ("transformers", "tritonspec"):
+            if impl == "tritonspec":
+                tnn.kernelize(block, mode=tnn.Mode.TRAINING, device=DEV if SMOKE else "cuda")
+
+            def fwd():
+                with torch.no_grad():
+                    block(x)
+
+            def fb():
+                x.grad = None
+                block.zero_grad(set_to_none=True)
+                block(x).backward(dout)
+            tf, tb = bench(fwd)[0], bench(fb)[0]
+            lines.append(f"| qwen3-30b-a3b | {T} | {impl} | {tf:.3f} | {tb:.3f} | {_peak_mib(fb):.0f} |")
+            print(lines[-1], flush=True)
+        tnn.revert(block)
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--tokens", help="comma-separated token counts for every case (default: each case's own)")
+    ap.add_argument("--block", action="store_true", help="also the whole Qwen3-MoE block, as shipped vs kernelized")
+    ap.add_argument("--cases", default=None,
+                    help="comma-separated case names (default: all; none: no experts rows): " + ", ".join(c[0] for c in CASES))
     args = ap.parse_args(argv)
     register_experts()
     sweep_table = sweep() if args.sweep else ""
-    impls = [EXPERTS_NAME, "grouped_mm", "batched_mm"]
+    block_table = block_rows() if args.block else ""
+    liger = _liger()
+    cases = [c for c in CASES if not args.cases or c[0] in args.cases.split(",")]
     rows = []
-    for case in CASES:
+    for case in cases:
         experts, cfg, k, H, I = _experts(case)
         E = experts.num_experts
-        for T in TOKENS:
+        own = [int(t) for t in args.tokens.split(",")] if args.tokens else TOKENS_OF.get(case[0], TOKENS)
+        for T in (own if not SMOKE else TOKENS):
             x, ids, w = _inputs(T, H, E, k)
             dout = torch.randn(T, H, device=DEV).to(DT)
+            impls = {n: _module_call(experts, n) for n in (EXPERTS_NAME, "grouped_mm")}
+            if liger is not None and experts.is_concatenated and not experts.has_bias:
+                impls["liger"] = liger
+            # float64 reference where it fits in memory (weights 4x in float64); else ours against grouped_mm
+            fits = SMOKE or E * 3 * H * I * 8 * 2 < 0.25 * torch.cuda.get_device_properties(0).total_memory
             errs = {}
-            for impl in impls:
+            for impl, fn in impls.items():
                 try:
-                    errs[impl] = _reference_error(experts, x, ids, w, dout, impl)
+                    errs[impl] = _error(experts, fn, x, ids, w, dout, fits, impls["grouped_mm"])
                 except Exception as e:  # noqa: BLE001
                     print(f"# {case[0]} T={T} {impl}: {type(e).__name__}: {str(e)[:200]}")
-            ours = errs.get(EXPERTS_NAME)
-            base = errs.get("grouped_mm")
+            ours, base = errs.get(EXPERTS_NAME), errs.get("grouped_mm")
             if ours is None or (base is not None and ours[0] > 2 * base[0] + 1e-2):
                 raise SystemExit(f"{case[0]} T={T}: our error {ours} vs grouped_mm {base}")
             flops = 2 * T * k * 3 * H * I
-            for impl in errs:
-                experts.config._experts_implementation = impl
-                for mode in ("fwd", "fwd+bwd"):
-                    if mode == "fwd":
-                        def call():
-                            with torch.no_grad():
-                                experts(x, ids, w)
-                    else:
-                        def call():
-                            x.grad = w.grad = None
-                            experts.zero_grad(set_to_none=True)
-                            experts(x, ids, w).backward(dout)
-                    try:
-                        t = bench(call)
-                    except Exception as e:  # noqa: BLE001
-                        print(f"# {case[0]} T={T} {impl} {mode}: {type(e).__name__}: {str(e)[:200]}")
-                        continue
-                    f = flops if mode == "fwd" else 3 * flops
-                    rows.append(dict(case=case[0], T=T, impl=impl, mode=mode, ms=t[0], p20=t[1], p80=t[2],
-                                     tflops=f / (t[0] * 1e-3) / 1e12, err=errs[impl][0], derr=errs[impl][1]))
+            variants = [(impl, mode) for impl in errs for mode in ("fwd", "fwd+bwd")]
+            if T <= 128 and not SMOKE:
+                variants.append((EXPERTS_NAME + " (CUDA graph)", "fwd"))
+            for impl, mode in variants:
+                fn = impls[impl.split()[0]]
+                if mode == "fwd":
+                    def call(fn=fn):
+                        with torch.no_grad():
+                            fn(experts, x, ids, w)
+                else:
+                    def call(fn=fn):
+                        x.grad = w.grad = None
+                        experts.zero_grad(set_to_none=True)
+                        fn(experts, x, ids, w).backward(dout)
+                try:
+                    timed = _graphed(call) if "graph" in impl else call
+                    t = bench(timed)
+                    peak = _peak_mib(call) if mode == "fwd+bwd" else float("nan")
+                except Exception as e:  # noqa: BLE001
+                    print(f"# {case[0]} T={T} {impl} {mode}: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                f = flops if mode == "fwd" else 3 * flops
+                err = errs[impl.split()[0]]
+                rows.append(dict(case=case[0], T=T, impl=impl, mode=mode, ms=t[0], p20=t[1], p80=t[2],
+                                 tflops=f / (t[0] * 1e-3) / 1e12, err=err[0], derr=err[1], ref=err[2], peak=peak))
+                print(rows[-1], flush=True)
+        del experts
         if not SMOKE:
             torch.cuda.empty_cache()
     speed = {(r["case"], r["T"], r["mode"]): r["ms"] for r in rows if r["impl"] == EXPERTS_NAME}
     name = torch.cuda.get_device_name() if not SMOKE else "cpu (interpreter)"
     head = (f"# MoE experts, {name}, torch {torch.__version__}, triton {triton.__version__}, "
-            f"{datetime.date.today()}\n\n| case | T | impl | mode | ms (p20-p80) | TFLOP/s | ours faster | out err | dx err |\n"
-            "|---|---|---|---|---|---|---|---|---|")
+            f"{datetime.date.today()}\n\n| case | T | impl | mode | ms (p20-p80) | TFLOP/s | ours faster | peak MiB | "
+            "out err | dx err | against |\n|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         ratio = r["ms"] / speed[(r["case"], r["T"], r["mode"])] if (r["case"], r["T"], r["mode"]) in speed else float("nan")
         lines.append(f"| {r['case']} | {r['T']} | {r['impl']} | {r['mode']} | {r['ms']:.3f} ({r['p20']:.3f}-{r['p80']:.3f}) "
-                     f"| {r['tflops']:.0f} | {ratio:.2f}x | {r['err']:.1e} | {r['derr']:.1e} |")
-    table = "\n".join(lines) + (f"\n\nLaunch-config sweep (ours):\n\n{sweep_table}" if sweep_table else "")
+                     f"| {r['tflops']:.0f} | {ratio:.2f}x | {r['peak']:.0f} | {r['err']:.1e} | {r['derr']:.1e} | {r['ref']} |")
+    table = "\n".join(lines) + (f"\n\nWhole MoE block:\n\n{block_table}" if block_table else "") + (
+        f"\n\nLaunch-config sweep (ours):\n\n{sweep_table}" if sweep_table else "")
     print(table)
     if args.out:
         with open(args.out, "w") as fh:

@@ -1,20 +1,25 @@
-"""One training step (forward + backward + AdamW) of a Llama-style model: eager Hugging Face vs kernelized.
+"""One training step (forward + backward + AdamW) of a Llama-style or Qwen3-MoE-style model: eager Hugging Face
+vs kernelized.
 
 Not a test: it measures. Variants, all bf16, same weights and batch:
-  hf-sdpa          transformers as shipped (attn_implementation="sdpa"), the baseline
+  hf-sdpa          transformers as shipped (attn_implementation="sdpa"; MoE experts: grouped_mm), the baseline
   hf-eager         transformers with its eager attention
-  ts-kernelize     tritonspec.nn.kernelize: Triton RMSNorm, SwiGLU, RoPE (attention stays SDPA)
+  ts-kernelize     tritonspec.nn.kernelize: Triton RMSNorm, SwiGLU, RoPE, and for MoE models the experts and
+                   the router (attention stays SDPA)
   ts-all           apply_available_kernels: the above plus attn_implementation="tritonspec"
   liger            Liger-Kernel rope/rms_norm/swiglu (no fused cross-entropy), if importable
+  liger-flce       the same with Liger's fused linear cross-entropy (everything Liger offers for the model)
 
 Method: each variant gets its own model and optimizer; WARMUP steps (Triton compiles, autotuning), then
 STEPS timed steps with CUDA events, in two rounds in opposite variant order (clock drift and thermal
 effects hit every variant alike); the median over both rounds is reported with p20/p80. Peak memory is
 ``max_memory_allocated`` over one step after ``reset_peak_memory_stats``; "step peak" subtracts what was
 resident before the step (weights, grads=None, optimizer state). Before timing, every variant's first-step
-loss is compared with the baseline's.
+loss is compared with the baseline's. MoE models train with ``output_router_logits`` (the auxiliary
+load-balancing loss is in the loss).
 
-Usage: python bench/bench_training_step.py [--hidden 2048 --layers 8 --batch 4 --seq 2048 --out FILE]
+Usage: python bench/bench_training_step.py [--model llama|qwen3-moe] [--hidden 2048 --layers 8 --batch 4
+       --seq 2048 --out FILE]
 """
 from __future__ import annotations
 
@@ -29,15 +34,26 @@ import time
 import torch
 
 
+MODULES = {"llama": "transformers.models.llama.modeling_llama",
+           "qwen3-moe": "transformers.models.qwen3_moe.modeling_qwen3_moe"}
+
+
 def build(args, attn):
     import transformers
-    cfg = transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate,
-                                   num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                                   num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
-                                   max_position_embeddings=max(4096, args.seq))
+    common = dict(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                  num_key_value_heads=args.kv_heads, vocab_size=args.vocab, max_position_embeddings=max(4096, args.seq))
+    if args.model == "qwen3-moe":  # Qwen3-30B-A3B's layer: 128 experts of 768, top-8, head_dim 128
+        cfg = transformers.Qwen3MoeConfig(**common, intermediate_size=args.intermediate, head_dim=128,
+                                          moe_intermediate_size=args.moe_intermediate, num_experts=args.experts,
+                                          num_experts_per_tok=args.top_k, norm_topk_prob=True,
+                                          output_router_logits=True)
+        cls = transformers.Qwen3MoeForCausalLM
+    else:
+        cfg = transformers.LlamaConfig(**common, intermediate_size=args.intermediate)
+        cls = transformers.LlamaForCausalLM
     torch.manual_seed(0)
     with torch.device(args.device):
-        return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=attn, dtype=torch.bfloat16)
+        return cls._from_config(cfg, attn_implementation=attn, dtype=torch.bfloat16)
 
 
 def prepare(name, args):
@@ -54,22 +70,24 @@ def prepare(name, args):
         model = build(args, "sdpa")
         tnn.apply_available_kernels(model)
         return model
-    if name == "liger":
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
+    if name in ("liger", "liger-flce"):
+        import liger_kernel.transformers as lk
+        apply = lk.apply_liger_kernel_to_qwen3_moe if args.model == "qwen3-moe" else lk.apply_liger_kernel_to_llama
         model = build(args, "sdpa")
-        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=False, model=model)
+        apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+              fused_linear_cross_entropy=name == "liger-flce", model=model)
         return model
     raise ValueError(name)
 
 
 class Variant:
     def __init__(self, name, args, ids):
-        from transformers.models.llama import modeling_llama
+        import importlib
+        modeling = importlib.import_module(MODULES[args.model])
         self.name, self.ids = name, ids
-        # Liger rebinds modeling_llama's globals (classes, apply_rotary_pos_emb); put them back on release so
-        # variants built later are not silently Liger models.
-        self._globals = (modeling_llama, dict(vars(modeling_llama)))
+        # Liger rebinds the modeling module's globals (classes, apply_rotary_pos_emb); put them back on release
+        # so variants built later are not silently Liger models.
+        self._globals = (modeling, dict(vars(modeling)))
         try:
             self.model = prepare(name, args)
         except BaseException:
@@ -120,6 +138,10 @@ def quantile(xs, q):
 
 def main():
     p = argparse.ArgumentParser()
+    p.add_argument("--model", choices=sorted(MODULES), default="llama")
+    p.add_argument("--moe-intermediate", type=int, default=768)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--intermediate", type=int, default=5632)
     p.add_argument("--layers", type=int, default=8)
@@ -192,8 +214,10 @@ def main():
     dev = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.processor() or 'cpu'} (smoke run)"
     tokens = args.batch * args.seq
     lines = [
-        f"## One training step, Llama-style bf16 (hidden {args.hidden}, {args.layers} layers, "
-        f"{args.heads}/{args.kv_heads} heads, intermediate {args.intermediate}, vocab {args.vocab}), "
+        f"## One training step, {'Qwen3-MoE' if args.model == 'qwen3-moe' else 'Llama'}-style bf16 (hidden "
+        f"{args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, "
+        + (f"{args.experts} experts of {args.moe_intermediate}, top-{args.top_k}, " if args.model == "qwen3-moe"
+           else f"intermediate {args.intermediate}, ") + f"vocab {args.vocab}), "
         f"batch {args.batch} x seq {args.seq}",
         "",
         f"Device: {dev}; torch {torch.__version__}, triton {triton.__version__}, transformers "
