@@ -300,11 +300,11 @@ def main(argv=None):
             for impl, mode in variants:
                 fn = impls[impl.split()[0]]
                 if mode == "fwd":
-                    def call(fn=fn):
+                    def call(fn=fn, experts=experts):
                         with torch.no_grad():
                             fn(experts, x, ids, w)
                 else:
-                    def call(fn=fn):
+                    def call(fn=fn, experts=experts):
                         x.grad = w.grad = None
                         experts.zero_grad(set_to_none=True)
                         fn(experts, x, ids, w).backward(dout)
