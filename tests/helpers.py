@@ -132,28 +132,29 @@ def available_models(architectures=None):
             if hasattr(transformers, model_cls)]
 
 
-def model_config(name, **sizes):
-    """``name``'s config class with ``sizes`` (only those: every other field is the class's default).
+def model_config(name, moe=None, **sizes):
+    """``name``'s config class with ``sizes`` (only those: every other field is the class's default); for MoE
+    architectures ``moe`` replaces fields of the tiny expert sizes in MOE_ARCHITECTURES (real layer shapes).
 
     qwen3's head_dim defaults to 128 whatever the hidden size, the others' to hidden_size / heads: qwen3
     gets the others' rule unless ``head_dim`` is given, so one set of sizes fits every architecture."""
     import transformers
     if name in MOE_ARCHITECTURES:
-        config_cls, _, moe = MOE_ARCHITECTURES[name]
-        return getattr(transformers, config_cls)(**dict(sizes, **moe))  # the architecture's own needs win
+        config_cls, _, tiny = MOE_ARCHITECTURES[name]
+        return getattr(transformers, config_cls)(**{**sizes, **tiny, **(moe or {})})  # the architecture's needs win
     if name == "qwen3" and "hidden_size" in sizes and "num_attention_heads" in sizes:
         sizes.setdefault("head_dim", sizes["hidden_size"] // sizes["num_attention_heads"])
     return getattr(transformers, ARCHITECTURES[name][0])(**sizes)
 
 
-def build_model(name, dtype, attn="sdpa", *, seed, device=None, init_dtype=None, **sizes):
+def build_model(name, dtype, attn="sdpa", *, seed, device=None, init_dtype=None, moe=None, **sizes):
     """A causal LM of architecture ``name`` with random weights drawn after ``torch.manual_seed(seed)``,
     then cast to ``dtype``: the same ``seed`` gives every dtype the same weights, so a float64 run of the
     same model is the reference. ``init_dtype`` is passed to ``_from_config`` as ``dtype`` where given;
     ``device`` is where the weights are created."""
     import torch
     import transformers
-    cfg = model_config(name, **sizes)
+    cfg = model_config(name, moe, **sizes)
     torch.manual_seed(seed)
     kwargs = {} if init_dtype is None else {"dtype": init_dtype}
     with torch.device(device) if device is not None else contextlib.nullcontext():

@@ -10,7 +10,7 @@ import copy
 import os
 
 import pytest
-from helpers import available_models, build_model, model_config
+from helpers import MOE_ARCHITECTURES, available_models, build_model, model_config
 import torch
 
 import tritonspec.nn as tnn
@@ -115,6 +115,45 @@ def test_bf16_model_matches_original(name, front, references, worst):
     _check(f"{name}/{front}", got, base, ref, worst)
     tnn.revert(model)
     assert tnn.report(model) == []
+
+
+# Each MoE family with its own layer shapes at hidden 2048 (experts, their width, top-k, shared experts), two
+# layers: the router's and the experts' real sizes, against a float64 run of the same weights.
+MOE_SIZES = {
+    "qwen3_moe": dict(moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, head_dim=128),
+    "qwen2_moe": dict(moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts=60,
+                      num_experts_per_tok=4),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+    "olmoe": dict(intermediate_size=1024, num_experts=64, num_experts_per_tok=8),
+    "gpt_oss": dict(intermediate_size=2048, num_local_experts=32, num_experts_per_tok=4, head_dim=64,
+                    layer_types=["sliding_attention", "full_attention"]),
+    "deepseek_v3": dict(n_routed_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408, n_group=8, topk_group=3,
+                        n_shared_experts=2, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                        v_head_dim=128, num_key_value_heads=16),
+}
+
+
+@pytest.mark.parametrize("name", available_models(MOE_ARCHITECTURES))
+def test_bf16_moe_model_at_real_layer_shapes_matches_original(name, worst):
+    """kernelize (our router, experts, norms, MLPs, RoPE) on each MoE family: logits, loss (with the auxiliary
+    loss) and every gradient within the original bf16 model's error of a float64 run, plus the floor."""
+    # GPT-OSS's attention sinks: transformers 5.17 runs them eagerly only
+    sizes = dict(COMMON, num_hidden_layers=2, output_router_logits=True, moe=MOE_SIZES[name],
+                 attn="eager" if name == "gpt_oss" else "sdpa")
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    ids = torch.randint(0, COMMON["vocab_size"], (BATCH, SEQ), device=DEVICE, generator=g)
+    ref_model = build_model(name, torch.float64, seed=0, device=DEVICE, init_dtype=torch.float32, **sizes)
+    ref_model.set_experts_implementation("eager")  # grouped_mm is bf16-only
+    ref = _run(ref_model, ids)
+    del ref_model
+    base = _run(build_model(name, torch.bfloat16, seed=0, device=DEVICE, init_dtype=torch.float32, **sizes), ids)
+    model = build_model(name, torch.bfloat16, seed=0, device=DEVICE, init_dtype=torch.float32, **sizes)
+    tnn.kernelize(model, mode=tnn.Mode.TRAINING)
+    kinds = {c.kernel for c in tnn.report(model)}
+    print(f"{name}: {sorted(kinds)}")
+    assert any("MoEExperts" in k for k in kinds) and any("MoERouter" in k for k in kinds)
+    _check(f"{name}/kernelize", _run(model, ids), base, ref, worst)
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.skipif(os.environ.get("TRITONSPEC_GPU_COMPILE", "1") != "1", reason="compile check disabled")
