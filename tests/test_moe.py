@@ -142,11 +142,16 @@ def test_out_of_range_ids_contribute_nothing(device, gen):
     assert_close(grads["top_k_weights"][kept], ref_grads["top_k_weights"][kept], "dw", dtype=dtype)
 
 
+@pytest.mark.parametrize("slice_pairs", [None, 16], ids=["one-slice", "many-slices"])
 @pytest.mark.parametrize("T, E, k, block_m", [(1, 8, 2, 16), (37, 6, 3, 4), (300, 4, 2, 16)])
-def test_routing_metadata_is_a_stable_padded_sort_by_expert(T, E, k, block_m, device, gen):
+def test_routing_metadata_is_a_stable_padded_sort_by_expert(T, E, k, block_m, slice_pairs, device, gen, monkeypatch):
     """The routing metadata against its definition, written in plain Python: each expert's pairs in token
-    order from its first row, rows padded to block_m with -1, each block's expert, each pair's row."""
+    order from its first row, rows padded to block_m with -1, each block's expert, each pair's row; with
+    the pairs scanned in one slice per expert, or in many (token order must hold across slices)."""
+    from tritonspec.ops import moe
     from tritonspec.ops.moe import _routing as routing
+    if slice_pairs is not None:
+        monkeypatch.setattr(moe, "_SLICE_PAIRS", slice_pairs)
     ids = torch.randint(-1, E + 2, (T, k), generator=gen)  # with dropped ids on both sides
     row_pair, block_expert, pair_pos, expert_start, expert_rows = (t.cpu().tolist() for t in routing(
         ids.to(device), E, block_m))

@@ -351,26 +351,36 @@ def _moe_weight_grad_kernel(L, stride_l, GATHER_L: tl.constexpr, RHS, stride_r, 
 # routing metadata: static shapes, no host synchronization
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _moe_count_kernel(IDS, EXPERT_ROWS, P, BLOCK_P: tl.constexpr):
-    """Expert e's number of pairs (program e scans all pairs; ids stay in L2)."""
+def _moe_count_kernel(IDS, SLICE_ROWS, P, SLICE, BLOCK_P: tl.constexpr):
+    """Program (e, s): expert e's number of pairs in slice s of the pairs (ids stay in L2)."""
     e = tl.program_id(0)
+    s = tl.program_id(1)
     count = tl.zeros([BLOCK_P], dtype=tl.int32)
-    for p0 in range(0, P, BLOCK_P):
+    end = tl.minimum(s * SLICE + SLICE, P)
+    for p0 in range(s * SLICE, end, BLOCK_P):
         pairs = p0 + tl.arange(0, BLOCK_P)
-        count += (tl.load(IDS + pairs, mask=pairs < P, other=-1) == e).to(tl.int32)
-    tl.store(EXPERT_ROWS + e, tl.sum(count, axis=0))
+        count += (tl.load(IDS + pairs, mask=pairs < end, other=-1) == e).to(tl.int32)
+    tl.store(SLICE_ROWS + e * tl.num_programs(1) + s, tl.sum(count, axis=0))
 
 
 @triton.jit
-def _moe_offsets_kernel(EXPERT_ROWS, EXPERT_START, BLOCK_EXPERT, ROW_PAIR, E, R, ALIGN: tl.constexpr,
-                        E_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
-    """One program: each expert's first row (its rows padded to ALIGN, experts in order), and -1 in
-    every row and block after the last expert's."""
+def _moe_offsets_kernel(SLICE_ROWS, SLICE_START, EXPERT_ROWS, EXPERT_START, BLOCK_EXPERT, ROW_PAIR, E, S, R,
+                        ALIGN: tl.constexpr, E_PAD: tl.constexpr, S_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One program: each expert's pairs and first row (its rows padded to ALIGN, experts in order), each
+    (expert, slice)'s first row (slices in order: token order within an expert), and -1 in every row and
+    block after the last expert's."""
     experts = tl.arange(0, E_PAD)
-    e_ok = experts < E
-    padded = (tl.load(EXPERT_ROWS + experts, mask=e_ok, other=0) + ALIGN - 1) // ALIGN * ALIGN
+    slices = tl.arange(0, S_PAD)
+    ok = (experts < E)[:, None] & (slices < S)[None, :]
+    offs = experts[:, None] * S + slices[None, :]
+    per_slice = tl.load(SLICE_ROWS + offs, mask=ok, other=0)
+    count = tl.sum(per_slice, axis=1)
+    padded = (count + ALIGN - 1) // ALIGN * ALIGN
     end = tl.cumsum(padded, axis=0)
-    tl.store(EXPERT_START + experts, end - padded, mask=e_ok)
+    start = end - padded
+    tl.store(EXPERT_ROWS + experts, count, mask=experts < E)
+    tl.store(EXPERT_START + experts, start, mask=experts < E)
+    tl.store(SLICE_START + offs, start[:, None] + tl.cumsum(per_slice, axis=1) - per_slice, mask=ok)
     used = tl.sum(padded, axis=0)
     for r0 in range(used, R, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
@@ -381,18 +391,18 @@ def _moe_offsets_kernel(EXPERT_ROWS, EXPERT_START, BLOCK_EXPERT, ROW_PAIR, E, R,
 
 
 @triton.jit
-def _moe_scatter_kernel(IDS, EXPERT_START, EXPERT_ROWS, ROW_PAIR, PAIR_POS, BLOCK_EXPERT, P, E, ALIGN: tl.constexpr,
-                        BLOCK_P: tl.constexpr):
-    """Program e lays out expert e's rows: its pairs in token order from its first row (ROW_PAIR[row] =
-    pair, PAIR_POS[pair] = row), -1 in its padding rows, e in its blocks. Program 0 also marks pairs whose
-    id is outside [0, E) as dropped (PAIR_POS -1)."""
+def _moe_scatter_kernel(IDS, SLICE_START, EXPERT_START, EXPERT_ROWS, ROW_PAIR, PAIR_POS, BLOCK_EXPERT, P, E, SLICE,
+                        ALIGN: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Program (e, s) places expert e's pairs of slice s in token order from their first row (ROW_PAIR[row]
+    = pair, PAIR_POS[pair] = row). Program (e, 0) also writes -1 in e's padding rows and e in its blocks;
+    program (0, s) marks the slice's pairs whose id is outside [0, E) as dropped (PAIR_POS -1)."""
     e = tl.program_id(0)
-    start = tl.load(EXPERT_START + e)
-    count = tl.load(EXPERT_ROWS + e)
-    row = start
-    for p0 in range(0, P, BLOCK_P):
+    s = tl.program_id(1)
+    row = tl.load(SLICE_START + e * tl.num_programs(1) + s)
+    end = tl.minimum(s * SLICE + SLICE, P)
+    for p0 in range(s * SLICE, end, BLOCK_P):
         pairs = p0 + tl.arange(0, BLOCK_P)
-        in_range = pairs < P
+        in_range = pairs < end
         key = tl.load(IDS + pairs, mask=in_range, other=-1)
         mine = key == e
         rows = row + tl.cumsum(mine.to(tl.int32), axis=0) - 1
@@ -401,17 +411,24 @@ def _moe_scatter_kernel(IDS, EXPERT_START, EXPERT_ROWS, ROW_PAIR, PAIR_POS, BLOC
         if e == 0:
             tl.store(PAIR_POS + pairs, tl.full([BLOCK_P], -1, tl.int32), mask=in_range & ((key < 0) | (key >= E)))
         row += tl.sum(mine.to(tl.int32), axis=0)
-    n_blocks = (count + ALIGN - 1) // ALIGN
-    pad = tl.arange(0, ALIGN)
-    tl.store(ROW_PAIR + start + count + pad, tl.full([ALIGN], -1, tl.int32), mask=pad < n_blocks * ALIGN - count)
-    for b0 in range(0, n_blocks, BLOCK_P):
-        blocks = b0 + tl.arange(0, BLOCK_P)
-        tl.store(BLOCK_EXPERT + start // ALIGN + blocks, tl.full([BLOCK_P], 0, tl.int32) + e, mask=blocks < n_blocks)
+    if s == 0:
+        start = tl.load(EXPERT_START + e)
+        count = tl.load(EXPERT_ROWS + e)
+        n_blocks = (count + ALIGN - 1) // ALIGN
+        pad = tl.arange(0, ALIGN)
+        tl.store(ROW_PAIR + start + count + pad, tl.full([ALIGN], -1, tl.int32), mask=pad < n_blocks * ALIGN - count)
+        for b0 in range(0, n_blocks, BLOCK_P):
+            blocks = b0 + tl.arange(0, BLOCK_P)
+            tl.store(BLOCK_EXPERT + start // ALIGN + blocks, tl.full([BLOCK_P], 0, tl.int32) + e, mask=blocks < n_blocks)
+
+
+_SLICE_PAIRS = 8192  # pairs one routing program scans (more slices beyond 64 of them)
 
 
 def _routing(ids: torch.Tensor, num_experts: int, block_m: int, traced: bool = False) -> tuple[torch.Tensor, ...]:
     """``(row_pair, block_expert, pair_pos, expert_start, expert_rows)`` for ``ids`` (T, k): a counting
-    sort by expert in three launches, sized from static bounds (no host synchronization).
+    sort by expert in three launches, sized from static bounds (no host synchronization). Program (e, s)
+    of the counting and placing launches handles expert e in slice s of the pairs.
 
     row_pair (R,): the pair (t * k + j) in each padded expert-sorted row, -1 for padding, where
     R = T*k + E*(block_m - 1) rounded up to block_m; block_expert (R / block_m,): each block's expert
@@ -422,16 +439,20 @@ def _routing(ids: torch.Tensor, num_experts: int, block_m: int, traced: bool = F
     P = ids.numel()
     E = num_experts
     R = _padded_rows(P, E, block_m)
+    slice_pairs = max(_SLICE_PAIRS, next_pow2(cdiv(P, 64)))
+    S = max(1, cdiv(P, slice_pairs))
     i32 = dict(dtype=torch.int32, device=device)
     row_pair, block_expert, pair_pos = torch.empty(R, **i32), torch.empty(R // block_m, **i32), torch.empty(P, **i32)
     expert_start, expert_rows = torch.empty(E, **i32), torch.empty(E, **i32)
+    slice_rows, slice_start = torch.empty((E, S), **i32), torch.empty((E, S), **i32)
     flat = ids.reshape(-1)
-    block_p = min(next_pow2(P), 1024)
-    launch(_moe_count_kernel, (E,), (flat, expert_rows, P), dict(BLOCK_P=block_p), traced=traced)
-    launch(_moe_offsets_kernel, (1,), (expert_rows, expert_start, block_expert, row_pair, E, R),
-           dict(ALIGN=block_m, E_PAD=next_pow2(E), BLOCK_R=1024), traced=traced)
-    launch(_moe_scatter_kernel, (E,), (flat, expert_start, expert_rows, row_pair, pair_pos, block_expert, P, E),
-           dict(ALIGN=block_m, BLOCK_P=block_p), traced=traced)
+    block_p = min(next_pow2(P), 1024, slice_pairs)
+    launch(_moe_count_kernel, (E, S), (flat, slice_rows, P, slice_pairs), dict(BLOCK_P=block_p), traced=traced)
+    launch(_moe_offsets_kernel, (1,), (slice_rows, slice_start, expert_rows, expert_start, block_expert, row_pair, E, S,
+                                       R), dict(ALIGN=block_m, E_PAD=next_pow2(E), S_PAD=next_pow2(S), BLOCK_R=1024),
+           traced=traced)
+    launch(_moe_scatter_kernel, (E, S), (flat, slice_start, expert_start, expert_rows, row_pair, pair_pos, block_expert,
+                                         P, E, slice_pairs), dict(ALIGN=block_m, BLOCK_P=block_p), traced=traced)
     return row_pair, block_expert, pair_pos, expert_start, expert_rows
 
 
