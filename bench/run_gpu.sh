@@ -19,7 +19,10 @@ for b in "${@:-kernels models}"; do
     case $name in
       kernels) python3 bench/bench_kernels.py --cudagraph --budget 150 --out "$out/results_kernels.md" 2>&1 | tee "$out/bench_kernels.log" | tail -30 ;;
       attention) python3 bench/bench_attention.py --final 2>&1 | tee "$out/bench_attention.log" | tail -20 ;;
-      moe) python3 bench/bench_moe.py --out "$out/results_moe.md" 2>&1 | tee "$out/bench_moe.log" | tail -40 ;;
+      moe) python3 bench/bench_moe.py --block --out "$out/results_moe.md" 2>&1 | tee "$out/bench_moe.log" | tail -40
+           python3 bench/bench_training_step.py --model qwen3-moe --heads 32 --kv-heads 4 --layers 4 --vocab 151936 \
+             --batch 2 --variants hf-sdpa,ts-kernelize,liger,liger-flce --out "$out/results_moe_step.md" 2>&1 \
+             | tee "$out/bench_moe_step.log" | tail -12 ;;
       models) python3 bench/bench_training_step.py --out "$out/results_models.md" 2>&1 | tee "$out/bench_models.log" | tail -12 ;;
     esac
   done
