@@ -32,7 +32,7 @@ import triton  # noqa: E402
 
 from tritonspec.ops import _library, rms_norm, rope, swiglu  # noqa: E402
 from tritonspec.ops._testing import assert_close  # noqa: E402
-from tuning import override  # noqa: E402
+from harness import override, quantiles  # noqa: E402
 
 # The op modules themselves (the package re-exports functions of the same names).
 rms_mod = sys.modules["tritonspec.ops.rms_norm"]
@@ -80,14 +80,7 @@ def hf_rope(q, k, cos, sin):
 # -- timing --------------------------------------------------------------------------------------
 def bench(fn, grad_to_none):
     """(median, p20, p80) in ms."""
-    if SMOKE:
-        fn()
-        t = time.perf_counter()
-        fn()
-        ms = (time.perf_counter() - t) * 1e3
-        return ms, ms, ms
-    return tuple(triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none,
-                                         quantiles=[0.5, 0.2, 0.8]))
+    return quantiles(fn, smoke=SMOKE, grad_to_none=grad_to_none)
 
 
 def peak_mib(fn, grad_to_none):

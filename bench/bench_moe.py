@@ -22,7 +22,6 @@ import argparse
 import datetime
 import os
 import sys
-import time
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:
@@ -34,7 +33,7 @@ import triton  # noqa: E402
 from tritonspec.nn.experts import EXPERTS_NAME, register_experts  # noqa: E402
 from tritonspec.ops import moe as moe_mod  # noqa: E402
 from tritonspec.ops.moe import moe_experts_ref  # noqa: E402
-from tuning import override  # noqa: E402
+from harness import override, quantiles  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 DT = torch.float32 if SMOKE else torch.bfloat16
@@ -89,13 +88,7 @@ def _inputs(T, H, E, k):
 
 
 def bench(fn):
-    if SMOKE:
-        fn()
-        t = time.perf_counter()
-        fn()
-        ms = (time.perf_counter() - t) * 1e3
-        return ms, ms, ms
-    return tuple(triton.testing.do_bench(fn, warmup=10, rep=60, quantiles=[0.5, 0.2, 0.8]))
+    return quantiles(fn, smoke=SMOKE, warmup=10, rep=60)
 
 
 def _module_call(experts, impl):

@@ -1,0 +1,36 @@
+"""What the kernel benchmarks share: the timer, and launch-config overrides for their sweeps."""
+from __future__ import annotations
+
+import contextlib
+import time
+
+
+@contextlib.contextmanager
+def override(module, cfg):
+    """Every kernel named in ``cfg`` gets those fields on top of its default: ``module`` (an op module)
+    asks this version of ``launch_config``, which has no memo."""
+    orig = module.launch_config
+
+    def launch_config(config, device, default, **problem):
+        base = default() if callable(default) else default
+        return base.override(cfg.get(config.kernel, {}))
+
+    module.launch_config = launch_config
+    try:
+        yield
+    finally:
+        module.launch_config = orig
+
+
+def quantiles(fn, *, smoke: bool, warmup: int = 25, rep: int = 100, grad_to_none=None) -> tuple[float, float, float]:
+    """(median, p20, p80) ms of ``fn`` by ``triton.testing.do_bench``; ``smoke`` (CPU interpreter runs that
+    check a script): one warm call, then one wall-clock call."""
+    if smoke:
+        fn()
+        t = time.perf_counter()
+        fn()
+        ms = (time.perf_counter() - t) * 1e3
+        return ms, ms, ms
+    import triton
+    return tuple(triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none,
+                                         quantiles=[0.5, 0.2, 0.8]))
