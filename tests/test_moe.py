@@ -102,6 +102,21 @@ def test_many_tokens_per_expert_fill_several_blocks(layout, device, gen):
     _check(args, kw, gen=gen)
 
 
+def test_grouped_tile_order_covers_every_tile(monkeypatch, device, gen):
+    """16-wide tiles in groups of 3 M blocks: several groups, a ragged last one, and several N blocks in each
+    GEMM (8 row blocks, 3 column blocks; weight gradients 5 x 3). Every output element is written (poisoned
+    allocations) and right."""
+    from tritonspec.ops import moe
+    small = {"moe_up": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=3),
+             "moe_rows": dict(BLOCK_N=16, BLOCK_K=16, GROUP_M=3),
+             "moe_weight_grad": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=3)}
+    launch_config = moe.launch_config
+    monkeypatch.setattr(moe, "launch_config", lambda config, device, default, **problem: launch_config(
+        config, device, default, **problem).override(small.get(config.kernel, {})))
+    args, kw = _problem(37, 40, 40, 3, 2, "concatenated", "silu", _dtypes(device)[0], device, gen)
+    _check(args, kw, gen=gen)
+
+
 def test_idle_experts_get_zero_weight_gradients(device, gen):
     """Experts no token chose: their weight gradients are written, and are exactly zero."""
     dtype = _dtypes(device)[0]

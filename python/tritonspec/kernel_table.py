@@ -171,32 +171,32 @@ class AttentionPreprocess(LaunchConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
-class MoEUp(LaunchConfig):
+class MoEGemm(LaunchConfig):
+    """What the experts' grouped GEMMs share: BLOCK_N columns, BLOCK_K deep steps, and GROUP_M M blocks whose N
+    blocks run together (their rows and the expert's columns stay in L2)."""
+    BLOCK_N: int
+    BLOCK_K: int
+    GROUP_M: int = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEUp(MoEGemm):
     """The experts' gate/up grouped GEMM; its BLOCK_M is also the row alignment of every expert's rows."""
     kernel: ClassVar[str] = "moe_up"
     BLOCK_M: int
-    BLOCK_N: int
-    BLOCK_K: int
-    GROUP_M: int = 8  # M blocks whose N blocks run together (their rows and the expert's columns stay in L2)
 
 
 @dataclass(frozen=True, kw_only=True)
-class MoERows(LaunchConfig):
-    """The experts' row GEMMs (down projection, dh, dx); their BLOCK_M is moe_up's."""
+class MoERows(MoEGemm):
+    """The experts' row GEMMs (down projection, dout @ down^T, dx); their BLOCK_M is moe_up's."""
     kernel: ClassVar[str] = "moe_rows"
-    BLOCK_N: int
-    BLOCK_K: int
-    GROUP_M: int = 8
 
 
 @dataclass(frozen=True, kw_only=True)
-class MoEWeightGrad(LaunchConfig):
+class MoEWeightGrad(MoEGemm):
     """The experts' weight gradients: (BLOCK_M x BLOCK_N) tiles of an expert's weight, BLOCK_K rows a step."""
     kernel: ClassVar[str] = "moe_weight_grad"
     BLOCK_M: int
-    BLOCK_N: int
-    BLOCK_K: int
-    GROUP_M: int = 8
 
 
 @dataclass(frozen=True, kw_only=True)
