@@ -172,7 +172,7 @@ def replace_forward(model: nn.Module, module: nn.Module, fn: Callable, *, path: 
 def replace_module(model: nn.Module, path: str, new: nn.Module, *, kernel: str, source: str,
                    detail: str = "", parent: nn.Module | None = None) -> Change:
     """Put ``new`` at dotted ``path``: as child ``path.rsplit('.')[-1]`` of ``parent``, by default the
-    module found at the parent path in the live tree."""
+    module found at the parent path in the live tree. Undoing it calls ``new.release()`` if it has one."""
     if not path:
         raise ValueError("cannot replace the root module in place; match one of its submodules")
     parent_path, _, name = path.rpartition(".")
@@ -183,11 +183,17 @@ def replace_module(model: nn.Module, path: str, new: nn.Module, *, kernel: str, 
     entry = led.find(parent, name)
     old = parent._modules[name]
     setattr(parent, name, new)
+    release = getattr(new, "release", None)
+
+    def undo(p=parent, n=name, o=old):
+        setattr(p, n, o)
+        if callable(release):
+            release()
+
     if entry is not None:
         entry.change = change
     else:
-        led.entries.append(_Entry(change, parent, name, old, False,
-                                  undo=lambda p=parent, n=name, o=old: setattr(p, n, o)))
+        led.entries.append(_Entry(change, parent, name, old, False, undo=undo))
     return change
 
 

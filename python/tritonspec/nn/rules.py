@@ -27,7 +27,9 @@ Python lists and dicts.
 A replacement class is either a hub-style pure layer (validated like kernelize's; its ``forward`` is
 bound onto the matched module) or an ``nn.Module`` to put in the module's place. For the latter the class
 (or a converter registered with :func:`register_module_converter`) builds it from the original module,
-sharing its parameters, so training updates survive ``revert``.
+sharing its parameters, so training updates survive ``revert``. A replacement with a ``release()`` method
+has it called when it is taken out again (revert, or a failed rule file), to hand back what it took from
+the original (offloaded experts return the weights to their device).
 """
 from __future__ import annotations
 
@@ -357,10 +359,13 @@ def _is_pure_layer(cls: type) -> bool:
     return cls.__init__ is nn.Module.__init__
 
 
-def _builder(rule: Rule, cls: type) -> Callable[[nn.Module], nn.Module]:
+def _builder(rule: Rule, cls: type) -> Callable[..., nn.Module]:
+    """``build(original, parent=..., path=...)``; a ``from_module`` that declares ``parent`` or ``path``
+    receives them (a replacement that works with its siblings, like offloaded experts and their router)."""
     from_module = getattr(cls, "from_module", None)
     if callable(from_module):
-        return lambda orig: from_module(orig, **rule.kwargs)
+        wants = set(inspect.signature(from_module).parameters) & {"parent", "path"}
+        return lambda orig, **where: from_module(orig, **{k: where[k] for k in wants}, **rule.kwargs)
     build = _CONVERTERS.get(cls)
     if build is None:
         _load_builtin_converters()
@@ -368,7 +373,7 @@ def _builder(rule: Rule, cls: type) -> Callable[[nn.Module], nn.Module]:
     if build is None:
         raise RuleError(rule.index, "replace.class", f"{rule.replace_class} is neither a stateless layer nor has "
                         "a from_module(original, **kwargs) classmethod or a registered converter")
-    return lambda orig: build(orig, **rule.kwargs)
+    return lambda orig, **where: build(orig, **rule.kwargs)
 
 
 def _load_builtin_converters() -> None:
@@ -471,7 +476,7 @@ def apply_rules(model: nn.Module, rules: str | Path | list, *, allowed_modules: 
                                        source="rules", detail=detail)
             else:
                 try:
-                    new = _builder(rule, cls)(live)
+                    new = _builder(rule, cls)(live, parent=parents[path], path=path)
                 except RuleError:
                     raise
                 except Exception as e:

@@ -52,19 +52,22 @@ GPT_OSS_ALPHA = 1.702
 
 
 # ----------------------------------------------------------------------------------------------
-# float64 reference (shared by tests and benchmarks)
+# the reference: float64 for tests and benchmarks, the weights' dtype for offloaded experts on the CPU
 # ----------------------------------------------------------------------------------------------
 def moe_experts_ref(x, ids, weights, gate_up_proj, down_proj, *, gate_up_bias=None, down_bias=None,
-                    layout="concatenated", activation="silu", clamp=None):
-    """The experts in float64 with a loop over experts, differentiable: the definition of correct."""
-    E = gate_up_proj.shape[0]
-    x64, w64 = x.double(), weights.double()
-    out = torch.zeros_like(x64)
-    for e in range(E):
+                    layout="concatenated", activation="silu", clamp=None, dtype=torch.float64, experts=None):
+    """The experts with a loop over experts, differentiable: in float64, the definition of correct.
+
+    ``dtype`` is the matmuls' dtype (the sum is at least float32); ``experts`` limits the loop to those ids
+    (others contribute nothing), so the CPU computes only the experts assigned to it, in place.
+    """
+    x64, w64 = x.to(dtype), weights.to(torch.promote_types(dtype, torch.float32))
+    out = torch.zeros(x.shape, dtype=w64.dtype, device=x.device)
+    for e in (range(gate_up_proj.shape[0]) if experts is None else experts):
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         if tok.numel() == 0:
             continue
-        wgu, wd = gate_up_proj[e].double(), down_proj[e].double()
+        wgu, wd = gate_up_proj[e].to(dtype), down_proj[e].to(dtype)
         if layout == "concatenated":
             gu = x64[tok] @ wgu.T
             gate, up = gu.chunk(2, dim=-1)
@@ -72,7 +75,7 @@ def moe_experts_ref(x, ids, weights, gate_up_proj, down_proj, *, gate_up_bias=No
             gu = x64[tok] @ wgu
             gate, up = gu[:, ::2], gu[:, 1::2]
         if gate_up_bias is not None:
-            b = gate_up_bias[e].double()
+            b = gate_up_bias[e].to(dtype)
             gate, up = (gate + b[:gate.shape[1]], up + b[gate.shape[1]:]) if layout == "concatenated" else \
                 (gate + b[::2], up + b[1::2])
         if activation == "silu":
@@ -83,8 +86,8 @@ def moe_experts_ref(x, ids, weights, gate_up_proj, down_proj, *, gate_up_bias=No
             h = (up + 1) * gate * torch.sigmoid(GPT_OSS_ALPHA * gate)
         y = h @ (wd.T if layout == "concatenated" else wd)
         if down_bias is not None:
-            y = y + down_bias[e].double()
-        out = out.index_add(0, tok, y * w64[tok, slot, None])
+            y = y + down_bias[e].to(dtype)
+        out.index_add_(0, tok, y.to(out.dtype) * w64[tok, slot, None])
     return out
 
 
