@@ -10,7 +10,8 @@ original forwards. ``attn_implementation="tritonspec"`` selects the Triton atten
 layers like the others (``MoEExperts``, ``MoERouter``: the MOE and MOE_ROUTER registry kernels); transformers'
 own switch, ``experts_implementation="tritonspec"`` after ``register_experts()``, runs the same experts.
 
-``RMSNorm`` and ``SwiGLUMLP`` (stateful modules, :mod:`tritonspec.nn.layers`) are loaded on first use.
+``RMSNorm`` and ``SwiGLUMLP`` (stateful modules, :mod:`tritonspec.nn.layers`) are loaded on first use. MoE models
+larger than the GPU: :func:`tritonspec.nn.offload.offload_experts` (experts in host memory or on disk, a GPU cache).
 """
 from .attention import ATTENTION_NAME, register_attention, tritonspec_attention_forward, use_tritonspec_attention
 from .experts import EXPERTS_NAME, register_experts, tritonspec_experts_forward
