@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark in one command, for a lent H100 (no network):
-#   bash bench/run_gpu.sh OUTDIR [kernels|attention|moe|models ...]
+#   bash bench/run_gpu.sh OUTDIR [kernels|attention|moe|offload|models ...]
 # GPU tests first, then the named benchmarks (default: kernels and models); logs and tables go to OUTDIR.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: bench/run_gpu.sh OUTDIR [benchmarks...]}; shift
 mkdir -p "$out"
 source bench/gpu_env.sh
-if ls .whl/*.whl >/dev/null 2>&1; then  # Liger-Kernel (pure Python) as a baseline, when carried along
+if ls .whl/*.whl >/dev/null 2>&1; then  # Liger-Kernel and accelerate (pure Python) as baselines, when carried along
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 export PYTHONUNBUFFERED=1
@@ -23,6 +23,9 @@ for b in "${@:-kernels models}"; do
            python3 bench/bench_training_step.py --model qwen3-moe --heads 32 --kv-heads 4 --layers 4 --vocab 151936 \
              --batch 2 --variants hf-sdpa,ts-kernelize,liger,liger-flce --out "$out/results_moe_step.md" 2>&1 \
              | tee "$out/bench_moe_step.log" | tail -12 ;;
+      offload) for case in qwen3-30b-a3b mixtral-8x7b; do  # one model build each: a few minutes apiece
+                 python3 bench/bench_offload.py --case $case --out "$out/results_offload.md" 2>&1 | tee "$out/bench_offload_$case.log" | tail -30
+               done ;;
       models) python3 bench/bench_training_step.py --out "$out/results_models.md" 2>&1 | tee "$out/bench_models.log" | tail -12 ;;
     esac
   done
