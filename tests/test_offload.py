@@ -8,6 +8,7 @@ KTransformers-style YAML rule, in waves when few slots exist, on the CPU when as
 ``torch.compile``; and bad configurations failing with the argument named and the model untouched.
 """
 import collections
+import pathlib
 import random
 
 import pytest
@@ -273,6 +274,16 @@ RULES = r"""
       policy: lfu
   recursive: false
 """
+
+
+def test_the_example_rule_file_is_valid():
+    path = pathlib.Path(__file__).parents[1] / "examples" / "offload" / "experts_offload.yaml"
+    (rule,) = tnn.load_rules(path)
+    assert rule.replace_class == "tritonspec.nn.offload.OffloadedExperts" and rule.match_kernel == "moe"
+    model = _model("qwen3_moe")
+    made = tnn.apply_rules(model, path)  # 16 slots on 8 experts: capped at 8
+    assert len(made) == 3 and all(m.cache.num_slots == 8 and m.cpu_compute == "auto" for m in _experts(model))
+    tnn.revert(model)
 
 
 def test_yaml_rule_offloads_and_reverts():
