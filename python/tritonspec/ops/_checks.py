@@ -5,6 +5,8 @@ message about the caller's tensor rather than with a Triton compile or pointer e
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ._device import check_launchable
@@ -17,6 +19,8 @@ def check_tensor(op: str, name: str, t, *, ndim: int | None = None, min_ndim: in
     """``t`` is a floating tensor of a supported dtype and rank, on a device Triton can run on."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: argument '{name}' must be a torch.Tensor, got {type(t).__name__}")
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        check_not_dtensor(op, name, t)
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{op}: argument '{name}' has dtype {t.dtype}; expected {_DTYPE_NAMES}")
     if ndim is not None and t.dim() != ndim:
@@ -25,6 +29,23 @@ def check_tensor(op: str, name: str, t, *, ndim: int | None = None, min_ndim: in
         raise ValueError(f"{op}: argument '{name}' must have at least {min_ndim} dimension(s), got a scalar")
     check_launchable(op, name, t)
     return t
+
+
+def check_not_dtensor(op: str, name: str, t) -> None:
+    """Our kernels index raw memory: a DTensor's local shard is not the tensor the op computes on.
+
+    FSDP2 hands a module's forward plain unsharded tensors, so a DTensor here is a layout we do not support
+    (tensor parallelism, a DTensor the user built); every layout fails, Replicate included, so no result ever
+    silently depends on one rank's shard.
+    """
+    if "torch.distributed.tensor" not in sys.modules:  # no DTensor can exist yet
+        return
+    from torch.distributed.tensor import DTensor
+    if isinstance(t, DTensor):
+        raise TypeError(f"{op}: argument '{name}' is a DTensor with placements {tuple(t.placements)} on mesh "
+                        f"{t.device_mesh.mesh_dim_names or tuple(t.device_mesh.shape)}; tritonspec ops take plain "
+                        "tensors: shard with FSDP2 (fully_shard hands the forward plain tensors), or pass "
+                        "t.full_tensor() (the whole tensor) or t.to_local() (this rank's shard)")
 
 
 def check_same_device(op: str, **tensors: torch.Tensor) -> None:
