@@ -120,6 +120,16 @@ MOE_ARCHITECTURES = {
                          qk_nope_head_dim=8, v_head_dim=8, n_shared_experts=1, num_key_value_heads=4)),
 }
 
+# The YAML rules a dense model's tests apply: SwiGLU MLPs and RMSNorms.
+RULES = r"""
+- match: {name: "\\.mlp$"}
+  replace: {class: tritonspec.nn.hub.layers.SwiGLUMLP}
+  recursive: false
+- match: {name: "norm$", class: torch.nn.modules.module.Module}
+  replace: {class: tritonspec.nn.RMSNorm}
+"""
+
+
 # The CPU tests' sizes: every code path of a real model, in milliseconds on the interpreter.
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
             max_position_embeddings=64, num_hidden_layers=1)

@@ -15,7 +15,7 @@ import socket
 import time
 
 import pytest
-from helpers import build_model, py_random
+from helpers import RULES, build_model, py_random
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -29,13 +29,6 @@ DEADLINE_S = 300  # a hang guard (a collective mismatch never returns), far abov
 SIZES = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
              max_position_embeddings=64)
 BATCH, SEQ = 4, 8  # global batch: each rank runs BATCH // WORLD sequences
-RULES = r"""
-- match: {name: "\\.mlp$"}
-  replace: {class: tritonspec.nn.hub.layers.SwiGLUMLP}
-  recursive: false
-- match: {name: "norm$", class: torch.nn.modules.module.Module}
-  replace: {class: tritonspec.nn.RMSNorm}
-"""
 MOE_RULES = """
 - match: {class: transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts, kernel: moe}
   replace: {kernel: moe}

@@ -11,7 +11,7 @@ models, the tolerance and the comparison are helpers.py's (test_nn_interop.py us
 import copy
 
 import pytest
-from helpers import available_models, compare_to_original, no_interpreter, run_model, tiny_model, token_ids
+from helpers import RULES, available_models, compare_to_original, no_interpreter, run_model, tiny_model, token_ids
 import torch
 
 import tritonspec.nn as tnn
@@ -28,13 +28,6 @@ def _assert_reverted(model):
     assert modeling_llama.apply_rotary_pos_emb.__module__ == modeling_llama.__name__
 
 
-RULES = r"""
-- match: {name: "\\.mlp$"}
-  replace: {class: tritonspec.nn.hub.layers.SwiGLUMLP}
-  recursive: false
-- match: {name: "norm$", class: torch.nn.modules.module.Module}
-  replace: {class: tritonspec.nn.RMSNorm}
-"""
 
 
 def _front_end(front, model):
