@@ -94,7 +94,6 @@ def measure(device: torch.device, rows: dict[str, torch.Tensor], store_rows: tor
             torch.cuda.synchronize(device)
 
     link = nbytes / _best(copy)
-    del dst
     H = rows["down_proj"].shape[1] if kind[0] == "concatenated" else rows["down_proj"].shape[2]
     n = max(1, min(store_rows.shape[0], _MEASURE_BYTES // nbytes))
 
