@@ -6,6 +6,9 @@ Modes:
   --sweep      time every candidate on every shape; per (head dim, causal) keep the one with the best
                summed TFLOP/s (and a correct result); write table.json
   --final      time our tuned table (or --table table.json) against FLASH and cuDNN
+  --gqa        the same at grouped-query shapes of real models (Llama-3-8B, Qwen3, Llama-3.2-1B style), causal,
+               with q, k, v and dO in Hugging Face's layout ((batch, seq, heads, dim) transposed); SDPA gets
+               enable_gqa=True as transformers passes it
   --gap        per provider: do_bench ms vs GPU-only ms (host kept ahead) and host ms per call, so
                the host latency inside each timed interval shows; plus a host profile of our backward
 
@@ -38,6 +41,11 @@ from tritonspec_backends.nvidia.backend.spec import attention_sm90 as hopper
 
 SHAPES = [(4, 32, 4096, 128), (2, 16, 8192, 128), (1, 16, 16384, 128), (8, 32, 2048, 64)]
 CASES = [(shape, causal) for shape in SHAPES for causal in (True, False)]
+# (batch, heads_q, heads_kv, seq, head_dim): a 16/4 Llama-style step's layer, Llama-3-8B (32/8 x 128),
+# Qwen3 (32/4 x 128), Llama-3.2-1B style (32/8 x 64); seq 2048-8192 at 8192 tokens a batch and more
+GQA_SHAPES = [(4, 16, 4, 2048, 128), (4, 32, 8, 2048, 128), (2, 32, 8, 4096, 128), (1, 32, 8, 8192, 128),
+              (4, 32, 4, 2048, 128), (1, 32, 4, 8192, 128), (4, 32, 8, 2048, 64), (1, 32, 8, 8192, 64)]
+GQA_CASES = [(shape, True) for shape in GQA_SHAPES]
 
 
 def _c(bm, bn, w, s, **kw):
@@ -106,7 +114,7 @@ def use_configs(override: dict | None = None, tables: dict | None = None, hopper
 
 
 def tflops(shape, causal, mode, ms):
-    b, h, s, d = shape
+    b, h, s, d = shape[0], shape[1], shape[-2], shape[-1]  # (b, h, s, d) or GQA's (b, hq, hkv, s, d)
     f = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0) * (2.5 if mode == "bwd" else 1.0)
     return f / (ms * 1e-3) / 1e12
 
@@ -126,10 +134,19 @@ def make_inputs(shape, seed=0):
     return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do
 
 
+def make_hf_inputs(shape, seed=0):
+    """GQA inputs as Hugging Face hands them over: (batch, seq, heads, dim) memory, transposed."""
+    b, hq, hkv, s, d = shape
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda h: torch.randn(b, s, h, d, device="cuda", dtype=DTYPE, generator=g).transpose(1, 2)  # noqa: E731
+    q, k, v, do = mk(hq), mk(hkv), mk(hkv), mk(hq)
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do
+
+
 def sdpa_fn(backend, causal):
     def run(q, k, v):
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
     return run
 
 
@@ -276,16 +293,17 @@ def env():
                 date=datetime.date.today().isoformat())
 
 
-def compare(out_dir: str, tables: dict | None, rounds: int = 3):
+def compare(out_dir: str, tables: dict | None, rounds: int = 3, gqa: bool = False):
     """Ours (tuned table, or ``tables``) vs FLASH vs cuDNN. Per shape the three are timed in
     ``rounds`` rotated rounds and the median kept: clocks drift as the GPU heats up."""
     use_configs(None, tables)
+    cases, inputs = (GQA_CASES, make_hf_inputs) if gqa else (CASES, make_inputs)
     results = []
     providers = [("cudnn", lambda c: sdpa_fn(SDPBackend.CUDNN_ATTENTION, c)),
                  ("flash", lambda c: sdpa_fn(SDPBackend.FLASH_ATTENTION, c)), ("ours", ours_fn)]
-    for shape, causal in CASES:
+    for shape, causal in cases:
         label = case_label(shape, causal)
-        q, k, v, do = make_inputs(shape, seed=1)
+        q, k, v, do = inputs(shape, seed=1)
         row = dict(case=label, shape=shape, causal=causal)
         times = {name: ([], []) for name, _ in providers}
         outs = {}
@@ -319,7 +337,7 @@ def compare(out_dir: str, tables: dict | None, rounds: int = 3):
         del q, k, v, do, outs
         torch.cuda.empty_cache()
     info = env()
-    with open(os.path.join(out_dir, "compare.json"), "w") as f:
+    with open(os.path.join(out_dir, "compare_gqa.json" if gqa else "compare.json"), "w") as f:
         json.dump(dict(env=info, tables=None if tables is None else table_to_json(tables), results=results), f,
                   indent=1, default=str)
     print(f"\n{info}")
@@ -327,7 +345,7 @@ def compare(out_dir: str, tables: dict | None, rounds: int = 3):
 
 
 def table(results):
-    lines = ["| shape (b x h x s x d) | causal | ours fwd | FLASH fwd | cuDNN fwd | ours bwd | FLASH bwd | cuDNN bwd |"
+    lines = [f"| shape (b x {'hq x hkv' if len(results[0]['shape']) == 5 else 'h'} x s x d) | causal | ours fwd | FLASH fwd | cuDNN fwd | ours bwd | FLASH bwd | cuDNN bwd |"
              " fwd vs cuDNN | bwd vs cuDNN |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         g = lambda p, m: r.get(p, {}).get(f"{m}_tflops")  # noqa: E731
@@ -420,6 +438,7 @@ def main(argv=None):
     ap.add_argument("--warm", metavar="I/N")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--final", action="store_true")
+    ap.add_argument("--gqa", action="store_true")
     ap.add_argument("--probe", action="store_true")
     ap.add_argument("--gap", action="store_true")
     ap.add_argument("--table", help="table.json from --sweep to use instead of the nvidia spec's TABLES")
@@ -437,8 +456,8 @@ def main(argv=None):
         warm(i, n)
     elif args.sweep:
         sweep(args.out)
-    elif args.final:
-        compare(args.out, tables)
+    elif args.final or args.gqa:
+        compare(args.out, tables, gqa=args.gqa)
     elif args.probe:
         probe()
     elif args.gap:

@@ -18,8 +18,12 @@ resident before the step (weights, grads=None, optimizer state). Before timing, 
 loss is compared with the baseline's. MoE models train with ``output_router_logits`` (the auxiliary
 load-balancing loss is in the loss).
 
+With --profile, one more step per variant runs under the torch profiler: its GPU time by kernel class
+(attention forward / backward per layer, copies and layout changes, the rest), so an attention that makes the step
+slower, or copies around it, show.
+
 Usage: python bench/bench_training_step.py [--model llama|qwen3-moe] [--hidden 2048 --layers 8 --batch 4
-       --seq 2048 --out FILE]
+       --seq 2048 --profile --out FILE]
 """
 from __future__ import annotations
 
@@ -131,6 +135,38 @@ def timed(v: Variant, steps: int):
         v.times.append(start.elapsed_time(end))
 
 
+# kernel classes of the profile, by name: attention backward before forward (cuDNN's names hold "flash"
+# in both); the copies are what .contiguous(), reshape of a transposed tensor and dtype casts launch
+_ATTN_BWD = ("_attn_bwd", "bprop", "flash_bwd", "fmha_bwd", "dot_product_attention_bwd", "efficient_attention_backward")
+_ATTN_FWD = ("_attn_fwd", "fprop", "flash_fwd", "fmha_fwd", "efficient_attention_forward", "sdpa")
+_COPY = ("direct_copy", "copy_kernel", "CatArrayBatchedCopy", "contiguous")
+
+
+def profile_step(v: Variant, layers: int) -> dict:
+    """GPU ms of one step by kernel class; attention per layer. Names of the copy kernels seen are kept."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        v.step()
+        torch.cuda.synchronize()
+    out = {"attn_fwd": 0.0, "attn_bwd": 0.0, "copy": 0.0, "total": 0.0, "copy_kernels": {}}
+    for evt in prof.key_averages():
+        ms = (getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)) / 1e3
+        if not ms or evt.key.startswith(("ProfilerStep", "cudaDeviceSynchronize")) or evt.device_type.name != "CUDA":
+            continue
+        out["total"] += ms
+        name = evt.key
+        if any(t in name for t in _ATTN_BWD):
+            out["attn_bwd"] += ms
+        elif any(t in name for t in _ATTN_FWD):
+            out["attn_fwd"] += ms
+        elif any(t in name for t in _COPY):
+            out["copy"] += ms
+            out["copy_kernels"][name[:80]] = round(ms, 3)
+    out["attn_fwd_layer"] = out["attn_fwd"] / layers
+    out["attn_bwd_layer"] = out["attn_bwd"] / layers
+    return out
+
+
 def quantile(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
@@ -154,6 +190,7 @@ def main():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--variants", default="hf-sdpa,hf-eager,ts-kernelize,ts-all,liger")
     p.add_argument("--out", default=None, help="markdown file to write the table to")
+    p.add_argument("--profile", action="store_true", help="one profiled step per variant: attention ms per layer")
     p.add_argument("--device", default="cuda", help="cpu only for smoke runs (TRITON_INTERPRET=1)")
     args = p.parse_args()
     if args.device == "cuda":
@@ -185,11 +222,13 @@ def main():
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
             timed(v, args.steps)
+            prof = profile_step(v, args.layers) if args.profile and torch.cuda.is_available() else None
         except Exception as e:  # an optional baseline (liger) may not import; a failing variant is reported
             notes.append(f"{name}: failed or skipped ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
             print(notes[-1], flush=True)
         else:
-            results[name] = {"loss": first_loss, "peak": peak, "step_peak": peak - resident, "times": v.times}
+            results[name] = {"loss": first_loss, "peak": peak, "step_peak": peak - resident, "times": v.times,
+                             "profile": prof}
             names.append(name)
             print(f"{name}: first loss {first_loss:.5f}, peak {peak / 2**30:.2f} GiB, "
                   f"median {statistics.median(v.times):.1f} ms", flush=True)
@@ -236,6 +275,19 @@ def main():
         lines.append(f"| {name} | {med:.1f} | {quantile(r['times'], .2):.1f}-{quantile(r['times'], .8):.1f} | "
                      f"{tokens / med * 1e3:,.0f} | {sp:.3f}x | {r['peak'] / 2**30:.2f} | "
                      f"{r['step_peak'] / 2**30:.2f} | {mem:.3f}x | {r['loss']:.5f} |")
+    if any(results[n]["profile"] for n in names):
+        lines += ["", "Profile of one step (GPU ms, torch profiler; attention per layer):", "",
+                  "| variant | attention fwd ms/layer | attention bwd ms/layer | copy and cast kernels ms | all kernels ms |",
+                  "|---|---|---|---|---|"]
+        for name in names:
+            pr = results[name]["profile"]
+            if pr:
+                lines.append(f"| {name} | {pr['attn_fwd_layer']:.3f} | {pr['attn_bwd_layer']:.3f} | {pr['copy']:.2f} | "
+                             f"{pr['total']:.1f} |")
+        for name in names:
+            pr = results[name]["profile"]
+            if pr and pr["copy_kernels"]:
+                lines.append(f"- {name} copies: " + "; ".join(f"{k} {ms} ms" for k, ms in pr["copy_kernels"].items()))
     lines += [""] + [f"- {n}" for n in notes]
     table = "\n".join(lines) + "\n"
     print(table)

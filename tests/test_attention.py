@@ -169,6 +169,42 @@ def test_strided_hf_layout(config, use_configs):
     _check_against_reference(got, q, k, v, do, True)
 
 
+def _hf_inputs(B, S, HQ, HKV, D, seed):
+    """q, k, v, dO as Hugging Face hands them over: (batch, seq, heads, dim) projections, transposed."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(B, S, h, D, generator=g).transpose(1, 2) for h in (HQ, HKV, HKV, HQ))
+    return q, k, v, do
+
+
+@pytest.mark.parametrize("config", ["default", "small_tma", "mixed_atomic"])
+@pytest.mark.parametrize("heads", [(2, 2), (8, 2), (16, 2), (8, 1)], ids=["ratio1", "ratio4", "ratio8", "mqa"])
+def test_gqa_ratios_forward_and_all_gradients(heads, config, use_configs):
+    """Grouped-query attention at the ratios models use, in their layout: the dK/dV programs sum a
+    group's q heads in registers, so every kv head's gradient gathers all of its group's rows."""
+    HQ, HKV = heads
+    q, k, v, do = _hf_inputs(2, 37, HQ, HKV, 32, seed=HQ * 10 + HKV)
+    with use_configs(CONFIGS[config]):
+        got = _ours(q, k, v, do, True)
+    _check_against_reference(got, q, k, v, do, True)
+
+
+def test_layouts_need_no_copies_around_the_op(use_configs):
+    """The output is a (b, h, s, d) view of (b, s, h, d) memory, so the model's transpose + reshape is
+    free; each gradient comes in its input's layout, so the projections' view backward is too."""
+    q, k, v, do = _hf_inputs(1, 19, 4, 2, 16, seed=9)
+    q, k, v = (leaf(t) for t in (q, k, v))
+    with use_configs(CONFIGS["small"]):
+        out = attention(q, k, v, causal=True)
+        out.backward(do)
+    assert out.transpose(1, 2).is_contiguous()
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        assert t.grad.stride() == t.stride(), f"d{name} strides {t.grad.stride()} != {name}'s {t.stride()}"
+    contiguous = [leaf(t.contiguous()) for t in (q, k, v)]
+    with use_configs(CONFIGS["small"]):
+        attention(*contiguous, causal=True).backward(do)
+    assert all(t.grad.is_contiguous() for t in contiguous)
+
+
 def test_reference_agrees_with_sdpa():
     """Pins the reference's semantics (GQA head mapping, top-left causal) to PyTorch's."""
     q, k, v, _ = _inputs(1, 4, 2, 7, 11, 16, torch.float64, seed=5)

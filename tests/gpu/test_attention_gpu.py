@@ -147,6 +147,26 @@ def test_gqa(spec, causal, configs):
 
 
 @pytest.mark.parametrize("spec", ["h100", "h100_tl", "default"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("heads", [(4, 4), (16, 4), (32, 4), (8, 1)], ids=["ratio1", "ratio4", "ratio8", "mqa"])
+def test_gqa_ratios_in_hf_layout(heads, D, spec, configs):
+    """The models' GQA ratios, causal, with inputs in Hugging Face's transposed layout; the output and
+    the gradients keep the layouts the model's reshapes need without copies."""
+    HQ, HKV = heads
+    B, S = 2, 1000
+    g = torch.Generator(device="cuda").manual_seed(HQ + HKV)
+    mk = lambda h: torch.randn(B, S, h, D, device="cuda", generator=g).to(torch.bfloat16).transpose(1, 2)  # noqa
+    q, k, v, do = mk(HQ), mk(HKV), mk(HKV), mk(HQ)
+    with configs(spec):
+        _check(B, HQ, HKV, S, D, True, torch.bfloat16, q, k, v, do)
+        ql, kl, vl = (leaf(t) for t in (q, k, v))
+        out = attention(ql, kl, vl, causal=True)
+        grads = torch.autograd.grad(out, (ql, kl, vl), do)
+    assert out.transpose(1, 2).is_contiguous()
+    assert [t.stride() for t in grads] == [t.stride() for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("spec", ["h100", "h100_tl", "default"])
 def test_hf_layout_and_odd_head_dim(spec, configs):
     """Strided (batch, seq, heads, dim).transpose(1, 2) inputs; head_dim 80 is padded to 128."""
     B, S, HQ, HKV, D = 2, 333, 4, 2, 80

@@ -134,12 +134,13 @@ def _q_block(HQ, GROUP, SEQ_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAU
     """The q block a forward / dQ program owns and the key range it walks.
 
     Returns (b, h, hk, bh, start_m, offs_m, mid, hi): keys [0, mid) are whole unmasked blocks, [mid,
-    hi) need the causal / seq_k mask. Causal grids run longest rows first, so the tail of the grid
-    is made of short programs."""
-    pid_m = tl.program_id(0)
+    hi) need the causal / seq_k mask. The grid is (batch * heads, q blocks): heads vary fastest, so
+    the q heads of a GQA group run side by side on the same K/V (L2 hits), and causal grids hand out
+    the longest rows of every head first, so the tail of the grid is made of short programs."""
+    pid_m = tl.program_id(1)
     if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    bh = tl.program_id(1)
+        pid_m = tl.num_programs(1) - 1 - pid_m
+    bh = tl.program_id(0)
     b = bh // HQ
     h = bh % HQ
     start_m = pid_m * BLOCK_M
@@ -181,8 +182,8 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
 def _attn_bwd_pre_kernel(O, DO, DELTA, DQA, sob, soh, sos, sdb, sdh, sds, HQ, SEQ_Q, SEQ_PAD,
                          D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_DQA: tl.constexpr):
     """delta = rowsum(dO * O) in fp32; also zeroes the fp32 dQ accumulator when dQ uses atomics."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_m = tl.program_id(1)
+    bh = tl.program_id(0)
     b = bh // HQ
     h = bh % HQ
     start_m = pid_m * BLOCK_M
@@ -249,8 +250,8 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DQA,
     Causal: one masked loop from the diagonal on. Splitting off the unmasked blocks (as the
     forward does) put two software pipelines in one kernel, which spilled at 64x128 tiles and ran
     7-10% slower on the H100."""
-    pid_n = tl.program_id(0)
-    bhk = tl.program_id(1)
+    pid_n = tl.program_id(1)  # grid (batch * kv heads, key blocks): causal's longest blocks (pid_n 0) first
+    bhk = tl.program_id(0)
     b = bhk // HKV
     hk = bhk % HKV
     start_n = pid_n * BLOCK_N
@@ -317,8 +318,8 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA,
 def _attn_bwd_dq_convert_kernel(DQA, DQ, sqgb, sqgh, sqgs, HQ, SEQ_Q, D: tl.constexpr, DP: tl.constexpr,
                                 BLOCK_M: tl.constexpr):
     """fp32 atomic dQ accumulator -> dQ in the input dtype."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_m = tl.program_id(1)
+    bh = tl.program_id(0)
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, DP)
@@ -386,6 +387,13 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def _out_like(q: torch.Tensor) -> torch.Tensor:
+    """The output, (batch, heads, seq, head_dim) over (batch, seq, heads, head_dim) memory, as SDPA's
+    flash backend returns it: models reshape it to (batch, seq, hidden) with no copy."""
+    B, HQ, SQ, D = q.shape
+    return q.new_empty((B, SQ, HQ, D)).transpose(1, 2)
+
+
 def _desc(t: torch.Tensor, rows: int, dp: int):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, dp])
 
@@ -425,7 +433,7 @@ def attention_forward(q, k, v, causal: bool, scale: float):
     B, HQ, SQ, D = q.shape
     HKV, SK = k.shape[1], k.shape[2]
     DP = _head_dim_pad(D)
-    o = torch.empty((B, HQ, SQ, D), device=q.device, dtype=q.dtype)
+    o = _out_like(q)
     lse = _padded_rows(B, HQ, SQ, float("inf"), q.device)
     if o.numel() == 0:
         return o, lse
@@ -439,7 +447,7 @@ def attention_forward(q, k, v, causal: bool, scale: float):
         Qa, Ka, Va, Oa = _desc(q, BM, DP), _desc(k, BN, DP), _desc(v, BN, DP), _desc(o, BM, DP)
     else:
         Qa, Ka, Va, Oa = q, k, v, o
-    launch(_attn_fwd_kernel, (cdiv(SQ, BM), B * HQ),
+    launch(_attn_fwd_kernel, (B * HQ, cdiv(SQ, BM)),
            (Qa, Ka, Va, Oa, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
             HQ, HQ // HKV, SQ, SK, lse.shape[-1], scale * LOG2E),
            dict(D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), SCALE_POS=scale > 0, TMA=tma,
@@ -454,9 +462,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     DP = _head_dim_pad(D)
     if do.stride(-1) != 1:
         do = do.contiguous()
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # the inputs' layouts
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     problem = _problem(q, k, causal)
@@ -471,12 +477,12 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     delta = _padded_rows(B, HQ, SQ, 0.0, q.device)
     dqa = torch.empty((B, HQ, SQ, DP), device=q.device, dtype=torch.float32) if accumulate else delta
     pre_bm = cfg_pre.BLOCK_M
-    launch(_attn_bwd_pre_kernel, (cdiv(SQ, pre_bm), B * HQ),
+    launch(_attn_bwd_pre_kernel, (B * HQ, cdiv(SQ, pre_bm)),
            (o, do, delta, dqa, *_strides(o), *_strides(do), HQ, SQ, lse.shape[-1]),
            dict(D=D, DP=DP, BLOCK_M=pre_bm, ZERO_DQA=accumulate, **cfg_pre.options))
 
     def dq_from_accumulator():
-        launch(_attn_bwd_dq_convert_kernel, (cdiv(SQ, pre_bm), B * HQ), (dqa, dq, *_strides(dq), HQ, SQ),
+        launch(_attn_bwd_dq_convert_kernel, (B * HQ, cdiv(SQ, pre_bm)), (dqa, dq, *_strides(dq), HQ, SQ),
                dict(D=D, DP=DP, BLOCK_M=pre_bm, **cfg_pre.options))
         return dq, dk, dv
 
@@ -492,7 +498,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     else:
         args = (q, k, v, do, dk, dv)
     dqa_arg = _desc(dqa, BM, DP) if tma_reduce else dqa
-    launch(_attn_bwd_dkdv_kernel, (cdiv(SK, BN), B * HKV),
+    launch(_attn_bwd_dkdv_kernel, (B * HKV, cdiv(SK, BN)),
            (*args, lse, delta, dqa_arg, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
             *_strides(dv), HQ, HKV, HQ // HKV, SQ, SK, lse.shape[-1], qk_scale, scale),
            dict(D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), TMA=tma, DQ_ATOMIC=atomic,
@@ -508,7 +514,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
         args = (_desc(q, BM, DP), _desc(k, BN, DP), _desc(v, BN, DP), _desc(do, BM, DP), _desc(dq, BM, DP))
     else:
         args = (q, k, v, do, dq)
-    launch(_attn_bwd_dq_kernel, (cdiv(SQ, BM), B * HQ),
+    launch(_attn_bwd_dq_kernel, (B * HQ, cdiv(SQ, BM)),
            (*args, lse, delta, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
             HQ, HQ // HKV, SQ, SK, lse.shape[-1], qk_scale, scale),
            dict(D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), TMA=tma, **cfg_q.options))
@@ -519,15 +525,14 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
 # TensorDescriptors, which torch.library's Triton kernel tracing does not take. Inductor calls them
 # as they are, with no graph break.
 def _backward_fake(grads, saved, statics):
-    q, k, v = saved[:3]
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    return tuple(torch.empty_like(t) for t in saved[:3])
 
 
 ATTENTION = Op(
     "attention",
     schema="(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)",
     forward=lambda q, k, v, causal, scale, *, traced: attention_forward(q, k, v, causal, scale),
-    fake=lambda q, k, v, causal, scale: (q.new_empty(q.shape), q.new_empty(
+    fake=lambda q, k, v, causal, scale: (_out_like(q), q.new_empty(
         (q.shape[0], q.shape[1], _padded_len(q.shape[2])), dtype=torch.float32)),
     save=lambda inputs, outputs: (*inputs[:3], *outputs), saves=5, statics=(3, 4),
     backward_schema="(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, float scale) "
@@ -585,7 +590,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         causal: SDPA's ``is_causal``: top-left aligned lower-triangular mask (query i sees keys j <= i).
         scale: softmax scale, default ``1/sqrt(head_dim)``.
     Returns:
-        ``(batch, heads_q, seq_q, head_dim)`` in q's dtype (contiguous).
+        ``(batch, heads_q, seq_q, head_dim)`` in q's dtype, a ``transpose(1, 2)`` view of contiguous
+        ``(batch, seq_q, heads_q, head_dim)`` memory (as SDPA's flash backend). The gradients of q, k
+        and v come in the layouts of q, k and v (Hugging Face's transposed projections stay copy-free).
     Example:
         >>> out = attention(q, k, v, causal=True)  # doctest: +SKIP
     """

@@ -199,10 +199,12 @@ if _GLUON:
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         dtype: gl.constexpr = q_desc.dtype
 
-        pid_m = gl.program_id(0)
-        if CAUSAL:  # longest rows first, so the grid's tail holds the short programs
-            pid_m = gl.num_programs(0) - 1 - pid_m
-        bh = gl.program_id(1)
+        # grid (batch * heads, q tiles), heads fastest: a GQA group's q heads run side by side on the
+        # same K/V, and causal grids start the longest rows of every head first (short tail)
+        pid_m = gl.program_id(1)
+        if CAUSAL:
+            pid_m = gl.num_programs(1) - 1 - pid_m
+        bh = gl.program_id(0)
         b = bh // HQ
         h = bh % HQ
         hk = h // GROUP
@@ -390,8 +392,11 @@ if _GLUON:
         HALF_N: gl.constexpr = k_desc.block_type.shape[2]
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         dtype: gl.constexpr = q_desc.dtype
-        pid_n = gl.program_id(0)
-        bhk = gl.program_id(1)
+        # grid (batch * kv heads, key tiles): causal's longest tiles (pid_n 0: every q block, times
+        # the group) of every head start first. Ordered by head, a late CTA with a whole column of
+        # work left the GPU a long tail: 1.6x the balanced time at 16/4 heads, 2048 keys (simulated)
+        pid_n = gl.program_id(1)
+        bhk = gl.program_id(0)
         b = bhk // HKV
         hk = bhk % HKV
         start_n = pid_n * (2 * HALF_N)
@@ -450,7 +455,6 @@ def eligible(q: torch.Tensor, k: torch.Tensor, scale: float, *tensors: torch.Ten
     d = q.shape[-1]
     return (q.dtype in (torch.float16, torch.bfloat16) and min_head_dim <= d <= HEAD_DIM and scale > 0
             and k.shape[2] > 0
-            and q.shape[0] * q.shape[1] < 65536
             and _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device())
             and tma_ok(q, k, *tensors))  # the op's own TMA rules: aligned base and strides, unit last stride
 
@@ -476,7 +480,7 @@ def attention_forward(q, k, v, o, lse, causal: bool, scale: float) -> bool:
     if q.shape[2] <= HALF_M or not eligible(q, k, scale, v, o):  # decode-sized queries: half a tile idles
         return False
     batch, heads_q, seq_q, _ = q.shape
-    grid = (triton.cdiv(seq_q, 2 * HALF_M), batch * heads_q)
+    grid = (batch * heads_q, triton.cdiv(seq_q, 2 * HALF_M))
     _attn_fwd_ws_kernel[grid](_descriptor(q, HALF_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
                               _descriptor(o, HALF_M), lse, heads_q, heads_q // k.shape[1], seq_q, k.shape[2],
                               lse.shape[-1], scale * LOG2E, CAUSAL=bool(causal), STAGES=STAGES, num_warps=4,
@@ -505,7 +509,7 @@ def attention_backward(q, k, v, do, dqa, dk, dv, lse, delta, causal: bool, scale
         return False
     batch, heads_q, seq_q, _ = q.shape
     heads_kv = k.shape[1]
-    grid = (triton.cdiv(k.shape[2], 2 * BWD_HALF_N), batch * heads_kv)
+    grid = (batch * heads_kv, triton.cdiv(k.shape[2], 2 * BWD_HALF_N))
     _attn_bwd_ws_kernel[grid](*_bwd_descriptors(q, k, v, do, dk, dv, dqa), lse, delta, heads_q, heads_kv,
                               heads_q // heads_kv, seq_q, lse.shape[-1], scale * LOG2E, scale, CAUSAL=bool(causal),
                               STAGES=STAGES, num_warps=4, maxnreg=MAXNREG)
