@@ -64,7 +64,8 @@ def gen():
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Count calls of the ops the hub layers, tritonspec.nn.RMSNorm, the attention, the experts and the routers use."""
+    """Count calls of the ops the hub layers, tritonspec.nn.RMSNorm, the attention, the experts and the routers use
+    (``add_rms_norm``: the fused decoder layers)."""
     import importlib
     from tritonspec.nn.hub import layers as hub_layers
     counts = {}
@@ -81,6 +82,7 @@ def spy(monkeypatch):
             monkeypatch.setattr(importlib.import_module(other), fn_name, counted)
 
     wrap("tritonspec.ops.rms_norm", "rms_norm", "tritonspec.nn.layers")
+    wrap("tritonspec.ops.rms_norm", "add_rms_norm")
     wrap("tritonspec.ops.swiglu", "swiglu", "tritonspec.nn.layers")
     wrap("tritonspec.ops.rope", "rope")
     wrap("tritonspec.ops.attention", "attention")

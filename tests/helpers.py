@@ -120,8 +120,11 @@ MOE_ARCHITECTURES = {
                          qk_nope_head_dim=8, v_head_dim=8, n_shared_experts=1, num_key_value_heads=4)),
 }
 
-# The YAML rules a dense model's tests apply: SwiGLU MLPs and RMSNorms.
+# The YAML rules a dense model's tests apply: decoder layers with the residual add fused into the post-attention
+# norm, SwiGLU MLPs and RMSNorms.
 RULES = r"""
+- match: {kernel: add_rmsnorm}
+  replace: {kernel: add_rmsnorm}
 - match: {name: "\\.mlp$"}
   replace: {class: tritonspec.nn.hub.layers.SwiGLUMLP}
   recursive: false

@@ -47,6 +47,7 @@ def test_written_repository_layout(tmp_path):
     ("SwiGLUMLP", "transformers.models.llama.modeling_llama.LlamaMLP"),
     ("MoEExperts", "transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts"),
     ("MoERouter", "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter"),
+    ("DecoderLayer", "transformers.models.llama.modeling_llama.LlamaDecoderLayer"),
 ])
 def test_kernels_package_loads_and_validates_our_layers(tmp_path, layer_name, hf_class):
     from kernels.layer.layer import _validate_layer

@@ -33,14 +33,14 @@ def _assert_reverted(model):
 def _front_end(front, model):
     if front == "registry":
         tnn.apply_available_kernels(model)
-        expected = {"rms_norm", "swiglu", "rope", "attention"}
+        expected = {"rms_norm", "add_rms_norm", "swiglu", "rope", "attention"}
     elif front == "kernelize":
         tnn.kernelize(model, mode=tnn.Mode.TRAINING)
-        expected = {"rms_norm", "swiglu", "rope", "attention"}  # attention: built with attn_implementation
+        expected = {"rms_norm", "add_rms_norm", "swiglu", "rope", "attention"}  # attention: attn_implementation
     else:
         rep = tnn.apply_rules(model, RULES)
         assert {c.what for c in rep} == {"forward", "module"}
-        expected = {"rms_norm", "swiglu"}
+        expected = {"rms_norm", "add_rms_norm", "swiglu"}
     return expected
 
 
@@ -77,7 +77,7 @@ def test_bf16_llama_registry(spy):
     model = tiny_model("llama", torch.bfloat16)
     tnn.apply_available_kernels(model)
     got = run_model(model, ids)
-    assert {"rms_norm", "swiglu", "rope", "attention"} <= set(spy)
+    assert {"rms_norm", "add_rms_norm", "swiglu", "rope", "attention"} <= set(spy)
     compare_to_original("llama bf16", got, base, ref, torch.bfloat16)
     tnn.revert(model)
 
@@ -92,7 +92,7 @@ def test_kernelize_then_torch_compile(spy):
     assert len(tnn.report(model)) >= 5
     compiled = torch.compile(model, backend="aot_eager")
     got = run_model(model, ids, call=compiled)
-    assert {"rms_norm", "swiglu", "rope"} <= set(spy)
+    assert {"rms_norm", "add_rms_norm", "swiglu", "rope"} <= set(spy)
     compare_to_original("qwen3 compiled", got, base, ref, torch.float32)
     tnn.revert(model)
     torch._dynamo.reset()

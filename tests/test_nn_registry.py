@@ -178,8 +178,8 @@ def test_failed_apply_is_undone():
 
 
 def test_builtin_kernels_registered_for_cuda_and_cpu():
-    for kt in (KernelType.RMSNORM, KernelType.SWIGLU, KernelType.ROPE, KernelType.FLASH_ATTENTION, KernelType.MOE,
-               KernelType.MOE_ROUTER):
+    for kt in (KernelType.RMSNORM, KernelType.ADD_RMSNORM, KernelType.SWIGLU, KernelType.ROPE,
+               KernelType.FLASH_ATTENTION, KernelType.MOE, KernelType.MOE_ROUTER):
         for dev in (DeviceType.CUDA, DeviceType.CPU):
             k = KERNEL_REGISTRY.get_kernel(kt, dev)
             assert issubclass(k, MetaKernel) and k.type == kt and k.device == dev
@@ -187,6 +187,8 @@ def test_builtin_kernels_registered_for_cuda_and_cpu():
     from tritonspec.nn import triton_kernels
     assert KERNEL_REGISTRY.get_kernel(KernelType.MOE, DeviceType.CUDA) is triton_kernels.CudaTritonMoEExpertsKernel
     assert KERNEL_REGISTRY.get_kernel(KernelType.MOE_ROUTER, DeviceType.CPU) is triton_kernels.CpuTritonMoERouterKernel
+    decoder = triton_kernels.CpuTritonDecoderLayerKernel
+    assert KERNEL_REGISTRY.get_kernel(KernelType.ADD_RMSNORM, DeviceType.CPU) is decoder
 
 
 def test_missing_dependency_returns_model_unchanged(monkeypatch):

@@ -365,9 +365,14 @@ def get(name: str) -> Kernel:
 # -- the table ------------------------------------------------------------------------------------------
 
 declare(Kernel(
-    "rmsnorm", "tritonspec.ops.rms_norm", ("rms_norm", "add_rms_norm"), "module",
+    "rmsnorm", "tritonspec.ops.rms_norm", ("rms_norm",), "module",
     Layer("RMSNorm", f"{_HUB}:RMSNorm", detect=f"{_TARGETS}:is_rms_norm"),
     (RMSNormForward, RMSNormBackward)))
+# The residual add after attention fused into the post-attention RMSNorm of a decoder layer. Its Triton kernels
+# are rmsnorm's (the residual is a constexpr branch of them), so their launch configs are declared there.
+declare(Kernel(
+    "add_rmsnorm", "tritonspec.ops.rms_norm", ("add_rms_norm",), "module",
+    Layer("DecoderLayer", f"{_HUB}:DecoderLayer", detect=f"{_TARGETS}:is_llama_decoder_layer")))
 declare(Kernel(
     "swiglu", "tritonspec.ops.swiglu", ("swiglu",), "module",
     Layer("SwiGLUMLP", f"{_HUB}:SwiGLUMLP", detect=f"{_TARGETS}:is_swiglu_mlp"),

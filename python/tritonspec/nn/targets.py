@@ -1,9 +1,9 @@
 """Which modules of a Hugging Face model a kernel of the kernel table replaces.
 
 The detectors here (``is_rms_norm``, ``is_swiglu_mlp``, ``is_rotate_half_rope``, ``is_fused_experts``,
-``is_topk_router``) are what the table's entries name; the functions below read the table to find, for any
-declared kernel, the modules it recognizes and the module-level functions (``apply_rotary_pos_emb``) the
-model's classes call.
+``is_topk_router``, ``is_llama_decoder_layer``) are what the table's entries name; the functions below read the
+table to find, for any declared kernel, the modules it recognizes and the module-level functions
+(``apply_rotary_pos_emb``) the model's classes call.
 
 Why structural checks and not only transformers' ``kernel_layer_name`` tags: the tags exist only when
 transformers accepts the installed ``kernels`` version (transformers 5.23 wants kernels >=0.18.2,<0.19, so
@@ -261,6 +261,101 @@ def router_kind(module: nn.Module) -> RouterKind | None:
 def is_topk_router(module: nn.Module) -> bool:
     """A top-k MoE router ``moe_route`` computes exactly (:func:`router_kind`)."""
     return router_kind(module) is not None
+
+
+# What a Llama-style decoder layer holds, and all its forward reads (besides its arguments).
+_DECODER_CHILDREN = frozenset({"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"})
+_DECODER_PROBES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per class: bool
+
+
+class _ProbeChild(nn.Module):
+    """A decoder layer's child in the probe: a fixed nonlinear map of its input, logging how it was called
+    (positional count, keyword names, and which non-tensor objects were passed on)."""
+
+    def __init__(self, name: str, log: list, scale: float, pair: bool):
+        super().__init__()
+        self.name, self.log, self.scale, self.pair = name, log, scale, pair
+
+    def forward(self, *args, **kwargs):
+        import torch
+        self.log.append((self.name, len(args), tuple(sorted(
+            (k, None if isinstance(v, torch.Tensor) else id(v)) for k, v in kwargs.items()))))
+        x = args[0] if args else kwargs["hidden_states"]
+        y = torch.tanh(x * self.scale) + self.scale
+        return (y, object()) if self.pair else y
+
+
+def _signature(fn) -> list | None:
+    try:
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+    except (TypeError, ValueError):
+        return None
+
+
+def _probe_decoder_layer(cls: type) -> bool:
+    """Whether ``cls.forward`` computes what the ``DecoderLayer`` hub layer does, on stand-in children.
+
+    Its forward must read nothing but the four children and take the hub layer's parameters (names, kinds,
+    defaults); then it runs once in float64 with a :class:`_ProbeChild` per child and a distinct object per
+    argument, next to ``decoder_layer`` on its own stand-ins: the outputs must agree, and the children must be
+    called in the same order, the same way, with every argument passed on unchanged to ``self_attn``. Tried
+    with an ``mlp`` returning a tensor, then an ``(output, router scores)`` pair (GPT-OSS).
+    """
+    import torch
+    from .hub.layers import DecoderLayer, decoder_layer
+    forward = inspect.unwrap(cls.forward)  # transformers' GradientCheckpointingLayer wraps it
+    code = getattr(forward, "__code__", None)
+    if code is None or set(code.co_names) != _DECODER_CHILDREN:
+        return False
+    params = _signature(forward)
+    if params is None or params != _signature(DecoderLayer.forward):
+        return False
+    args = {name: object() for name, kind, _ in params[2:] if kind is inspect.Parameter.POSITIONAL_OR_KEYWORD}
+    args["probe_kwarg"] = object()  # **kwargs are passed on too
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+    def run(fn, mlp_pair):
+        log: list = []
+        probe = object.__new__(cls)
+        nn.Module.__init__(probe)
+        for i, name in enumerate(sorted(_DECODER_CHILDREN)):
+            setattr(probe, name, _ProbeChild(name, log, 0.5 + 0.25 * i, pair=name == "self_attn" or
+                                             (name == "mlp" and mlp_pair)))
+        probe.training = False
+        return fn(probe), log
+
+    with torch.no_grad():
+        for mlp_pair in (False, True):
+            try:
+                got, got_log = run(lambda p: cls.forward(p, x, **args), mlp_pair)
+            except Exception:  # noqa: BLE001 - a forward that cannot take the probe is not this layer
+                continue
+            want, want_log = run(lambda p: decoder_layer(p, x, args), mlp_pair)
+            if (isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want)
+                    and got_log == want_log):
+                return True
+    return False
+
+
+def is_llama_decoder_layer(module: nn.Module) -> bool:
+    """A pre-norm decoder layer whose forward is ``h = x + self_attn(input_layernorm(x));
+    h + mlp(post_attention_layernorm(h))`` over Llama-style RMSNorms (:func:`is_rms_norm`): what the
+    ``DecoderLayer`` hub layer computes with the residual add fused into the post-attention norm.
+
+    Why a probe and not a class list: models share this structure under many names (dozens of transformers 5
+    classes) while others with the same children differ (Gemma's norms, Gemma2/3's and OLMo2's extra norms,
+    Granite's residual scaling, Phi-3's dropouts). The children are checked on the instance, the forward once
+    per class (:func:`_probe_decoder_layer`).
+    """
+    mods = module._modules
+    if set(mods) != _DECODER_CHILDREN or not (is_rms_norm(mods["input_layernorm"])
+                                              and is_rms_norm(mods["post_attention_layernorm"])):
+        return False
+    cls = type(module)
+    ok = _DECODER_PROBES.get(cls)
+    if ok is None:
+        ok = _DECODER_PROBES[cls] = _probe_decoder_layer(cls)
+    return ok
 
 
 def infer_layer_name(module: nn.Module) -> str | None:

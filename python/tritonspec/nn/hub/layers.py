@@ -19,16 +19,17 @@ are imported when a forward runs (the kernels are installed as the ``tritonspec`
 kernel directory cannot ship), so copying the file elsewhere keeps it importable.
 
 Cases the Triton ops do not cover (float64, CPU tensors without the interpreter, an ``unsqueeze_dim``
-other than 1, partial rotary, experts in another dtype than their input) run the original Hugging Face
-formula (for the experts, transformers' ``grouped_mm``), so a replaced layer never changes results, only speed.
+other than 1, partial rotary, experts in another dtype than their input, a post-attention norm with hooks)
+run the original Hugging Face formula (for the experts, transformers' ``grouped_mm``), so a replaced layer
+never changes results, only speed.
 """
 import importlib
 
 import torch
 from torch import nn
 
-__all__ = ["RMSNorm", "SwiGLUMLP", "RotaryPosEmb", "MoEExperts", "MoERouter", "rms_norm", "swiglu_mlp",
-           "rotary_pos_emb", "moe_router"]
+__all__ = ["RMSNorm", "SwiGLUMLP", "RotaryPosEmb", "MoEExperts", "MoERouter", "DecoderLayer", "rms_norm",
+           "swiglu_mlp", "rotary_pos_emb", "moe_router", "decoder_layer"]
 
 
 _IMPORTED: dict = {}
@@ -71,6 +72,44 @@ def rms_norm(hidden_states, weight, eps):
     if not _triton_runs(hidden_states, weight):
         return _rms_norm_eager(hidden_states, weight, eps)
     return _tritonspec("ops.rms_norm", "rms_norm")(hidden_states, weight, eps)
+
+
+def _fusable_norm(norm) -> bool:
+    """Whether ``add_rms_norm`` may stand in for calling ``norm``: it holds a ``weight`` and a float
+    ``variance_epsilon``, runs its class forward or our ``RMSNorm`` layer's (not another kernel someone mapped
+    to it), and has no hooks that calling it would fire (FSDP2 unsharding its weight, activation capture)."""
+    forward = norm.__dict__.get("forward")
+    return (isinstance(getattr(norm, "weight", None), torch.Tensor)
+            and isinstance(getattr(norm, "variance_epsilon", None), float)
+            and (forward is None or getattr(forward, "__func__", None) is RMSNorm.forward)
+            and not (norm._forward_hooks or norm._forward_pre_hooks))
+
+
+def _add_post_norm(norm, x, residual):
+    """``(norm(residual + x), residual + x)``: one ``add_rms_norm`` (Liger's fused add + RMSNorm) where ``norm``
+    allows it (``_fusable_norm``) and the Triton op takes the tensors, else the add and a call of ``norm``."""
+    if (_fusable_norm(norm) and x.shape == residual.shape and x.dtype == residual.dtype
+            and _triton_runs(x, residual, norm.weight)):
+        return _tritonspec("ops.rms_norm", "add_rms_norm")(x, residual, norm.weight, norm.variance_epsilon)
+    residual = residual + x
+    return norm(residual), residual
+
+
+def decoder_layer(module, hidden_states, attn_kwargs):
+    """A pre-norm decoder layer, ``h = x + self_attn(input_layernorm(x)); h + mlp(post_attention_layernorm(h))``,
+    with the first add fused into the post-attention norm (``_add_post_norm``).
+
+    ``self_attn`` gets ``attn_kwargs`` by name, as transformers' layers pass their arguments on; its
+    ``(output, weights)`` pair and an MoE ``mlp``'s ``(output, router scores)`` pair (GPT-OSS) are unpacked
+    as the layers do. ``tritonspec.nn.targets.is_llama_decoder_layer`` checks a layer's own forward against this.
+    """
+    residual = hidden_states
+    hidden_states, _ = module.self_attn(hidden_states=module.input_layernorm(hidden_states), **attn_kwargs)
+    hidden_states, residual = _add_post_norm(module.post_attention_layernorm, hidden_states, residual)
+    hidden_states = module.mlp(hidden_states)
+    if isinstance(hidden_states, tuple):
+        hidden_states, _ = hidden_states
+    return residual + hidden_states
 
 
 def swiglu_mlp(module, x):
@@ -194,3 +233,30 @@ class MoERouter(nn.Module):
         if kind is None or hidden_states.dtype == torch.float64:
             return type(self).forward(self, hidden_states)
         return moe_router(self, hidden_states, kind)
+
+
+class DecoderLayer(nn.Module):
+    """Replaces the forward of a Llama-style decoder layer (layer name ``DecoderLayer``; Llama, Mistral, Qwen2/3,
+    Qwen2/3-MoE, OLMoE, DeepSeek-V3, GPT-OSS ...): the residual add after attention runs inside the
+    post-attention RMSNorm (``add_rms_norm``). Uses ``input_layernorm``, ``self_attn``,
+    ``post_attention_layernorm`` and ``mlp``; the forward signature is those layers' (transformers 5).
+
+    Under gradient checkpointing in training the layer's class forward runs, unfused: transformers checkpoints
+    there (``GradientCheckpointingLayer``), and an instance forward would silently skip it.
+    """
+
+    input_layernorm: nn.Module
+    self_attn: nn.Module
+    post_attention_layernorm: nn.Module
+    mlp: nn.Module
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+                position_embeddings=None, **kwargs):
+        attn_kwargs = dict(attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+                           use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+        if self.training and getattr(self, "gradient_checkpointing", False):
+            return type(self).forward(self, hidden_states, **attn_kwargs)  # by name: how the checkpointer wants them
+        return decoder_layer(self, hidden_states, attn_kwargs)
