@@ -4,7 +4,8 @@ vs kernelized.
 Not a test: it measures. Variants, all bf16, same weights and batch:
   hf-sdpa          transformers as shipped (attn_implementation="sdpa"; MoE experts: grouped_mm), the baseline
   hf-eager         transformers with its eager attention
-  ts-kernelize     tritonspec.nn.kernelize: Triton RMSNorm, SwiGLU, RoPE, and for MoE models the experts and
+  ts-kernelize     tritonspec.nn.kernelize: Triton RMSNorm, SwiGLU, RoPE, the residual add fused into the
+                   post-attention norm, the LM head fused with the loss, and for MoE models the experts and
                    the router (attention stays SDPA)
   ts-all           apply_available_kernels: the above plus attn_implementation="tritonspec"
   liger            Liger-Kernel rope/rms_norm/swiglu (no fused cross-entropy), if importable
@@ -36,6 +37,7 @@ import sys
 import time
 
 import torch
+from harness import emit
 
 
 MODULES = {"llama": "transformers.models.llama.modeling_llama",
@@ -97,6 +99,11 @@ class Variant:
         except BaseException:
             self._restore_globals()
             raise
+        if name.startswith("ts-"):  # what the front end installed (a kernel that did not apply is absent)
+            import tritonspec.nn as tnn
+            counts = tnn.report(self.model).counts()
+            print(f"{name}: " + ", ".join(f"{k.rsplit('.', 2)[-2]} x{n}" for k, n in sorted(counts.items())),
+                  flush=True)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, foreach=True)
         self.times: list[float] = []
 
@@ -290,10 +297,7 @@ def main():
                 lines.append(f"- {name} copies: " + "; ".join(f"{k} {ms} ms" for k, ms in pr["copy_kernels"].items()))
     lines += [""] + [f"- {n}" for n in notes]
     table = "\n".join(lines) + "\n"
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table)
+    emit(table, args.out)
     return 0
 
 

@@ -34,3 +34,11 @@ def quantiles(fn, *, smoke: bool, warmup: int = 25, rep: int = 100, grad_to_none
     import triton
     return tuple(triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none,
                                          quantiles=[0.5, 0.2, 0.8]))
+
+
+def emit(table: str, path: str | None) -> None:
+    """Print a result table and, given a path, write it there."""
+    print(table)
+    if path:
+        with open(path, "w") as f:
+            f.write(table)

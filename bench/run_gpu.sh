@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark in one command, for a lent H100 (no network):
-#   bash bench/run_gpu.sh OUTDIR [kernels|attention|moe|offload|models ...]
+#   bash bench/run_gpu.sh OUTDIR [kernels|attention|gqa|lce|moe|offload|models|steps ...]
 # GPU tests first, then the named benchmarks (default: kernels and models); logs and tables go to OUTDIR.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +19,14 @@ for b in "${@:-kernels models}"; do
     case $name in
       kernels) python3 bench/bench_kernels.py --cudagraph --budget 150 --out "$out/results_kernels.md" 2>&1 | tee "$out/bench_kernels.log" | tail -30 ;;
       attention) python3 bench/bench_attention.py --final 2>&1 | tee "$out/bench_attention.log" | tail -20 ;;
+      gqa) python3 bench/bench_attention.py --gqa --out "$out" 2>&1 | tee "$out/bench_gqa.log" | tail -12 ;;
+      lce) python3 bench/bench_linear_cross_entropy.py --out "$out/results_lce.md" 2>&1 | tee "$out/bench_lce.log" | tail -14 ;;
+      steps) python3 bench/bench_training_step.py --hidden 4096 --intermediate 14336 --layers 8 --heads 32 --kv-heads 8 \
+               --vocab 128256 --batch 2 --seq 4096 --steps 6 --profile --variants hf-sdpa,ts-kernelize,ts-all,liger-flce \
+               --out "$out/results_step_llama3.md" 2>&1 | tee "$out/bench_step_llama3.log" | tail -20
+             python3 bench/bench_training_step.py --model qwen3-moe --heads 32 --kv-heads 4 --layers 4 --vocab 151936 \
+               --batch 2 --steps 6 --profile --variants hf-sdpa,ts-kernelize,ts-all,liger-flce \
+               --out "$out/results_step_qwen3moe.md" 2>&1 | tee "$out/bench_step_qwen3moe.log" | tail -20 ;;
       moe) python3 bench/bench_moe.py --block --out "$out/results_moe.md" 2>&1 | tee "$out/bench_moe.log" | tail -40
            python3 bench/bench_training_step.py --model qwen3-moe --heads 32 --kv-heads 4 --layers 4 --vocab 151936 \
              --batch 2 --variants hf-sdpa,ts-kernelize,liger,liger-flce --out "$out/results_moe_step.md" 2>&1 \

@@ -181,6 +181,19 @@ def tiny_model(name, dtype, attn="sdpa"):
     return build_model(name, dtype, attn, seed=1234, **dict(TINY, num_hidden_layers=2 if name == "llama" else 1))
 
 
+def apply_front_end(front, model, rules):
+    """Apply one front end to ``model``: ``"registry"`` (apply_available_kernels), ``"kernelize"`` (training
+    mode) or else the YAML ``rules``; returns the model's report."""
+    import tritonspec.nn as tnn
+    if front == "registry":
+        tnn.apply_available_kernels(model)
+    elif front == "kernelize":
+        tnn.kernelize(model, mode=tnn.Mode.TRAINING)
+    else:
+        tnn.apply_rules(model, rules)
+    return tnn.report(model)
+
+
 def token_ids(vocab, batch=2, seq=8):
     """Fixed token ids (their own generator, seed 7): every model of a test sees the same batch."""
     import torch
@@ -190,12 +203,19 @@ def token_ids(vocab, batch=2, seq=8):
 def run_model(model, ids, call=None):
     """(logits, loss, {parameter name: grad}) of one training step on ``ids`` as labels.
 
-    ``call`` runs the model instead of the model itself (a ``torch.compile``d wrapper)."""
+    ``call`` runs the model instead of the model itself (a ``torch.compile``d wrapper). A model whose LM head
+    and loss are fused returns no logits when it trains on labels; they come from a label-free call then."""
+    import torch
+    call = model if call is None else call
     model.zero_grad(set_to_none=True)
-    out = (model if call is None else call)(input_ids=ids, labels=ids)
+    out = call(input_ids=ids, labels=ids)
     out.loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return out.logits.detach(), out.loss.detach(), grads
+    logits = out.logits
+    if logits is None:
+        with torch.no_grad():
+            logits = call(input_ids=ids).logits
+    return logits.detach(), out.loss.detach(), grads
 
 
 # A kernelized model rounds in other places than the original, not by more: its error against the

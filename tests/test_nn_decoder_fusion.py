@@ -13,7 +13,7 @@ Where it does not: layers of another structure (Gemma's ``1 + weight`` norms, Ge
 Granite's residual scaling, Phi-3's dropouts, Mixtral's forward signature) are left alone by every front end.
 """
 import pytest
-from helpers import TINY, build_model, no_interpreter, run_model, token_ids
+from helpers import TINY, apply_front_end, build_model, no_interpreter, run_model, token_ids
 import torch
 from torch import nn
 
@@ -56,13 +56,10 @@ def _model(name, dtype=torch.float32):
 
 
 def _apply(front, model):
-    """Apply a front end; the paths of the decoder layers it fused."""
-    if front == "registry":
-        tnn.apply_available_kernels(model)
-    elif front == "kernelize":
-        tnn.kernelize(model, mode=tnn.Mode.TRAINING)
-    else:
-        tnn.apply_rules(model, FUSION_RULES)
+    """Apply a front end; the paths of the decoder layers it fused. The fused LM head + loss is taken back off
+    (``engine.restore`` on the model): these tests run each model once per step and read its logits."""
+    apply_front_end(front, model, FUSION_RULES)
+    engine.restore(model, model)
     return [c.path for c in tnn.report(model) if c.kernel == FUSED]
 
 

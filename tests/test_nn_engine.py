@@ -148,3 +148,20 @@ def test_report_str_and_counts():
     assert "0: forward -> dbl [t (why)]" in str(rep)
     engine.revert(m)
     assert str(engine.report(m)) == "no replacements"
+
+
+def test_a_patched_model_is_freed_when_dropped():
+    """The ledger references the model itself (a replaced root forward, a custom undo bound to it): it must not
+    keep a dropped model, and its weights, alive."""
+    import copy
+    import gc
+    import weakref
+    m = _model()
+    engine.replace_forward(m, m, lambda self, x: x, path="", kernel="identity", source="test")
+    engine.record_custom(m, m, "flag", lambda: None, path="", what="attribute", kernel="k", source="test")
+    twin = copy.deepcopy(m)  # a copy starts with no recorded changes of its own
+    assert len(engine.report(m)) == 2 and len(engine.report(twin)) == 0
+    ref = weakref.ref(m)
+    del m
+    gc.collect()
+    assert ref() is None

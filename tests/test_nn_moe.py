@@ -46,7 +46,11 @@ def _step(model, ids):
     out.loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     aux, routers = getattr(out, "aux_loss", None), getattr(out, "router_logits", None)
-    return ((out.logits.detach(), out.loss.detach(), grads), None if aux is None else aux.detach(),
+    logits = out.logits
+    if logits is None:  # the LM head and loss fused (kernel moe_linear_cross_entropy): no logits in training
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+    return ((logits.detach(), out.loss.detach(), grads), None if aux is None else aux.detach(),
             None if routers is None else [r.detach() for r in routers])
 
 

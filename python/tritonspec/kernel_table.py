@@ -171,6 +171,13 @@ class AttentionPreprocess(LaunchConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
+class LinearCrossEntropy(LaunchConfig):
+    """The fused LM head's cross-entropy row kernel: one program per token, BLOCK_V logits a step."""
+    kernel: ClassVar[str] = "linear_cross_entropy"
+    BLOCK_V: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class MoEGemm(LaunchConfig):
     """What the experts' grouped GEMMs share: BLOCK_N columns, BLOCK_K deep steps, and GROUP_M M blocks whose N
     blocks run together (their rows and the expert's columns stay in L2)."""
@@ -385,6 +392,15 @@ declare(Kernel(
 declare(Kernel(
     "flash_attention", "tritonspec.ops.attention", ("attention",), "attention", None,
     (AttentionForward, AttentionBackwardKV, AttentionBackwardQ, AttentionPreprocess)))
+declare(Kernel(
+    "linear_cross_entropy", "tritonspec.ops.linear_cross_entropy", ("linear_cross_entropy",), "module",
+    Layer("CausalLMLoss", f"{_HUB}:CausalLMLoss", detect=f"{_TARGETS}:is_causal_lm_head"),
+    (LinearCrossEntropy,)))
+# The same fused head + loss behind the MoE causal LMs' forward signature (``output_router_logits``): a hub
+# layer mirrors one signature, so the MoE models get a layer of their own; the op and its config are above.
+declare(Kernel(
+    "moe_linear_cross_entropy", "tritonspec.ops.linear_cross_entropy", (), "module",
+    Layer("MoeCausalLMLoss", f"{_HUB}:MoeCausalLMLoss", detect=f"{_TARGETS}:is_moe_causal_lm_head")))
 declare(Kernel(
     "moe", "tritonspec.ops.moe", ("moe_experts",), "module",
     Layer("MoEExperts", f"{_HUB}:MoEExperts", detect=f"{_TARGETS}:is_fused_experts"),

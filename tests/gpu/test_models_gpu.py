@@ -10,7 +10,7 @@ import copy
 import os
 
 import pytest
-from helpers import MOE_ARCHITECTURES, available_models, build_model, model_config
+from helpers import MOE_ARCHITECTURES, apply_front_end, available_models, build_model, model_config, run_model
 import torch
 
 import tritonspec.nn as tnn
@@ -40,13 +40,11 @@ def _build(name, dtype, attn="sdpa"):
 
 
 def _run(model, ids):
+    """helpers.run_model in float32: a model with its LM head and loss fused returns no logits when it trains
+    on labels; they come from a label-free call then."""
+    logits, loss, grads = run_model(model, ids)
     model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    res = (out.logits.detach().float(), out.loss.detach().float(),
-           {n: p.grad.detach().float() for n, p in model.named_parameters()})
-    model.zero_grad(set_to_none=True)
-    return res
+    return logits.float(), loss.float(), {n: g.float() for n, g in grads.items()}
 
 
 def _err(a, b):
@@ -89,13 +87,7 @@ def worst():
 
 
 def _front_end(front, model):
-    if front == "registry":
-        tnn.apply_available_kernels(model)
-    elif front == "kernelize":
-        tnn.kernelize(model, mode=tnn.Mode.TRAINING)
-    else:
-        tnn.apply_rules(model, RULES)
-    return tnn.report(model)
+    return apply_front_end(front, model, RULES)
 
 
 @pytest.mark.parametrize("front", ["registry", "kernelize", "rules"])

@@ -81,6 +81,9 @@ class _Entry:
 class _Ledger:
     entries: list[_Entry] = field(default_factory=list)
 
+    def __reduce__(self):  # a deep copy or a pickle of the model starts with no recorded changes
+        return (_Ledger, ())
+
     def find(self, target, attr) -> _Entry | None:
         for e in self.entries:
             if e.target is target and e.attr == attr:
@@ -88,8 +91,10 @@ class _Ledger:
         return None
 
 
-# Per root model. Keyed weakly so a dropped model takes its ledger with it.
-_LEDGERS: "weakref.WeakKeyDictionary[nn.Module, _Ledger]" = weakref.WeakKeyDictionary()
+# Per root model, in the model's own __dict__: its entries reference the model itself (a replaced root forward,
+# the attention switch's undo), so a table keyed by the model, even weakly, would keep every model alive; held
+# by the model, the two form a cycle the garbage collector frees with it.
+_LEDGER_ATTR = "_tritonspec_ledger"
 
 
 @dataclass
@@ -110,10 +115,10 @@ def shared_original(target: Any, attr: str, default: Any = None) -> Any:
     return held[1].original
 
 
-def _ledger(model: nn.Module) -> _Ledger:
-    led = _LEDGERS.get(model)
-    if led is None:
-        led = _LEDGERS[model] = _Ledger()
+def _ledger(model: nn.Module, create: bool = True) -> _Ledger | None:
+    led = model.__dict__.get(_LEDGER_ATTR)
+    if led is None and create:
+        led = model.__dict__[_LEDGER_ATTR] = _Ledger()
     return led
 
 
@@ -232,7 +237,7 @@ def _undo(model: nn.Module, e: _Entry) -> None:
 
 def restore(model: nn.Module, target: Any, attr: str = "forward") -> bool:
     """Undo one recorded change (e.g. kernelize falling back to the original forward). True if one existed."""
-    led = _LEDGERS.get(model)
+    led = _ledger(model, create=False)
     entry = led.find(target, attr) if led is not None else None
     if entry is None:
         return False
@@ -243,7 +248,7 @@ def restore(model: nn.Module, target: Any, attr: str = "forward") -> bool:
 
 def report(model: nn.Module) -> Report:
     """Every change currently installed on ``model``, in the order it was made."""
-    led = _LEDGERS.get(model)
+    led = _ledger(model, create=False)
     return Report(e.change for e in led.entries) if led is not None else Report()
 
 
@@ -252,7 +257,7 @@ def revert(model: nn.Module) -> Report:
 
     Parameters are never copied by any front end, so trained weights survive a revert.
     """
-    led = _LEDGERS.pop(model, None)
+    led = model.__dict__.pop(_LEDGER_ATTR, None)
     if led is None:
         return Report()
     for e in reversed(led.entries):

@@ -450,8 +450,10 @@ def apply_rules(model: nn.Module, rules: str | Path | list, *, allowed_modules: 
             return not rule.recursive
         return False
 
-    for _ in engine.iter_modules(model, prune):
-        pass
+    # the model itself first: a layer may replace its forward (the causal LM's head + loss)
+    if not prune("", model):
+        for _ in engine.iter_modules(model, prune):
+            pass
     for r in parsed:
         if hits[r.index] == 0 and not r.optional:
             raise RuleError(r.index, "match", "matched no module (mark the rule optional: true if that is fine)")
@@ -474,6 +476,9 @@ def apply_rules(model: nn.Module, rules: str | Path | list, *, allowed_modules: 
                     raise RuleError(rule.index, "replace.class", f"cannot replace {path}: {e}") from None
                 engine.replace_forward(model, live, cls.forward, path=path, kernel=engine.qualname(cls.forward),
                                        source="rules", detail=detail)
+            elif not path:
+                raise RuleError(rule.index, "replace.class", f"{name} would replace the model object itself; "
+                                "only a stateless layer (a forward) can replace the root")
             else:
                 try:
                     new = _builder(rule, cls)(live, parent=parents[path], path=path)

@@ -1,9 +1,9 @@
 """Which modules of a Hugging Face model a kernel of the kernel table replaces.
 
 The detectors here (``is_rms_norm``, ``is_swiglu_mlp``, ``is_rotate_half_rope``, ``is_fused_experts``,
-``is_topk_router``, ``is_llama_decoder_layer``) are what the table's entries name; the functions below read the
-table to find, for any declared kernel, the modules it recognizes and the module-level functions
-(``apply_rotary_pos_emb``) the model's classes call.
+``is_topk_router``, ``is_llama_decoder_layer``, ``is_(moe_)causal_lm_head``) are what the table's entries name; the
+functions below read the table to find, for any declared kernel, the modules it recognizes and the
+module-level functions (``apply_rotary_pos_emb``) the model's classes call.
 
 Why structural checks and not only transformers' ``kernel_layer_name`` tags: the tags exist only when
 transformers accepts the installed ``kernels`` version (transformers 5.23 wants kernels >=0.18.2,<0.19, so
@@ -356,6 +356,48 @@ def is_llama_decoder_layer(module: nn.Module) -> bool:
     if ok is None:
         ok = _DECODER_PROBES[cls] = _probe_decoder_layer(cls)
     return ok
+
+
+# All a causal LM's forward may read for the fused head + loss to stand in for it: Llama's and the other dense
+# models' (transformers 5.x; 5.17 slices with isinstance/slice/int), the MoE models' load-balancing loss, and
+# Gemma2/3's final logit softcapping (applied inside the fused loss). Anything else (Cohere's logit_scale,
+# Granite's logits_scaling, Falcon-H1's lm_head_multiplier) changes the logits and leaves the model alone.
+_CAUSAL_LM_NAMES = frozenset({
+    "CausalLMOutputWithPast", "attentions", "config", "hidden_states", "last_hidden_state", "lm_head",
+    "loss_function", "model", "past_key_values", "slice_logits_to_keep", "vocab_size", "isinstance", "slice", "int",
+    "MoeCausalLMOutputWithPast", "device", "load_balancing_loss_func", "num_experts", "num_experts_per_tok",
+    "output_router_logits", "router_aux_loss_coef", "router_logits", "to", "final_logit_softcapping", "tanh",
+    "torch"})
+
+
+def is_causal_lm_head(module: nn.Module) -> bool:
+    """A dense ``*ForCausalLM`` the ``CausalLMLoss`` hub layer may serve (:func:`_fusable_causal_lm`)."""
+    from .hub.layers import CausalLMLoss
+    return _fusable_causal_lm(module, CausalLMLoss)
+
+
+def is_moe_causal_lm_head(module: nn.Module) -> bool:
+    """An MoE ``*ForCausalLM`` (``output_router_logits`` in its forward) ``MoeCausalLMLoss`` may serve."""
+    from .hub.layers import MoeCausalLMLoss
+    return _fusable_causal_lm(module, MoeCausalLMLoss)
+
+
+def _fusable_causal_lm(module: nn.Module, layer: type) -> bool:
+    """A ``*ForCausalLM`` whose forward is ``loss_function(lm_head(decoder(...).last_hidden_state), labels)``
+    with an ``nn.Linear`` head, nothing that rescales the logits (:data:`_CAUSAL_LM_NAMES`), and the
+    parameters of ``layer``'s forward (names, kinds, defaults): what that hub layer computes without logits."""
+    cls = type(module)
+    if not cls.__name__.endswith("ForCausalLM") or not isinstance(module._modules.get("lm_head"), nn.Linear):
+        return False
+    if not callable(getattr(module, "get_decoder", None)):
+        return False
+    forward = inspect.unwrap(cls.forward)
+    code = getattr(forward, "__code__", None)
+    if code is None or not {"lm_head", "loss_function"} <= set(code.co_names) <= _CAUSAL_LM_NAMES:
+        return False
+    if "final_logit_softcapping" not in code.co_names and getattr(module.config, "final_logit_softcapping", None):
+        return False  # a softcap in the config the forward does not apply: not what the fused loss would do
+    return _signature(forward) == _signature(layer.forward)
 
 
 def infer_layer_name(module: nn.Module) -> str | None:

@@ -28,8 +28,9 @@ import importlib
 import torch
 from torch import nn
 
-__all__ = ["RMSNorm", "SwiGLUMLP", "RotaryPosEmb", "MoEExperts", "MoERouter", "DecoderLayer", "rms_norm",
-           "swiglu_mlp", "rotary_pos_emb", "moe_router", "decoder_layer"]
+__all__ = ["RMSNorm", "SwiGLUMLP", "RotaryPosEmb", "MoEExperts", "MoERouter", "DecoderLayer", "CausalLMLoss",
+           "MoeCausalLMLoss", "rms_norm", "swiglu_mlp", "rotary_pos_emb", "moe_router", "decoder_layer",
+           "causal_lm_loss", "causal_lm_forward"]
 
 
 _IMPORTED: dict = {}
@@ -110,6 +111,18 @@ def decoder_layer(module, hidden_states, attn_kwargs):
     if isinstance(hidden_states, tuple):
         hidden_states, _ = hidden_states
     return residual + hidden_states
+
+
+def causal_lm_loss(model, hidden, labels, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs):
+    """transformers' ``ForCausalLMLoss`` of ``lm_head(hidden)`` (labels shifted so tokens < n predict n, or
+    ``shift_labels`` as given; ``num_items_in_batch`` for gradient accumulation) and Gemma's final logit
+    softcapping, as one ``linear_cross_entropy``: the logits are never formed."""
+    if shift_labels is None:
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    head = model.lm_head
+    return _tritonspec("ops.linear_cross_entropy", "linear_cross_entropy")(
+        hidden, head.weight, shift_labels.to(hidden.device), bias=head.bias, ignore_index=ignore_index,
+        softcap=getattr(model.config, "final_logit_softcapping", None), num_items_in_batch=num_items_in_batch)
 
 
 def swiglu_mlp(module, x):
@@ -260,3 +273,68 @@ class DecoderLayer(nn.Module):
         if self.training and getattr(self, "gradient_checkpointing", False):
             return type(self).forward(self, hidden_states, **attn_kwargs)  # by name: how the checkpointer wants them
         return decoder_layer(self, hidden_states, attn_kwargs)
+
+
+
+def causal_lm_forward(module, labels, logits_to_keep, kwargs):
+    """``module``'s own ``*ForCausalLM`` forward, with the LM head and the loss fused where that applies: in
+    training with labels, the logits are never formed and the output's ``logits`` is None (as Liger's fused
+    linear cross-entropy); otherwise (inference, no labels) the model's forward runs unchanged.
+
+    The model's forward stays in charge: it runs with ``logits_to_keep`` an empty index (the head projects no
+    position) and, for that call, a ``loss_function`` that takes the decoder's last hidden state (caught by a
+    forward hook) to :func:`causal_lm_loss`. So what the model adds to the loss (MoE load-balancing terms) and
+    what else it returns stay its own. ``tritonspec.nn.targets.is_causal_lm_head`` checks that the model's
+    forward is the plain ``loss_function(lm_head(hidden))`` this relies on."""
+    original = type(module).forward
+    weight = module.lm_head.weight
+    if not (module.training and (labels is not None or kwargs.get("shift_labels") is not None)
+            and "_loss_function" not in module.__dict__  # a loss the user set is theirs to run
+            and getattr(module, "loss_type", None) in (None, "ForCausalLM") and _triton_runs(weight)):
+        return original(module, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+    hidden = []
+    hook = module.get_decoder().register_forward_hook(lambda mod, inputs, out: hidden.append(out[0]))
+    module._loss_function = lambda logits, labels, vocab_size, **kw: causal_lm_loss(module, hidden[-1], labels, **kw)
+    try:
+        out = original(module, labels=labels, logits_to_keep=weight.new_empty(0, dtype=torch.long), **kwargs)
+    finally:
+        hook.remove()
+        del module._loss_function
+    if hasattr(out, "keys"):  # a ModelOutput: rebuilt without the (batch, 0, vocab) placeholder logits
+        out = type(out)(**{k: v for k, v in out.items() if k != "logits"})
+    return out
+
+
+class CausalLMLoss(nn.Module):
+    """Replaces a dense ``*ForCausalLM`` forward (layer name ``CausalLMLoss``; Llama, Mistral, Qwen2/3, Gemma,
+    Gemma2/3 with their final logit softcapping, ...): the LM head and the loss as one ``linear_cross_entropy``
+    in training (:func:`causal_lm_forward`)."""
+
+    lm_head: nn.Module
+
+    has_backward = True
+    can_torch_compile = False  # a hook and a loss function swapped per call: the fused op alone compiles
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+        kwargs.update(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
+        return causal_lm_forward(self, labels, logits_to_keep, kwargs)
+
+
+class MoeCausalLMLoss(nn.Module):
+    """``CausalLMLoss`` for the MoE causal LMs' forward signature (``output_router_logits``; Qwen2/3-MoE,
+    Mixtral, OLMoE, GPT-OSS): the load-balancing loss is still the model's, added to the fused loss."""
+
+    lm_head: nn.Module
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, output_router_logits=None, logits_to_keep=0,
+                **kwargs):
+        kwargs.update(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                      output_router_logits=output_router_logits)
+        return causal_lm_forward(self, labels, logits_to_keep, kwargs)
