@@ -28,8 +28,10 @@ _SILU_NAMES = {"SiLU", "SiLUActivation"}
 
 
 def _forward_names(cls) -> set[str]:
+    """The global and attribute names ``cls.forward`` reads, under its decorators (transformers 5.24 wraps
+    the attention forwards in ``deprecate_kwarg``)."""
     fwd = getattr(cls, "forward", None)
-    code = getattr(fwd, "__code__", None)
+    code = getattr(inspect.unwrap(fwd) if callable(fwd) else fwd, "__code__", None)
     return set(code.co_names) if code is not None else set()
 
 
@@ -285,9 +287,15 @@ class _ProbeChild(nn.Module):
         return (y, object()) if self.pair else y
 
 
+# Parameters transformers renamed between releases, under the name the hub layers use (5.24: past_key_values ->
+# cache). The layers pass on only the arguments they were given, so either name reaches the model's modules.
+_RENAMED = {"cache": "past_key_values"}
+
+
 def _signature(fn) -> list | None:
+    """(name, kind, default) of each parameter, renamed parameters under the hub layers' names."""
     try:
-        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+        return [(_RENAMED.get(p.name, p.name), p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
     except (TypeError, ValueError):
         return None
 
@@ -295,8 +303,8 @@ def _signature(fn) -> list | None:
 def _probe_decoder_layer(cls: type) -> bool:
     """Whether ``cls.forward`` computes what the ``DecoderLayer`` hub layer does, on stand-in children.
 
-    Its forward must read nothing but the four children and take the hub layer's parameters (names, kinds,
-    defaults); then it runs once in float64 with a :class:`_ProbeChild` per child and a distinct object per
+    Its forward must read nothing but the four children and take the hub layer's parameters (names up to
+    :data:`_RENAMED`, kinds, defaults); then it runs once in float64 with a :class:`_ProbeChild` per child and a distinct object per
     argument, next to ``decoder_layer`` on its own stand-ins: the outputs must agree, and the children must be
     called in the same order, the same way, with every argument passed on unchanged to ``self_attn``. Tried
     with an ``mlp`` returning a tensor, then an ``(output, router scores)`` pair (GPT-OSS).
@@ -310,7 +318,8 @@ def _probe_decoder_layer(cls: type) -> bool:
     params = _signature(forward)
     if params is None or params != _signature(DecoderLayer.forward):
         return False
-    args = {name: object() for name, kind, _ in params[2:] if kind is inspect.Parameter.POSITIONAL_OR_KEYWORD}
+    args = {p.name: object() for p in list(inspect.signature(forward).parameters.values())[2:]  # its own names
+            if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD}
     args["probe_kwarg"] = object()  # **kwargs are passed on too
     x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
 
@@ -359,12 +368,13 @@ def is_llama_decoder_layer(module: nn.Module) -> bool:
 
 
 # All a causal LM's forward may read for the fused head + loss to stand in for it: Llama's and the other dense
-# models' (transformers 5.x; 5.17 slices with isinstance/slice/int), the MoE models' load-balancing loss, and
-# Gemma2/3's final logit softcapping (applied inside the fused loss). Anything else (Cohere's logit_scale,
-# Granite's logits_scaling, Falcon-H1's lm_head_multiplier) changes the logits and leaves the model alone.
+# models' (transformers 5.x; 5.17 slices with isinstance/slice/int, 5.24 says cache for past_key_values), the
+# MoE models' load-balancing loss, and Gemma2/3's final logit softcapping (applied inside the fused loss).
+# Anything else (Cohere's logit_scale, Granite's logits_scaling, Falcon-H1's lm_head_multiplier) changes the
+# logits and leaves the model alone.
 _CAUSAL_LM_NAMES = frozenset({
     "CausalLMOutputWithPast", "attentions", "config", "hidden_states", "last_hidden_state", "lm_head",
-    "loss_function", "model", "past_key_values", "slice_logits_to_keep", "vocab_size", "isinstance", "slice", "int",
+    "loss_function", "model", "past_key_values", "cache", "slice_logits_to_keep", "vocab_size", "isinstance", "slice", "int",
     "MoeCausalLMOutputWithPast", "device", "load_balancing_loss_func", "num_experts", "num_experts_per_tok",
     "output_router_logits", "router_aux_loss_coef", "router_logits", "to", "final_logit_softcapping", "tanh",
     "torch"})

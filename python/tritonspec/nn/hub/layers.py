@@ -268,12 +268,21 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
                 position_embeddings=None, **kwargs):
-        attn_kwargs = dict(attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
-                           use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+        attn_kwargs = dict(attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache,
+                           position_embeddings=position_embeddings, **kwargs)
+        if past_key_values is not None:  # given by name only where the model's layers call it that (5.24: cache)
+            attn_kwargs["past_key_values"] = past_key_values
         if self.training and getattr(self, "gradient_checkpointing", False):
             return type(self).forward(self, hidden_states, **attn_kwargs)  # by name: how the checkpointer wants them
         return decoder_layer(self, hidden_states, attn_kwargs)
 
+
+
+def _given(kwargs, **named):
+    """``kwargs`` plus the named arguments that were given (not None; None is every one's default): a parameter
+    transformers renamed (5.24: past_key_values -> cache) then reaches the model under the caller's name only."""
+    kwargs.update((k, v) for k, v in named.items() if v is not None)
+    return kwargs
 
 
 def causal_lm_forward(module, labels, logits_to_keep, kwargs):
@@ -317,9 +326,9 @@ class CausalLMLoss(nn.Module):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
-        kwargs.update(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
-        return causal_lm_forward(self, labels, logits_to_keep, kwargs)
+        return causal_lm_forward(self, labels, logits_to_keep, _given(kwargs, input_ids=input_ids,
+                                 attention_mask=attention_mask, position_ids=position_ids,
+                                 past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache))
 
 
 class MoeCausalLMLoss(nn.Module):
@@ -334,7 +343,7 @@ class MoeCausalLMLoss(nn.Module):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, output_router_logits=None, logits_to_keep=0,
                 **kwargs):
-        kwargs.update(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                      output_router_logits=output_router_logits)
-        return causal_lm_forward(self, labels, logits_to_keep, kwargs)
+        return causal_lm_forward(self, labels, logits_to_keep, _given(kwargs, input_ids=input_ids,
+                                 attention_mask=attention_mask, position_ids=position_ids,
+                                 past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                                 output_router_logits=output_router_logits))
