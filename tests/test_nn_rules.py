@@ -369,3 +369,26 @@ def test_parentheses_in_character_classes_and_escapes_are_not_groups():
     name = r"[(]" * 80 + r"\(" * 80 + "[^)(]x"
     rules = load_rules([{"match": {"name": name}, "replace": {"class": "default"}}])
     assert len(rules) == 1
+
+
+def test_the_root_module_matches_too():
+    """A rule may name the model itself (the causal LM's head + loss is its forward): a pure layer rebinds the
+    root's forward; a class would have to replace the model object, which is a clear error."""
+    block = Block()
+    x = _x()
+    want = block(x)
+    made = apply_rules(block, f"- {{match: {{class: {HERE}.Block}}, replace: {{class: {HERE}.FastBlock}}}}",
+                       allowed_modules=[HERE])
+    assert [c.path for c in made] == [""]
+    assert torch.equal(block(x), want * 1.0) and block.forward.__func__ is FastBlock.forward
+    tnn.revert(block)
+    with pytest.raises(RuleError, match="replace the model object itself"):
+        apply_rules(Block(), f"- {{match: {{class: {HERE}.Block}}, replace: {{class: {HERE}.Doubler}}}}",
+                    allowed_modules=[HERE])
+
+
+class FastBlock(nn.Module):
+    """A pure layer for Block: its forward, reading the module's own children."""
+
+    def forward(self, x):
+        return self.act(self.proj(x)) * 1.0
