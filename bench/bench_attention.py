@@ -329,6 +329,14 @@ def compare(out_dir: str, tables: dict | None, rounds: int = 3, gqa: bool = Fals
         if "ours" in outs and "cudnn" in outs:
             (o, g), (ro, rg) = outs["ours"], outs["cudnn"]
             row["ours"]["err_vs_cudnn"] = max([rel_err(o, ro)] + [rel_err(a, b) for a, b in zip(g, rg)])
+        if gqa:  # the same calls with the host ahead of the GPU: kernels against kernels
+            for name, make in providers[::2]:
+                if name in outs:
+                    fn = make(causal)
+                    out = fn(q, k, v)
+                    row[name]["gpu_only_ms"] = (
+                        gpu_only_ms(lambda: fn(q, k, v))[0],  # noqa: B023
+                        gpu_only_ms(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))[0])  # noqa: B023
         try:
             row["ours_kernels_ms"] = kernel_breakdown(ours_fn(causal), q, k, v, do)
         except Exception as e:  # profiling is diagnostic only
@@ -355,6 +363,15 @@ def table(results):
                      f"{f(g('flash', 'fwd'))} | {f(g('cudnn', 'fwd'))} | {f(g('ours', 'bwd'))} | "
                      f"{f(g('flash', 'bwd'))} | {f(g('cudnn', 'bwd'))} | {ratio(g('ours', 'fwd'), g('cudnn', 'fwd'))} | "
                      f"{ratio(g('ours', 'bwd'), g('cudnn', 'bwd'))} |")
+    if any("gpu_only_ms" in r.get("ours", {}) for r in results):
+        lines += ["", "GPU-only (host ahead of the GPU, L2 flushed; ms):", "",
+                  "| shape | ours fwd | cuDNN fwd | ours bwd | cuDNN bwd | fwd vs cuDNN | bwd vs cuDNN |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in results:
+            o, c = r.get("ours", {}).get("gpu_only_ms"), r.get("cudnn", {}).get("gpu_only_ms")
+            if o and c:
+                lines.append(f"| {'x'.join(map(str, r['shape']))} | {o[0]:.3f} | {c[0]:.3f} | {o[1]:.3f} | {c[1]:.3f} | "
+                             f"{c[0] / o[0]:.0%} | {c[1] / o[1]:.0%} |")
     return "\n".join(lines)
 
 
