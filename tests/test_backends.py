@@ -317,21 +317,22 @@ def check_hopper_attention_kernels_compile():
                for name, d in zip(names, descriptors)}
         return {**out, **scalars, "CAUSAL": "constexpr", "STAGES": "constexpr"}
 
-    i32 = dict.fromkeys(("HQ", "GROUP", "SEQ_Q", "SEQ_K", "SEQ_PAD"), "i32")
+    i32 = dict.fromkeys(("HQ", "GROUP", "SEQ_Q", "SEQ_K"), "i32")
     cases = []
     for dtype, d, causal in ((torch.bfloat16, 128, True), (torch.float16, 128, False), (torch.bfloat16, 64, True)):
         t = torch.empty(1, 2, 256, d, dtype=dtype)
         dqa = torch.empty(1, 2, 256, d, dtype=torch.float32)
+        rows = torch.empty(1, 2, 256, dtype=torch.float32)
         if d == 128:
             fwd = (hopper._descriptor(t, hopper.HALF_M), hopper._descriptor(t, hopper.BLOCK_N),
                    hopper._descriptor(t, hopper.BLOCK_N), hopper._descriptor(t, hopper.HALF_M))
             cases.append((hopper._attn_fwd_ws_kernel, causal,
-                          sig(("q_desc", "k_desc", "v_desc", "o_desc"), fwd, LSE="*fp32", qk_scale="fp32", **i32)))
-        bwd = hopper._bwd_descriptors(t, t, t, t, t, t, dqa)
-        names = ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "dqa_desc")
+                          sig(("q_desc", "k_desc", "v_desc", "o_desc"), fwd, LSE="*fp32", qk_scale="fp32",
+                              SEQ_PAD="i32", **i32)))
+        bwd = hopper._bwd_descriptors(t, t, t, t, t, t, dqa, rows, rows)
+        names = ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "dqa_desc", "lse_desc", "delta_desc")
         cases.append((hopper._attn_bwd_ws_kernel, causal,
-                      sig(names, bwd, LSE="*fp32", DELTA="*fp32", HKV="i32", qk_scale="fp32", sm_scale="fp32",
-                          **i32)))
+                      sig(names, bwd, HKV="i32", qk_scale="fp32", sm_scale="fp32", **i32)))
     for fn, causal, signature in cases:
         src = GluonASTSource(fn, signature, constexprs={"CAUSAL": causal, "STAGES": hopper.STAGES})
         kernel = triton.compile(src, target=CUDA, options={"num_warps": 4, "maxnreg": hopper.MAXNREG})
@@ -366,8 +367,11 @@ def test_hopper_backward_tiles(d):
     from tritonspec_backends.nvidia.backend.spec import attention_sm90 as hopper
     t = torch.randn(1, 2, 100, d).to(torch.bfloat16)
     pad = 64 if d == 64 else 128
-    q, k, v, do, dk, dv, dqa = hopper._bwd_descriptors(t, t, t, t, t, t, torch.zeros(1, 2, 100, pad))
+    rows = torch.zeros(1, 2, 256)
+    q, k, v, do, dk, dv, dqa, lse, delta = hopper._bwd_descriptors(t, t, t, t, t, t, torch.zeros(1, 2, 100, pad),
+                                                                   rows, rows)
     assert [x.block_shape[-1] for x in (q, k, v, do, dk, dv)] == [pad] * 6 and dqa.block_shape[-1] == pad // 2
+    assert lse.block_shape == delta.block_shape == [1, hopper.BWD_BLOCK_M]  # one q block's rows
     for tile in (k, dk):
         assert tile.layout.swizzle_byte_width <= pad // 2 * t.element_size()
     assert dk.layout == k.layout

@@ -10,7 +10,8 @@ speed.
 
 The backward is one pass over the keys, built the same way: a CTA holds 128 keys of one kv head, 64
 per consumer warpgroup, and the producer streams 64-row Q and dO blocks of every q head of the group
-(block by block, each block for all the group's heads: the CTAs of a kv head then share them in L2).
+(block by block, each block for all the group's heads: the CTAs of a kv head then share them in L2),
+with each block's lse and delta rows.
 dK and dV stay in registers; dQ = dS K goes out every step, each warpgroup taking half the head dim
 over all 128 keys (the dS^T halves meet in shared memory), as TMA reduce-adds into an fp32
 accumulator. That is 5 matmuls per step where the portable kernels' separate dQ pass spends 7;
@@ -278,15 +279,19 @@ if _GLUON:
 
     @gluon.jit
     def _bwd_steps(dk, dv, s0, dq0, k_tile, v_tile, k_dq0, k_dq1, q_smem, do_smem, ds_smem, dq_smem, q_ready,
-                   do_ready, q_empty, do_empty, ds_bar, dqa_desc, LSE, DELTA, b, hk, tile, t0, t1, base, lo, n_m, GROUP,
-                   HQ, offs_n, SEQ_PAD, qk_scale, sm_scale, desc, MASKED: gl.constexpr, C: gl.constexpr):
+                   do_ready, q_empty, do_empty, ds_bar, dqa_desc, lse_smem, delta_smem, b, hk, tile, t0, t1, base, lo,
+                   n_m, GROUP, offs_n, qk_scale, sm_scale, desc, MASKED: gl.constexpr, C: gl.constexpr):
         """Ring steps t0 .. t1-1 of the tile whose steps start at ring step ``base``: dV += P^T dO,
         dK += dS^T Q, and this warpgroup's half C of the head dim of dQ = dS K over the CTA's 128 keys,
         reduce-added to the fp32 accumulator by TMA.
 
         dQ needs the other warpgroup's dS^T too: each stages its half in ds_smem (two buffers) and both
         wait on that buffer's barrier. A buffer is rewritten two steps later, by which time the other
-        warpgroup has passed the next step's barrier, so it has finished reading it."""
+        warpgroup has passed the next step's barrier, so it has finished reading it.
+
+        lse and delta arrive by TMA with Q and dO and are read from shared memory where they are used:
+        loaded from global memory at the top of the step they held 32 registers across the matmuls,
+        and at 240 registers the step spilled (ptxas: 540 bytes; now 108) and ran 14-18% longer."""
         BLOCK_M: gl.constexpr = q_smem.shape[3]
         D: gl.constexpr = q_smem.shape[4]
         HALF_N: gl.constexpr = k_tile.shape[0]
@@ -304,21 +309,19 @@ if _GLUON:
             h = _bwd_head(t - base, tile, hk, GROUP)
             row0 = (lo + _bwd_block(t - base, n_m, GROUP, desc)) * BLOCK_M
             offs_m = row0 + gl.arange(0, BLOCK_M, layout=cols_l)
-            bh = b * HQ + h
-            lse = gl.load(LSE + bh.to(gl.int64) * SEQ_PAD + offs_m)  # padded rows: +inf, so p = 0 there
-            delta = gl.load(DELTA + bh.to(gl.int64) * SEQ_PAD + offs_m)
             mbarrier.wait(q_ready.index(stage), phase)
             s_t = warpgroup_mma(k_tile, q_t.permute((1, 0)), s0, use_acc=False, is_async=True)
             mbarrier.wait(do_ready.index(stage), phase)
             dp_t = warpgroup_mma(v_tile, do_t.permute((1, 0)), s0, use_acc=False, is_async=True)
             s_t = warpgroup_mma_wait(1, deps=(s_t, ))
-            p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
+            lse = lse_smem.index(stage).load(s_layout)  # [1, BLOCK_M]; padded rows: +inf, so p = 0 there
+            p_t = gl.exp2(s_t * qk_scale - lse)
             if MASKED:
                 p_t = gl.where(gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1), p_t, 0.0)
             p_a = gl.convert_layout(p_t.to(dtype), a_layout)
             dv = warpgroup_mma(p_a, do_t, dv, is_async=True)
             dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
-            ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+            ds_t = (p_t * (dp_t - delta_smem.index(stage).load(s_layout))).to(dtype)
             dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_t, dk, is_async=True)
 
             ds_buf = ds_smem.index(t % 2)
@@ -343,9 +346,9 @@ if _GLUON:
         return dk, dv
 
     @gluon.jit
-    def _bwd_tile(dk_desc, dv_desc, dqa_desc, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem,
-                  kv_bar, kv_free, q_ready, do_ready, q_empty, do_empty, ds_bar, end_bar, b, hk, tile, base, nth,
-                  desc, GROUP, HQ, SEQ_Q, SEQ_PAD, qk_scale, sm_scale, CAUSAL: gl.constexpr, C: gl.constexpr):
+    def _bwd_tile(dk_desc, dv_desc, dqa_desc, lse_smem, delta_smem, k_smem, v_smem, q_smem, do_smem, ds_smem,
+                  dq_smem, kv_bar, kv_free, q_ready, do_ready, q_empty, do_empty, ds_bar, end_bar, b, hk, tile, base,
+                  nth, desc, GROUP, SEQ_Q, qk_scale, sm_scale, CAUSAL: gl.constexpr, C: gl.constexpr):
         """Warpgroup C, the CTA's nth key tile (its steps from ring step ``base``): keys
         start_n + C*HALF_N .. +HALF_N of one kv head against every q block of the GROUP q heads that
         read it (GQA reduced in registers), dQ for half C of the head dim; returns the next tile's base."""
@@ -383,15 +386,15 @@ if _GLUON:
             mask_lo = end
             mask_hi = end
         dk, dv = _bwd_steps(dk, dv, s0, dq0, k_tile, v_tile, k_dq0, k_dq1, q_smem, do_smem, ds_smem, dq_smem, q_ready,
-                            do_ready, q_empty, do_empty, ds_bar, dqa_desc, LSE, DELTA, b, hk, tile, base, mask_lo, base,
-                            lo, n_m, GROUP, HQ, offs_n, SEQ_PAD, qk_scale, sm_scale, desc, False, C)
+                            do_ready, q_empty, do_empty, ds_bar, dqa_desc, lse_smem, delta_smem, b, hk, tile, base,
+                            mask_lo, base, lo, n_m, GROUP, offs_n, qk_scale, sm_scale, desc, False, C)
         if CAUSAL:
             dk, dv = _bwd_steps(dk, dv, s0, dq0, k_tile, v_tile, k_dq0, k_dq1, q_smem, do_smem, ds_smem, dq_smem,
-                                q_ready, do_ready, q_empty, do_empty, ds_bar, dqa_desc, LSE, DELTA, b, hk, tile, mask_lo,
-                                mask_hi, base, lo, n_m, GROUP, HQ, offs_n, SEQ_PAD, qk_scale, sm_scale, desc, True, C)
+                                q_ready, do_ready, q_empty, do_empty, ds_bar, dqa_desc, lse_smem, delta_smem, b, hk,
+                                tile, mask_lo, mask_hi, base, lo, n_m, GROUP, offs_n, qk_scale, sm_scale, desc, True, C)
             dk, dv = _bwd_steps(dk, dv, s0, dq0, k_tile, v_tile, k_dq0, k_dq1, q_smem, do_smem, ds_smem, dq_smem,
-                                q_ready, do_ready, q_empty, do_empty, ds_bar, dqa_desc, LSE, DELTA, b, hk, tile, mask_hi,
-                                end, base, lo, n_m, GROUP, HQ, offs_n, SEQ_PAD, qk_scale, sm_scale, desc, False, C)
+                                q_ready, do_ready, q_empty, do_empty, ds_bar, dqa_desc, lse_smem, delta_smem, b, hk,
+                                tile, mask_hi, end, base, lo, n_m, GROUP, offs_n, qk_scale, sm_scale, desc, False, C)
         # K and V are dead: stage dK and dV in their tiles, once the other warpgroup's last dQ has read K
         mbarrier.arrive(end_bar, count=1)
         mbarrier.wait(end_bar, nth & 1)
@@ -406,20 +409,21 @@ if _GLUON:
         return end
 
     @gluon.jit
-    def _bwd_consumer(dk_desc, dv_desc, dqa_desc, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem,
-                      kv_bar, kv_free, q_ready, do_ready, q_empty, do_empty, ds_bar, end_bar, b, hk, tile, twin, GROUP,
-                      HQ, SEQ_Q, SEQ_PAD, qk_scale, sm_scale, CAUSAL: gl.constexpr, C: gl.constexpr):
+    def _bwd_consumer(dk_desc, dv_desc, dqa_desc, lse_smem, delta_smem, k_smem, v_smem, q_smem, do_smem, ds_smem,
+                      dq_smem, kv_bar, kv_free, q_ready, do_ready, q_empty, do_empty, ds_bar, end_bar, b, hk, tile,
+                      twin, GROUP, SEQ_Q, qk_scale, sm_scale, CAUSAL: gl.constexpr, C: gl.constexpr):
         """Warpgroup C over the CTA's key tiles: ``tile`` (q blocks down), then ``twin`` (up) unless the same."""
         base = 0
         for nth in range(1 + (twin != tile).to(gl.int32)):
-            base = _bwd_tile(dk_desc, dv_desc, dqa_desc, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, ds_smem,
-                             dq_smem, kv_bar, kv_free, q_ready, do_ready, q_empty, do_empty, ds_bar, end_bar, b, hk,
-                             tile + nth * (twin - tile), base, nth, 1 - nth, GROUP, HQ, SEQ_Q, SEQ_PAD, qk_scale,
-                             sm_scale, CAUSAL, C)
+            base = _bwd_tile(dk_desc, dv_desc, dqa_desc, lse_smem, delta_smem, k_smem, v_smem, q_smem, do_smem,
+                             ds_smem, dq_smem, kv_bar, kv_free, q_ready, do_ready, q_empty, do_empty, ds_bar, end_bar,
+                             b, hk, tile + nth * (twin - tile), base, nth, 1 - nth, GROUP, SEQ_Q, qk_scale, sm_scale,
+                             CAUSAL, C)
 
     @gluon.jit
-    def _bwd_load_tile(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready,
-                       q_empty, do_empty, b, hk, tile, base, desc, SEQ_Q, GROUP, CAUSAL: gl.constexpr):
+    def _bwd_load_tile(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
+                       lse_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, b, hk, tile, base, desc,
+                       SEQ_Q, GROUP, HQ, CAUSAL: gl.constexpr):
         """Both K and V halves of key tile ``tile``, then Q and dO block by block in ``_bwd_block``'s
         order, into ring steps from ``base``; returns the next tile's base."""
         HALF_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -436,28 +440,31 @@ if _GLUON:
             stage = t % NSTAGES
             phase = ((t // NSTAGES) & 1) ^ 1
             mbarrier.wait(q_empty.index(stage), phase)
-            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
             _tma_load(q_desc, [b, h, row, 0], q_ready.index(stage), q_smem.index(stage))
+            _tma_load(lse_desc, [b * HQ + h, row], q_ready.index(stage), lse_smem.index(stage))
             mbarrier.wait(do_empty.index(stage), phase)
-            mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+            mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
             _tma_load(do_desc, [b, h, row, 0], do_ready.index(stage), do_smem.index(stage))
+            _tma_load(delta_desc, [b * HQ + h, row], do_ready.index(stage), delta_smem.index(stage))
         return base + GROUP * n_m
 
     @gluon.jit
-    def _bwd_producer(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, q_ready,
-                      do_ready, q_empty, do_empty, b, hk, tile, twin, SEQ_Q, GROUP, CAUSAL: gl.constexpr):
+    def _bwd_producer(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
+                      delta_smem, kv_bar, kv_free, q_ready, do_ready, q_empty, do_empty, b, hk, tile, twin, SEQ_Q,
+                      GROUP, HQ, CAUSAL: gl.constexpr):
         """One warp: the CTA's key tiles in turn; the twin's K and V once the consumers have stored the
         first tile's dK and dV from those buffers."""
         base = 0
         for nth in range(1 + (twin != tile).to(gl.int32)):
             mbarrier.wait(kv_free, (nth & 1) ^ 1)  # a fresh mbarrier counts as "previous phase complete"
-            base = _bwd_load_tile(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready,
-                                  do_ready, q_empty, do_empty, b, hk, tile + nth * (twin - tile), base, 1 - nth, SEQ_Q,
-                                  GROUP, CAUSAL)
+            base = _bwd_load_tile(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem,
+                                  do_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, b, hk,
+                                  tile + nth * (twin - tile), base, 1 - nth, SEQ_Q, GROUP, HQ, CAUSAL)
 
     @gluon.jit
-    def _attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc, LSE, DELTA, HQ, HKV, GROUP,
-                            SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, sm_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+    def _attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc, lse_desc, delta_desc, HQ,
+                            HKV, GROUP, SEQ_Q, SEQ_K, qk_scale, sm_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
         """The whole backward in one pass over the keys: two consumer warpgroups (64 keys each, one CTA
         tile of 128) and a TMA producer warp; dQ is reduce-added into an fp32 accumulator.
 
@@ -484,6 +491,8 @@ if _GLUON:
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * HALF_N, BLOCK_M], dtype)
         ds_smem = gl.allocate_shared_memory(dtype, [2, 2 * HALF_N, BLOCK_M], ds_layout)
         dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dqa_desc.block_type.shape, dqa_desc.layout)
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -504,14 +513,15 @@ if _GLUON:
         mbarrier.init(end_bar, count=2)
         fence_async_shared()
         gl.warp_specialize([
-            (_bwd_consumer, (dk_desc, dv_desc, dqa_desc, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, ds_smem,
+            (_bwd_consumer, (dk_desc, dv_desc, dqa_desc, lse_smem, delta_smem, k_smem, v_smem, q_smem, do_smem, ds_smem,
                              dq_smem, kv_bar, kv_free, q_ready, do_ready, q_empty, do_empty, ds_bar, end_bar, b, hk,
-                             tile, twin, GROUP, HQ, SEQ_Q, SEQ_PAD, qk_scale, sm_scale, CAUSAL, 0)),
-            (_bwd_consumer, (dk_desc, dv_desc, dqa_desc, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, ds_smem,
+                             tile, twin, GROUP, SEQ_Q, qk_scale, sm_scale, CAUSAL, 0)),
+            (_bwd_consumer, (dk_desc, dv_desc, dqa_desc, lse_smem, delta_smem, k_smem, v_smem, q_smem, do_smem, ds_smem,
                              dq_smem, kv_bar, kv_free, q_ready, do_ready, q_empty, do_empty, ds_bar, end_bar, b, hk,
-                             tile, twin, GROUP, HQ, SEQ_Q, SEQ_PAD, qk_scale, sm_scale, CAUSAL, 1)),
-            (_bwd_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free,
-                             q_ready, do_ready, q_empty, do_empty, b, hk, tile, twin, SEQ_Q, GROUP, CAUSAL)),
+                             tile, twin, GROUP, SEQ_Q, qk_scale, sm_scale, CAUSAL, 1)),
+            (_bwd_producer, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
+                             lse_smem, delta_smem, kv_bar, kv_free, q_ready, do_ready, q_empty, do_empty, b, hk, tile,
+                             twin, SEQ_Q, GROUP, HQ, CAUSAL)),
         ], [4, 1], [240, 24])
 
 
@@ -561,7 +571,14 @@ def attention_forward(q, k, v, o, lse, causal: bool, scale: float) -> bool:
     return True
 
 
-def _bwd_descriptors(q, k, v, do, dk, dv, dqa):
+def _rows_descriptor(t: torch.Tensor):
+    """Per-row fp32 state (lse, delta: (batch, heads, padded rows)) as 64-row TMA tiles of (batch * heads, rows)."""
+    flat = t.view(-1, t.shape[-1])
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [1, BWD_BLOCK_M], layout)
+
+
+def _bwd_descriptors(q, k, v, do, dk, dv, dqa, lse, delta):
     """The backward kernel's tiles, head dim padded as ``dqa`` is (64 at d=64, else 128)."""
     tile_d = dqa.shape[-1]
     # dQ's B operand is half the head dim of the K tile: the slice must start on a swizzle atom
@@ -569,7 +586,7 @@ def _bwd_descriptors(q, k, v, do, dk, dv, dqa):
     return (_descriptor(q, BWD_BLOCK_M, tile_d), _descriptor(k, BWD_HALF_N, tile_d, k_swizzle),
             _descriptor(v, BWD_HALF_N, tile_d), _descriptor(do, BWD_BLOCK_M, tile_d),
             _descriptor(dk, BWD_HALF_N, tile_d, k_swizzle), _descriptor(dv, BWD_HALF_N, tile_d),
-            _descriptor(dqa, BWD_BLOCK_M, tile_d // 2))
+            _descriptor(dqa, BWD_BLOCK_M, tile_d // 2), _rows_descriptor(lse), _rows_descriptor(delta))
 
 
 def attention_backward(q, k, v, do, dqa, dk, dv, lse, delta, causal: bool, scale: float) -> bool:
@@ -584,8 +601,7 @@ def attention_backward(q, k, v, do, dqa, dk, dv, lse, delta, causal: bool, scale
     heads_kv, seq_k = k.shape[1], k.shape[2]
     tiles = triton.cdiv(seq_k, 2 * BWD_HALF_N)
     grid = (batch * heads_kv, triton.cdiv(tiles, 2) if causal else tiles)  # causal: a CTA takes tiles i and -1-i
-    _attn_bwd_ws_kernel[grid](*_bwd_descriptors(q, k, v, do, dk, dv, dqa), lse, delta, heads_q, heads_kv,
-                              heads_q // heads_kv, seq_q, seq_k, lse.shape[-1], scale * LOG2E, scale,
-                              CAUSAL=bool(causal),
+    _attn_bwd_ws_kernel[grid](*_bwd_descriptors(q, k, v, do, dk, dv, dqa, lse, delta), heads_q, heads_kv,
+                              heads_q // heads_kv, seq_q, seq_k, scale * LOG2E, scale, CAUSAL=bool(causal),
                               STAGES=STAGES, num_warps=4, maxnreg=MAXNREG)
     return True
