@@ -130,17 +130,20 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, b, hk, skb, skh, sks, svb, svh, svs, lo, 
 
 
 @triton.jit
-def _q_block(HQ, GROUP, SEQ_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+def _q_block(HQ, GROUP, SEQ_Q, SEQ_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """The q block a forward / dQ program owns and the key range it walks.
 
     Returns (b, h, hk, bh, start_m, offs_m, mid, hi): keys [0, mid) are whole unmasked blocks, [mid,
-    hi) need the causal / seq_k mask. The grid is (batch * heads, q blocks): heads vary fastest, so
-    the q heads of a GQA group run side by side on the same K/V (L2 hits), and causal grids hand out
-    the longest rows of every head first, so the tail of the grid is made of short programs."""
-    pid_m = tl.program_id(1)
+    hi) need the causal / seq_k mask. The grid is one axis, q blocks fastest: a head's programs run
+    side by side on its K/V (and a GQA group's heads follow each other), so K/V come from L2, and
+    causal grids take each head's longest rows first. With heads fastest, one program per head was
+    in flight once batch x heads passed the SM count, and 8x32x2048x64's causal forward fell from
+    349 to 193 TFLOP/s on an H100."""
+    n_m = tl.cdiv(SEQ_Q, BLOCK_M)
+    pid_m = tl.program_id(0) % n_m
     if CAUSAL:
-        pid_m = tl.num_programs(1) - 1 - pid_m
-    bh = tl.program_id(0)
+        pid_m = n_m - 1 - pid_m
+    bh = tl.program_id(0) // n_m
     b = bh // HQ
     h = bh % HQ
     start_m = pid_m * BLOCK_M
@@ -160,7 +163,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
                      HQ, GROUP, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale,
                      D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, SCALE_POS: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
-    b, h, hk, bh, start_m, offs_m, mid, hi = _q_block(HQ, GROUP, SEQ_K, BLOCK_M, BLOCK_N, CAUSAL)
+    b, h, hk, bh, start_m, offs_m, mid, hi = _q_block(HQ, GROUP, SEQ_Q, SEQ_K, BLOCK_M, BLOCK_N, CAUSAL)
     q = _tile_load(Q, b, h, start_m, sqb, sqh, sqs, SEQ_Q, BLOCK_M, D, DP, TMA, True)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -250,8 +253,9 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DQA,
     Causal: one masked loop from the diagonal on. Splitting off the unmasked blocks (as the
     forward does) put two software pipelines in one kernel, which spilled at 64x128 tiles and ran
     7-10% slower on the H100."""
-    pid_n = tl.program_id(1)  # grid (batch * kv heads, key blocks): causal's longest blocks (pid_n 0) first
-    bhk = tl.program_id(0)
+    n_n = tl.cdiv(SEQ_K, BLOCK_N)  # one axis, a kv head's key blocks side by side (they share Q/dO in L2)
+    pid_n = tl.program_id(0) % n_n
+    bhk = tl.program_id(0) // n_n
     b = bhk // HKV
     hk = bhk % HKV
     start_n = pid_n * BLOCK_N
@@ -301,7 +305,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA,
                         HQ, GROUP, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, sm_scale,
                         D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         CAUSAL: tl.constexpr, TMA: tl.constexpr):
-    b, h, hk, bh, start_m, offs_m, mid, hi = _q_block(HQ, GROUP, SEQ_K, BLOCK_M, BLOCK_N, CAUSAL)
+    b, h, hk, bh, start_m, offs_m, mid, hi = _q_block(HQ, GROUP, SEQ_Q, SEQ_K, BLOCK_M, BLOCK_N, CAUSAL)
     q = _tile_load(Q, b, h, start_m, sqb, sqh, sqs, SEQ_Q, BLOCK_M, D, DP, TMA, True)
     do = _tile_load(DO, b, h, start_m, sdb, sdh, sds, SEQ_Q, BLOCK_M, D, DP, TMA, True)
     lse = tl.load(LSE + bh.to(tl.int64) * SEQ_PAD + offs_m)
@@ -447,7 +451,7 @@ def attention_forward(q, k, v, causal: bool, scale: float):
         Qa, Ka, Va, Oa = _desc(q, BM, DP), _desc(k, BN, DP), _desc(v, BN, DP), _desc(o, BM, DP)
     else:
         Qa, Ka, Va, Oa = q, k, v, o
-    launch(_attn_fwd_kernel, (B * HQ, cdiv(SQ, BM)),
+    launch(_attn_fwd_kernel, (B * HQ * cdiv(SQ, BM), ),
            (Qa, Ka, Va, Oa, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
             HQ, HQ // HKV, SQ, SK, lse.shape[-1], scale * LOG2E),
            dict(D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), SCALE_POS=scale > 0, TMA=tma,
@@ -500,7 +504,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     else:
         args = (q, k, v, do, dk, dv)
     dqa_arg = _desc(dqa, BM, DP) if tma_reduce else dqa
-    launch(_attn_bwd_dkdv_kernel, (B * HKV, cdiv(SK, BN)),
+    launch(_attn_bwd_dkdv_kernel, (B * HKV * cdiv(SK, BN), ),
            (*args, lse, delta, dqa_arg, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
             *_strides(dv), HQ, HKV, HQ // HKV, SQ, SK, lse.shape[-1], qk_scale, scale),
            dict(D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), TMA=tma, DQ_ATOMIC=atomic,
@@ -516,7 +520,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
         args = (_desc(q, BM, DP), _desc(k, BN, DP), _desc(v, BN, DP), _desc(do, BM, DP), _desc(dq, BM, DP))
     else:
         args = (q, k, v, do, dq)
-    launch(_attn_bwd_dq_kernel, (B * HQ, cdiv(SQ, BM)),
+    launch(_attn_bwd_dq_kernel, (B * HQ * cdiv(SQ, BM), ),
            (*args, lse, delta, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
             HQ, HQ // HKV, SQ, SK, lse.shape[-1], qk_scale, scale),
            dict(D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), TMA=tma, **cfg_q.options))
