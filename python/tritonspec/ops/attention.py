@@ -466,23 +466,24 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     DP = _head_dim_pad(D)
     if do.stride(-1) != 1:
         do = do.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # the inputs' layouts
     if q.numel() == 0 or k.numel() == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    # a backend's own backward (e.g. Hopper's one-pass warp-specialized kernel), else the portable
-    # kernels; both kinds that add dQ up across key tiles use the fp32 accumulator zeroed by the
-    # preprocess, which is launched before anything the portable kernels alone need
-    own = lookup("attention_backward", backend=backend_for_device(q.device))
+        return dq.zero_(), dk.zero_(), dv.zero_()
     problem = _problem(q, k, causal)
+    cfg_kv = launch_config(AttentionBackwardKV, q.device, _dkdv_default(DP), **problem)
+    atomic = cfg_kv.DQ_ATOMIC
     cfg_pre = launch_config(AttentionPreprocess, q.device, _PREPROCESS_DEFAULT, **problem)
-    cfg_kv = None if own is not None else launch_config(AttentionBackwardKV, q.device, _dkdv_default(DP), **problem)
-    accumulate = own is not None or cfg_kv.DQ_ATOMIC
+
+    # a backend's own backward (e.g. Hopper's one-pass warp-specialized kernel), else the portable
+    # kernels; both kinds that add dQ up across key tiles use the fp32 accumulator zeroed here
+    own = lookup("attention_backward", backend=backend_for_device(q.device))
+    accumulate = atomic or own is not None
     delta = _padded_rows(B, HQ, SQ, 0.0, q.device)
     dqa = torch.empty((B, HQ, SQ, DP), device=q.device, dtype=torch.float32) if accumulate else delta
     pre_bm = cfg_pre.BLOCK_M
     launch(_attn_bwd_pre_kernel, (B * HQ, cdiv(SQ, pre_bm)),
            (o, do, delta, dqa, *_strides(o), *_strides(do), HQ, SQ, lse.shape[-1]),
            dict(D=D, DP=DP, BLOCK_M=pre_bm, ZERO_DQA=accumulate, **cfg_pre.options))
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # the inputs' layouts
 
     def dq_from_accumulator():
         launch(_attn_bwd_dq_convert_kernel, (B * HQ, cdiv(SQ, pre_bm)), (dqa, dq, *_strides(dq), HQ, SQ),
@@ -491,9 +492,6 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
 
     if own is not None and own(q, k, v, do, dqa, dk, dv, lse, delta, bool(causal), scale):
         return dq_from_accumulator()
-    if cfg_kv is None:  # the backend declined
-        cfg_kv = launch_config(AttentionBackwardKV, q.device, _dkdv_default(DP), **problem)
-    atomic = cfg_kv.DQ_ATOMIC
     qk_scale = scale * LOG2E
     BM, BN = cfg_kv.BLOCK_M, cfg_kv.BLOCK_N
     tma = cfg_kv.TMA and tma_ok(q, k, v, do, dk, dv)

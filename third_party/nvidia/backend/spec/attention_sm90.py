@@ -551,11 +551,11 @@ def eligible(q: torch.Tensor, k: torch.Tensor, scale: float, *tensors: torch.Ten
 
 
 @functools.lru_cache(maxsize=None)
-def _smem_layout(rows: int, cols: int, dtype: torch.dtype, swizzle: int | None):
+def _smem_layout(rows: int, cols: int, dtype: torch.dtype, swizzle: int | None, rank: int = 4):
     """A tile's swizzled shared-memory layout (the widest swizzle unless ``swizzle`` bytes are asked
-    for), built once: ``get_default_for`` costs ~19 us a call, and a forward + backward builds eleven."""
+    for), built once: ``get_default_for`` costs ~19 us a call, and a forward + backward builds thirteen."""
     if swizzle is not None:
-        return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=dtype.itemsize * 8, rank=4)
+        return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=dtype.itemsize * 8, rank=rank)
     gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], gl_dtype)
 
@@ -582,7 +582,7 @@ def attention_forward(q, k, v, o, lse, causal: bool, scale: float) -> bool:
 def _rows_descriptor(t: torch.Tensor):
     """Per-row fp32 state (lse, delta: (batch, heads, padded rows)) as 64-row TMA tiles of (batch * heads, rows)."""
     flat = t.view(-1, t.shape[-1])
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    layout = _smem_layout(1, BWD_BLOCK_M, t.dtype, 0, rank=2)  # unswizzled: read row-wise at use
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [1, BWD_BLOCK_M], layout)
 
 
