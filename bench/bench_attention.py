@@ -396,35 +396,63 @@ def gpu_only_ms(fn, n=20):
     return statistics.median(gpu), statistics.median(host)
 
 
-def gap(shapes=((2, 16, 8192, 128), (4, 32, 4096, 128))):
-    """Where do_bench's interval exceeds the GPU's own time: host latency before the first long kernel."""
+def host_ms(call, n=50, rounds=5):
+    """Host ms per call of ``call`` with the GPU kept busy (a long sleep kernel queued first), median
+    over rounds of n calls, with the compiled-launch cache on and off (Triton's own launch path)."""
+    from tritonspec.ops import _library
+    times = {True: [], False: []}
+    for _ in range(rounds):
+        for cached in (True, False):
+            _library.USE_CACHED_LAUNCH = cached
+            torch.cuda._sleep(400_000_000)
+            t = time.perf_counter()
+            for _ in range(n):
+                call()
+            times[cached].append((time.perf_counter() - t) * 1e3 / n)
+            torch.cuda.synchronize()
+    _library.USE_CACHED_LAUNCH = True
+    return statistics.median(times[True]), statistics.median(times[False])
+
+
+def gap(out_dir: str, shapes=((4, 16, 4, 2048, 128), (4, 32, 8, 2048, 64))):
+    """Where do_bench's interval exceeds the GPU's own time: host latency before and between our
+    kernels. GQA shapes in Hugging Face's layout, causal; writes a host profile of each pass."""
     import cProfile
     import pstats
     use_configs(None)
-    rows = []
+    rows, host = [], []
     for shape in shapes:
-        for causal in (False, True):
-            q, k, v, do = make_inputs(shape, seed=1)
-            for name, fn in (("cudnn", sdpa_fn(SDPBackend.CUDNN_ATTENTION, causal)), ("ours", ours_fn(causal))):
-                out = fn(q, k, v)
-                bwd = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)  # noqa: E731
-                fwd = lambda: fn(q, k, v)  # noqa: E731
-                for mode, call in (("fwd", fwd), ("bwd", bwd)):
-                    g, h = gpu_only_ms(call)
-                    rows.append((case_label(shape, causal), name, mode, bench(call), g, h))
-            torch.cuda._sleep(50_000_000)
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(5):
-                torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
-            prof.disable()
-            torch.cuda.synchronize()
-            pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
-            del q, k, v, do, out
+        q, k, v, do = make_hf_inputs(shape, seed=1)
+        for name, fn in (("cudnn", sdpa_fn(SDPBackend.CUDNN_ATTENTION, True)), ("ours", ours_fn(True))):
+            out = fn(q, k, v)
+            bwd = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)  # noqa: E731
+            fwd = lambda: fn(q, k, v)  # noqa: E731
+            for mode, call in (("fwd", fwd), ("bwd", bwd)):
+                g, h = gpu_only_ms(call)
+                rows.append((case_label(shape, True), name, mode, bench(call), g, h))
+                if name == "ours":
+                    host.append((case_label(shape, True), mode, *host_ms(call)))
+                    torch.cuda._sleep(200_000_000)  # the GPU stays busy: the profile sees the host alone
+                    prof = cProfile.Profile()
+                    prof.enable()
+                    for _ in range(20):
+                        call()
+                    prof.disable()
+                    torch.cuda.synchronize()
+                    path = os.path.join(out_dir, f"host_{mode}_{case_label(shape, True).split()[0]}.txt")
+                    with open(path, "w") as fh:
+                        stats = pstats.Stats(prof, stream=fh)
+                        stats.sort_stats("tottime").print_stats(30)
+                        stats.sort_stats("cumulative").print_stats(40)
+        del q, k, v, do, out
     print(env())
     print("| case | provider | pass | do_bench ms | GPU-only ms | host ms/call |\n|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.3f} | {r[4]:.3f} | {r[5]:.3f} |")
+    print("\nOur host ms per call, GPU busy (median of 5 x 50 calls), compiled-launch cache on / off:\n")
+    print("| case | pass | cached | Triton's launch path |\n|---|---|---|---|")
+    for r in host:
+        print(f"| {r[0]} | {r[1]} | {r[2]:.3f} | {r[3]:.3f} |")
 
 
 def probe():
@@ -478,7 +506,7 @@ def main(argv=None):
     elif args.probe:
         probe()
     elif args.gap:
-        gap()
+        gap(args.out)
     else:
         ap.print_help()
         return 2

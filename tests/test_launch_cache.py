@@ -91,6 +91,26 @@ def test_what_triton_specializes_on_is_a_different_key(launcher, change):
     assert len(kernel.misses) == 2 and kernel.compiled.launches == []
 
 
+def _descriptor(t, block):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+
+def test_tma_descriptors_are_keyed_by_what_triton_specializes_on(launcher):
+    """dtype and block shape (and a Gluon descriptor's layout) pick the kernel; a hit hands each call's
+    own descriptor to the launcher, which encodes its base, shape and strides."""
+    cl, kernel = launcher
+    x, y = torch.randn(64, 32), torch.randn(128, 32)
+    cl[(1,)](_descriptor(x, [16, 32]), 64, y)
+    d = _descriptor(y, [16, 32])  # another tensor and shape, same dtype and block: a hit
+    cl[(1,)](d, 64, y)
+    assert len(kernel.misses) == 1 and kernel.compiled.launches[-1][1][9] is d
+    cl[(1,)](_descriptor(x, [32, 32]), 64, y)  # another block shape
+    cl[(1,)](_descriptor(x.double(), [16, 32]), 64, y)  # another dtype
+    assert len(kernel.misses) == 3
+    assert cl.plan((1,), (d, 64, y), {}) is None  # a plan would relaunch on the recorded descriptor's memory
+
+
 def test_a_constexpr_passed_positionally_takes_tritons_path(launcher):
     """BLOCK=16 and BLOCK=32 would share an int key; positional constexprs are never cached."""
     cl, kernel = launcher

@@ -5,6 +5,7 @@ in the same dtype (both round P and dS to 16 bits before the matmuls), plus one 
 magnitude. Runs with the op's portable defaults, with the tuned sm90 table for the ``tl`` kernels, and
 as the nvidia spec ships (that table plus Hopper's warp-specialized forward).
 """
+import collections
 import json
 import os
 
@@ -192,15 +193,20 @@ def test_fp32_is_rejected_on_gpu():
         attention(x, x, x)
 
 
-class _Spy:
-    """Counts launches of a Gluon kernel (``kernel[grid](...)``) and passes them through."""
+class _LaunchSpy:
+    """Counts the Hopper module's kernel launches (through its ``launch``) and passes them through."""
 
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
+    def __init__(self, monkeypatch):
+        self.launch, self.counts = attention_sm90.launch, collections.Counter()
+        monkeypatch.setattr(attention_sm90, "launch", self)
 
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
+    def __call__(self, kernel, *args, **kwargs):
+        self.counts[kernel] += 1
+        return self.launch(kernel, *args, **kwargs)
+
+    def launches(self):
+        """(forward, backward) launches so far."""
+        return self.counts[attention_sm90._attn_fwd_ws_kernel], self.counts[attention_sm90._attn_bwd_ws_kernel]
 
 
 @pytest.mark.parametrize("seq_q,seq_k,causal", [(1000, 1000, True), (700, 300, True), (300, 700, False),
@@ -212,15 +218,12 @@ def test_hopper_kernels_run_as_shipped(seq_q, seq_k, causal, monkeypatch):
     (300 keys: 3 tiles) leave the middle one alone, and at 320 x 1000 the last tiles see no query."""
     if not _is_sm90():
         pytest.skip("Hopper's own kernels run on sm90 only")
-    spies = {}
-    for name in ("_attn_fwd_ws_kernel", "_attn_bwd_ws_kernel"):
-        spies[name] = _Spy(getattr(attention_sm90, name))
-        monkeypatch.setattr(attention_sm90, name, spies[name])
+    spy = _LaunchSpy(monkeypatch)
     g = torch.Generator(device="cuda").manual_seed(seq_q + seq_k)
     q, do = (torch.randn(2, 4, seq_q, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(2, 2, seq_k, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
     ours = _run(q, k, v, do, causal, lambda q, k, v, c: attention(q, k, v, causal=c))
-    assert [spy.launches for spy in spies.values()] == [1, 1]
+    assert spy.launches() == (1, 1)
     ref = _run(q.double(), k.double(), v.double(), do.double(), causal,
                lambda q, k, v, c: attention_ref(q, k, v, causal=c))
     sdpa = _run(q, k, v, do, causal, lambda q, k, v, c: F.scaled_dot_product_attention(
@@ -237,9 +240,7 @@ def test_hopper_kernels_decline_what_they_were_not_measured_on(case, monkeypatch
     half the 128-row tile would idle on a decode; the backward takes them."""
     if not _is_sm90():
         pytest.skip("Hopper's own kernels run on sm90 only")
-    fwd, bwd = _Spy(attention_sm90._attn_fwd_ws_kernel), _Spy(attention_sm90._attn_bwd_ws_kernel)
-    monkeypatch.setattr(attention_sm90, "_attn_fwd_ws_kernel", fwd)
-    monkeypatch.setattr(attention_sm90, "_attn_bwd_ws_kernel", bwd)
+    spy = _LaunchSpy(monkeypatch)
     B, H, S, D, scale = 1, 2, 300, 128, None
     if case.startswith("head_dim"):
         D = int(case.split()[1])
@@ -254,7 +255,7 @@ def test_hopper_kernels_decline_what_they_were_not_measured_on(case, monkeypatch
         t.requires_grad_()
     out = attention(q, k, v, scale=scale)
     ours = (out.detach(), *torch.autograd.grad(out, (q, k, v), do))
-    assert (fwd.launches, bwd.launches) == ((0, 1) if case in ("decode", "head_dim 64") else (0, 0))
+    assert spy.launches() == ((0, 1) if case in ("decode", "head_dim 64") else (0, 0))
     ref = _run(q.double(), k.double(), v.double(), do.double(), False,
                lambda q, k, v, c: attention_ref(q, k, v, causal=c, scale=scale))
     for name, o, r in zip(("out", "dq", "dk", "dv"), ours, ref):

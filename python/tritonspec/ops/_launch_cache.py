@@ -4,9 +4,9 @@
 each launch; for a memory-bound Llama-size op that host time is what the GPU waits on. Here the
 key is built from the same facts Triton specializes on, in one pass over the positional
 arguments: a tensor's dtype (and, for all tensors together, 16-byte alignment), an int's residue
-mod 16, whether it is 1, whether it needs 64 bits, a float's type; plus the keyword arguments
-(constexprs and launch options), the device and the spec selection. Any other argument (a TMA
-descriptor) takes Triton's path. A hit calls the compiled kernel's launcher
+mod 16, whether it is 1, whether it needs 64 bits, a float's type, a host TMA descriptor's dtype,
+block shape and layout; plus the keyword arguments (constexprs and launch options), the device and
+the spec selection. Any other argument takes Triton's path. A hit calls the compiled kernel's launcher
 directly with the remembered trailing arguments (through ``CompiledKernel[grid]`` when a launch
 hook such as a profiler's is set); a miss, or any misaligned tensor, takes Triton's path.
 
@@ -69,8 +69,13 @@ class CachedLauncher:
                 key.append(a)
             elif type(a) is float:
                 key.append(float)
-            else:  # e.g. a TMA descriptor, whose block shape Triton specializes on: Triton's path
-                return None
+            else:
+                block = getattr(a, "block_shape", None)
+                if block is None:  # anything else: Triton's path
+                    return None
+                # a host TMA descriptor (tl's or Gluon's): Triton specializes on its dtype, block
+                # shape and shared layout; shape, strides and base go to the launcher on each call
+                key.append((type(a), a.base.dtype, tuple(block), getattr(a, "layout", None)))
         if addresses & 15:  # some tensor not 16-byte aligned: Triton's own path (and its cache)
             return None
         return tuple(key)
@@ -107,6 +112,8 @@ class CachedLauncher:
         if hit is None:
             return None
         _, tail, run, function, metadata, stream_of = hit
+        if any(hasattr(a, "block_shape") for a in args):
+            return None  # a descriptor holds its tensor: a plan would relaunch on the recorded call's memory
         slots = [i for i, a in enumerate(args) if isinstance(a, _Tensor)]
         fixed = [None if isinstance(a, _Tensor) else a for a in args]  # hold no tensor alive
         return LaunchPlan(run, _grid3(grid), device, stream_of, function, metadata, [*fixed, *tail], slots)

@@ -444,7 +444,7 @@ def attention_forward(q, k, v, causal: bool, scale: float):
     own = lookup("attention_forward", backend=backend_for_device(q.device))
     if own is not None and own(q, k, v, o, lse, bool(causal), scale):
         return o, lse  # the backend's own kernel (e.g. Hopper's warp-specialized one) ran
-    cfg = launch_config(AttentionForward, q.device, _fwd_default(DP), **_problem(q, k, causal))
+    cfg = launch_config(AttentionForward, q.device, lambda: _fwd_default(DP), **_problem(q, k, causal))
     BM, BN = cfg.BLOCK_M, cfg.BLOCK_N
     tma = cfg.TMA and tma_ok(q, k, v, o)
     if tma:
@@ -470,14 +470,15 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     problem = _problem(q, k, causal)
-    cfg_kv = launch_config(AttentionBackwardKV, q.device, _dkdv_default(DP), **problem)
-    atomic = cfg_kv.DQ_ATOMIC
     cfg_pre = launch_config(AttentionPreprocess, q.device, _PREPROCESS_DEFAULT, **problem)
+
+    def portable_config():
+        return launch_config(AttentionBackwardKV, q.device, lambda: _dkdv_default(DP), **problem)
 
     # a backend's own backward (e.g. Hopper's one-pass warp-specialized kernel), else the portable
     # kernels; both kinds that add dQ up across key tiles use the fp32 accumulator zeroed here
     own = lookup("attention_backward", backend=backend_for_device(q.device))
-    accumulate = atomic or own is not None
+    accumulate = own is not None or portable_config().DQ_ATOMIC
     delta = _padded_rows(B, HQ, SQ, 0.0, q.device)
     dqa = torch.empty((B, HQ, SQ, DP), device=q.device, dtype=torch.float32) if accumulate else delta
     pre_bm = cfg_pre.BLOCK_M
@@ -492,6 +493,8 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
 
     if own is not None and own(q, k, v, do, dqa, dk, dv, lse, delta, bool(causal), scale):
         return dq_from_accumulator()
+    cfg_kv = portable_config()
+    atomic = cfg_kv.DQ_ATOMIC
     qk_scale = scale * LOG2E
     BM, BN = cfg_kv.BLOCK_M, cfg_kv.BLOCK_N
     tma = cfg_kv.TMA and tma_ok(q, k, v, do, dk, dv)
@@ -511,7 +514,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     if atomic:
         return dq_from_accumulator()
 
-    cfg_q = launch_config(AttentionBackwardQ, q.device, _dq_default(DP), **problem)
+    cfg_q = launch_config(AttentionBackwardQ, q.device, lambda: _dq_default(DP), **problem)
     BM, BN = cfg_q.BLOCK_M, cfg_q.BLOCK_N
     tma = cfg_q.TMA and tma_ok(q, k, v, do, dq)
     if tma:

@@ -29,6 +29,7 @@ import functools
 
 import torch
 
+from tritonspec.ops._library import launch
 from tritonspec.ops.attention import LOG2E, tma_ok
 
 try:
@@ -572,10 +573,10 @@ def attention_forward(q, k, v, o, lse, causal: bool, scale: float) -> bool:
         return False
     batch, heads_q, seq_q, _ = q.shape
     grid = (triton.cdiv(seq_q, 2 * HALF_M), batch * heads_q)
-    _attn_fwd_ws_kernel[grid](_descriptor(q, HALF_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
-                              _descriptor(o, HALF_M), lse, heads_q, heads_q // k.shape[1], seq_q, k.shape[2],
-                              lse.shape[-1], scale * LOG2E, CAUSAL=bool(causal), STAGES=STAGES, num_warps=4,
-                              maxnreg=MAXNREG)
+    launch(_attn_fwd_ws_kernel, grid,
+           (_descriptor(q, HALF_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(o, HALF_M), lse,
+            heads_q, heads_q // k.shape[1], seq_q, k.shape[2], lse.shape[-1], scale * LOG2E),
+           dict(CAUSAL=bool(causal), STAGES=STAGES, num_warps=4, maxnreg=MAXNREG))
     return True
 
 
@@ -609,7 +610,8 @@ def attention_backward(q, k, v, do, dqa, dk, dv, lse, delta, causal: bool, scale
     heads_kv, seq_k = k.shape[1], k.shape[2]
     tiles = triton.cdiv(seq_k, 2 * BWD_HALF_N)
     grid = (triton.cdiv(tiles, 2) if causal else tiles, batch * heads_kv)  # causal: a CTA takes tiles i and -1-i
-    _attn_bwd_ws_kernel[grid](*_bwd_descriptors(q, k, v, do, dk, dv, dqa, lse, delta), heads_q, heads_kv,
-                              heads_q // heads_kv, seq_q, seq_k, scale * LOG2E, scale, CAUSAL=bool(causal),
-                              STAGES=STAGES, num_warps=4, maxnreg=MAXNREG)
+    launch(_attn_bwd_ws_kernel, grid,
+           (*_bwd_descriptors(q, k, v, do, dk, dv, dqa, lse, delta), heads_q, heads_kv, heads_q // heads_kv, seq_q,
+            seq_k, scale * LOG2E, scale),
+           dict(CAUSAL=bool(causal), STAGES=STAGES, num_warps=4, maxnreg=MAXNREG))
     return True
