@@ -307,7 +307,7 @@ def test_hopper_attention_kernels_compile_for_sm90(compiled):
 def check_hopper_attention_kernels_compile():
     """The Gluon kernels with the descriptors the hooks build: 12 warps (two consumer warpgroups, a
     producer warp rounded up to a warpgroup), registers moved between partitions, async wgmma,
-    within the SM's 227 KB of shared memory; the backward at head dims 128 and 64 (its own swizzle)."""
+    within the SM's 227 KB of shared memory; both at head dims 128 and 64 (the backward with its own swizzle)."""
     from tritonspec_backends.nvidia.backend.spec import attention_sm90 as hopper
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -323,12 +323,11 @@ def check_hopper_attention_kernels_compile():
         t = torch.empty(1, 2, 256, d, dtype=dtype)
         dqa = torch.empty(1, 2, 256, d, dtype=torch.float32)
         rows = torch.empty(1, 2, 256, dtype=torch.float32)
-        if d == 128:
-            fwd = (hopper._descriptor(t, hopper.HALF_M), hopper._descriptor(t, hopper.BLOCK_N),
-                   hopper._descriptor(t, hopper.BLOCK_N), hopper._descriptor(t, hopper.HALF_M))
-            cases.append((hopper._attn_fwd_ws_kernel, causal,
-                          sig(("q_desc", "k_desc", "v_desc", "o_desc"), fwd, LSE="*fp32", qk_scale="fp32",
-                              SEQ_PAD="i32", **i32)))
+        fwd = tuple(hopper._descriptor(t, rows, d) for rows in (hopper.HALF_M, hopper.BLOCK_N, hopper.BLOCK_N,
+                                                                 hopper.HALF_M))
+        cases.append((hopper._attn_fwd_ws_kernel, causal,
+                      sig(("q_desc", "k_desc", "v_desc", "o_desc"), fwd, LSE="*fp32", qk_scale="fp32",
+                          SEQ_PAD="i32", BH="i32", **i32)))
         bwd = hopper._bwd_descriptors(t, t, t, t, t, t, dqa, rows, rows)
         names = ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "dqa_desc", "lse_desc", "delta_desc")
         cases.append((hopper._attn_bwd_ws_kernel, causal,
