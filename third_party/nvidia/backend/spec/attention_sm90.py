@@ -250,8 +250,8 @@ if _GLUON:
             hk = h // GROUP
             for k in range(_fwd_unit_tiles(u, n_m, CAUSAL)):
                 start_m, n, mask_from = _fwd_tile(u, k, n_m, SEQ_K, CAUSAL, 2 * HALF_M, BLOCK_N)
-                for c in gl.static_range(2):
-                    mbarrier.wait(q_empty.index(c), (done & 1) ^ 1)  # a fresh mbarrier counts as "previous phase complete"
+                for c in gl.static_range(2):  # (a fresh mbarrier counts as "previous phase complete")
+                    mbarrier.wait(q_empty.index(c), (done & 1) ^ 1)
                     mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
                     _tma_load(q_desc, [b, h, start_m + c * HALF_M, 0], q_bars.index(c), q_smem.index(c))
                 for j in range(ring, ring + n):
