@@ -370,7 +370,9 @@ def test_hopper_backward_tiles(d):
     q, k, v, do, dk, dv, dqa, lse, delta = hopper._bwd_descriptors(t, t, t, t, t, t, torch.zeros(1, 2, 100, pad),
                                                                    rows, rows)
     assert [x.block_shape[-1] for x in (q, k, v, do, dk, dv)] == [pad] * 6 and dqa.block_shape[-1] == pad // 2
-    assert lse.block_shape == delta.block_shape == [1, hopper.BWD_BLOCK_M]  # one q block's rows
+    block_m = hopper.BWD_BLOCK_M_D64 if d == 64 else hopper.BWD_BLOCK_M  # d=64: longer steps, same bytes
+    assert q.block_shape[2] == do.block_shape[2] == dqa.block_shape[2] == block_m
+    assert lse.block_shape == delta.block_shape == [1, block_m]  # one q block's rows
     for tile in (k, dk):
         assert tile.layout.swizzle_byte_width <= pad // 2 * t.element_size()
     assert dk.layout == k.layout

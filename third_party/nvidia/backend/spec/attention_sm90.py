@@ -11,8 +11,9 @@ and shortest query tiles, so all are equal): each tile's Q and K/V load while th
 finishes and its output leaves, which took the 2048-token causal shapes from 93-95% of cuDNN to 102-106%.
 
 The backward is one pass over the keys, built the same way: a CTA holds 128 keys of one kv head, 64
-per consumer warpgroup, and the producer streams 64-row Q and dO blocks of every q head of the group
-(block by block, each block for all the group's heads: the CTAs of a kv head then share them in L2),
+per consumer warpgroup, and the producer streams 64-row (at head_dim 64, 128-row) Q and dO blocks of
+every q head of the group (block by block, each block for all the group's heads: the CTAs of a kv
+head then share them in L2),
 with each block's lse and delta rows.
 dK and dV stay in registers; dQ = dS K goes out every step, each warpgroup taking half the head dim
 over all 128 keys (the dS^T halves meet in shared memory), as TMA reduce-adds into an fp32
@@ -53,6 +54,9 @@ STAGES = 2  # ring depth (forward K/V, backward Q/dO): 3 measured no faster in e
 HEAD_DIM = 128  # the tile's head dim (64 at head_dim 64); other head dims below it are zero-filled by TMA
 BWD_HALF_N = 64  # backward: keys per consumer warpgroup; a CTA covers 2 * BWD_HALF_N
 BWD_BLOCK_M = 64  # backward: query rows per pipeline stage (Q and dO rings)
+# the same at head_dim 64, where 64-row steps leave the matmuls too short: 128 took 1x32/8x8192x64 from
+# 1.877 to 1.767 ms on an H100 (ptxas spills 408 bytes in the causal kernel; 64 rows spilled none)
+BWD_BLOCK_M_D64 = 128
 # Registers: the worker consumer warpgroup takes 240 and the producer warp 24 (``warp_specialize``
 # below); the default partition (the other consumer) gets what is left of 12 warps x MAXNREG.
 MAXNREG = 168
@@ -645,22 +649,24 @@ def attention_forward(q, k, v, o, lse, causal: bool, scale: float) -> bool:
     return True
 
 
-def _rows_descriptor(t: torch.Tensor):
-    """Per-row fp32 state (lse, delta: (batch, heads, padded rows)) as 64-row TMA tiles of (batch * heads, rows)."""
+def _rows_descriptor(t: torch.Tensor, rows: int):
+    """Per-row fp32 state (lse, delta: (batch, heads, padded rows)) as one q block's TMA tiles of
+    (batch * heads, rows)."""
     flat = t.view(-1, t.shape[-1])
-    layout = _smem_layout(1, BWD_BLOCK_M, t.dtype, 0, rank=2)  # unswizzled: read row-wise at use
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [1, BWD_BLOCK_M], layout)
+    layout = _smem_layout(1, rows, t.dtype, 0, rank=2)  # unswizzled: read row-wise at use
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [1, rows], layout)
 
 
 def _bwd_descriptors(q, k, v, do, dk, dv, dqa, lse, delta):
     """The backward kernel's tiles, head dim padded as ``dqa`` is (64 at d=64, else 128)."""
     tile_d = dqa.shape[-1]
+    block_m = BWD_BLOCK_M_D64 if tile_d == 64 else BWD_BLOCK_M
     # dQ's B operand is half the head dim of the K tile: the slice must start on a swizzle atom
     k_swizzle = tile_d  # bytes: half a row of 16-bit elements
-    return (_descriptor(q, BWD_BLOCK_M, tile_d), _descriptor(k, BWD_HALF_N, tile_d, k_swizzle),
-            _descriptor(v, BWD_HALF_N, tile_d), _descriptor(do, BWD_BLOCK_M, tile_d),
+    return (_descriptor(q, block_m, tile_d), _descriptor(k, BWD_HALF_N, tile_d, k_swizzle),
+            _descriptor(v, BWD_HALF_N, tile_d), _descriptor(do, block_m, tile_d),
             _descriptor(dk, BWD_HALF_N, tile_d, k_swizzle), _descriptor(dv, BWD_HALF_N, tile_d),
-            _descriptor(dqa, BWD_BLOCK_M, tile_d // 2), _rows_descriptor(lse), _rows_descriptor(delta))
+            _descriptor(dqa, block_m, tile_d // 2), _rows_descriptor(lse, block_m), _rows_descriptor(delta, block_m))
 
 
 def attention_backward(q, k, v, do, dqa, dk, dv, lse, delta, causal: bool, scale: float) -> bool:
