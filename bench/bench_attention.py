@@ -9,8 +9,9 @@ Modes:
   --gqa        the same at grouped-query shapes of real models (Llama-3-8B, Qwen3, Llama-3.2-1B style), causal,
                with q, k, v and dO in Hugging Face's layout ((batch, seq, heads, dim) transposed); SDPA gets
                enable_gqa=True as transformers passes it
-  --gap        per provider: do_bench ms vs GPU-only ms (host kept ahead) and host ms per call, so
-               the host latency inside each timed interval shows; plus a host profile of our backward
+  --gap        at two GQA shapes, per provider: do_bench ms vs GPU-only ms (host kept ahead) and host ms
+               per call, so the host latency inside each timed interval shows; our host ms per call with
+               the compiled-launch cache on and off; host profiles of our passes (files in --out)
 
 TFLOP/s: forward 4*b*h*s*s*d (halved when causal), backward 2.5x forward. Timings are do_bench
 medians (L2 flushed between runs); the backward is torch.autograd.grad on a saved graph, so it
