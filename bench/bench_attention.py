@@ -402,16 +402,18 @@ def host_ms(call, n=50, rounds=5):
     over rounds of n calls, with the compiled-launch cache on and off (Triton's own launch path)."""
     from tritonspec.ops import _library
     times = {True: [], False: []}
-    for _ in range(rounds):
-        for cached in (True, False):
-            _library.USE_CACHED_LAUNCH = cached
-            torch.cuda._sleep(400_000_000)
-            t = time.perf_counter()
-            for _ in range(n):
-                call()
-            times[cached].append((time.perf_counter() - t) * 1e3 / n)
-            torch.cuda.synchronize()
-    _library.USE_CACHED_LAUNCH = True
+    try:
+        for _ in range(rounds):
+            for cached in (True, False):
+                _library.USE_CACHED_LAUNCH = cached
+                torch.cuda._sleep(400_000_000)
+                t = time.perf_counter()
+                for _ in range(n):
+                    call()
+                times[cached].append((time.perf_counter() - t) * 1e3 / n)
+                torch.cuda.synchronize()
+    finally:
+        _library.USE_CACHED_LAUNCH = True
     return statistics.median(times[True]), statistics.median(times[False])
 
 

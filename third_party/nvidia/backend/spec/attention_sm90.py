@@ -8,13 +8,13 @@ by mbarriers. Nothing ties the consumers to each other, so one's softmax runs un
 matmuls. On an H100 this took the head_dim-128 forward from 450-500 to 550-610 TFLOP/s, cuDNN's
 speed. The forward is persistent (a CTA per SM walks work units; causal units pair a head's longest
 and shortest query tiles, so all are equal): each tile's Q and K/V load while the previous tile
-finishes and its output leaves, which took the 2048-token causal shapes from 93-95% of cuDNN to 102-106%.
+finishes and its output leaves, which took the 2048-token causal shapes from 93-95% of cuDNN's speed
+to 102-107% (GPU time).
 
 The backward is one pass over the keys, built the same way: a CTA holds 128 keys of one kv head, 64
 per consumer warpgroup, and the producer streams 64-row (at head_dim 64, 128-row) Q and dO blocks of
 every q head of the group (block by block, each block for all the group's heads: the CTAs of a kv
-head then share them in L2),
-with each block's lse and delta rows.
+head then share them in L2), with each block's lse and delta rows.
 dK and dV stay in registers; dQ = dS K goes out every step, each warpgroup taking half the head dim
 over all 128 keys (the dS^T halves meet in shared memory), as TMA reduce-adds into an fp32
 accumulator. That is 5 matmuls per step where the portable kernels' separate dQ pass spends 7;
