@@ -80,6 +80,19 @@ if _GLUON:
                                                       src.handle)
 
     @gluon.jit
+    def _to_pairs(x, dtype: gl.constexpr):
+        """x.to(dtype) for 16-bit dtypes, two columns per instruction straight into the packed register
+        the wgmma A operand reads (``.to`` converts one at a time and ptxas then swaps the halves of
+        every pair: a PRMT per register per step)."""
+        if dtype == gl.bfloat16:
+            y = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16,
+                                          is_pure=True, pack=2)
+        else:
+            y = gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.float16,
+                                          is_pure=True, pack=2)
+        return y
+
+    @gluon.jit
     def _softmax(s, m_i, l_i, qk_scale, j, offs_m, SEQ_K, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                  MASKED: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, dtype: gl.constexpr):
         """Online-softmax step on the raw scores of key block j: (p as p.v's A operand, alpha, m, l).
@@ -95,7 +108,7 @@ if _GLUON:
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, 1)
-        p = gl.convert_layout(p.to(dtype), p_layout)
+        p = gl.convert_layout(_to_pairs(p, dtype), p_layout)
         return p, alpha, m_new, l_i
 
     @gluon.jit
