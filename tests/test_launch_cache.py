@@ -108,7 +108,16 @@ def test_tma_descriptors_are_keyed_by_what_triton_specializes_on(launcher):
     cl[(1,)](_descriptor(x, [32, 32]), 64, y)  # another block shape
     cl[(1,)](_descriptor(x.double(), [16, 32]), 64, y)  # another dtype
     assert len(kernel.misses) == 3
-    assert cl.plan((1,), (d, 64, y), {}) is None  # a plan would relaunch on the recorded descriptor's memory
+    # a plan holds neither the descriptor (it holds its tensor) nor the tensor: each call hands both
+    plan = cl.plan((1,), (d, 64, y), {})
+    assert plan.args[0] is None and plan.args[2] is None
+    d2, y2 = _descriptor(torch.randn(32, 32), [16, 32]), torch.randn(128, 32)
+    assert plan(d2, y2)
+    launched = kernel.compiled.launches[-1][1][9:12]
+    assert launched[0] is d2 and launched[1] == 64 and launched[2] is y2
+    bad = _descriptor(torch.randn(32, 32), [16, 32])
+    bad.base = torch.randn(32 * 32 + 1)[1:].view(32, 32)  # 4 bytes past a 16-byte boundary
+    assert not plan(bad, y2)
 
 
 def test_a_constexpr_passed_positionally_takes_tritons_path(launcher):
@@ -224,3 +233,13 @@ def test_an_ops_plan_cache_is_bounded_and_dropped_with_the_spec_registry(monkeyp
     assert dict(plans) == {3: "plan"}
     tritonspec.register_spec("plan-cache-test", make_spec("plan_cache_spec"))
     assert plans == {}
+
+
+def test_plans_are_not_used_while_cached_launches_are_off(monkeypatch):
+    """USE_CACHED_LAUNCH=False means Triton's launch path everywhere: an op's recorded plans stay unused."""
+    from tritonspec.ops import _library
+    plans = _library.PlanCache()
+    plans["problem"] = "plan"
+    assert plans.get("problem") == "plan"
+    monkeypatch.setattr(_library, "USE_CACHED_LAUNCH", False)
+    assert plans.get("problem") is None

@@ -194,11 +194,14 @@ def test_fp32_is_rejected_on_gpu():
 
 
 class _LaunchSpy:
-    """Counts the Hopper module's kernel launches (through its ``launch``) and passes them through."""
+    """Counts the Hopper module's kernel launches (through its ``launch``) and passes them through.
+    Starts with no launch plans, so a problem an earlier test ran launches through ``launch`` again."""
 
     def __init__(self, monkeypatch):
         self.launch, self.counts = attention_sm90.launch, collections.Counter()
         monkeypatch.setattr(attention_sm90, "launch", self)
+        attention_sm90._FWD_PLANS.clear()
+        attention_sm90._BWD_PLANS.clear()
 
     def __call__(self, kernel, *args, **kwargs):
         self.counts[kernel] += 1
@@ -234,6 +237,30 @@ def test_hopper_kernels_run_as_shipped(seq_q, seq_k, causal, monkeypatch):
     for name, o, r, s in zip(("out", "dq", "dk", "dv"), ours, ref, sdpa):
         err, err_sdpa = (o.double() - r).abs().max().item(), (s.double() - r).abs().max().item()
         assert err <= 3 * err_sdpa + _EPS[torch.bfloat16] * r.abs().max().item(), name
+
+
+def test_a_repeated_problem_relaunches_its_plan_on_the_new_tensors(monkeypatch):
+    """A problem's second call launches the plan its first call recorded (no ``launch`` call, no
+    descriptor built from scratch): the outputs and gradients are the second inputs', in Hugging
+    Face's transposed layout, against float64."""
+    if not _is_sm90():
+        pytest.skip("Hopper's own kernels run on sm90 only")
+    spy = _LaunchSpy(monkeypatch)
+    for seed in (1, 2):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        q, do = (torch.randn(2, 700, 8, 128, device="cuda", generator=g).to(torch.bfloat16).transpose(1, 2)
+                 for _ in range(2))
+        k, v = (torch.randn(2, 700, 2, 128, device="cuda", generator=g).to(torch.bfloat16).transpose(1, 2)
+                for _ in range(2))
+        ours = _run(q, k, v, do, True, lambda q, k, v, c: attention(q, k, v, causal=c))
+        assert spy.launches() == (1, 1)  # the first call's; the second went through the plans
+        ref = _run(q.double(), k.double(), v.double(), do.double(), True,
+                   lambda q, k, v, c: attention_ref(q, k, v, causal=c))
+        sdpa = _run(q, k, v, do, True, lambda q, k, v, c: F.scaled_dot_product_attention(
+            q, k, v, is_causal=c, enable_gqa=True))
+        for name, o, r, s in zip(("out", "dq", "dk", "dv"), ours, ref, sdpa):
+            err, err_sdpa = (o.double() - r).abs().max().item(), (s.double() - r).abs().max().item()
+            assert err <= 3 * err_sdpa + _EPS[torch.bfloat16] * r.abs().max().item(), name
 
 
 @pytest.mark.parametrize("case", ["head_dim 48", "head_dim 64", "decode", "negative scale", "unaligned stride"])

@@ -112,10 +112,10 @@ class CachedLauncher:
         if hit is None:
             return None
         _, tail, run, function, metadata, stream_of = hit
-        if any(hasattr(a, "block_shape") for a in args):
-            return None  # a descriptor holds its tensor: a plan would relaunch on the recorded call's memory
-        slots = [i for i, a in enumerate(args) if isinstance(a, _Tensor)]
-        fixed = [None if isinstance(a, _Tensor) else a for a in args]  # hold no tensor alive
+        slots = [i for i, a in enumerate(args) if isinstance(a, _Tensor) or hasattr(a, "block_shape")]
+        fixed = list(args)
+        for i in slots:
+            fixed[i] = None  # hold no tensor alive (a descriptor holds its tensor)
         return LaunchPlan(run, _grid3(grid), device, stream_of, function, metadata, [*fixed, *tail], slots)
 
 
@@ -132,7 +132,9 @@ class LaunchPlan:
 
     For an op's eager hot path, keyed by the op on whatever fixes the other arguments (shapes,
     dtypes, eps, ...), so a repeated call skips the launch config and the per-argument cache key.
-    The tensors come in the order they appear in the arguments. A call returns False and launches
+    The tensors come in the order they appear in the arguments; so do host TMA descriptors, each
+    of the dtype, block shape and layout of the one recorded (the op's key fixes them). A call
+    returns False and launches
     nothing when the compiled kernel may not be reused as is (a tensor not 16-byte aligned, another
     current device or spec selection, a launch hook set): the op then takes its ordinary path.
     """
@@ -147,7 +149,7 @@ class LaunchPlan:
     def __call__(self, *tensors) -> bool:
         addresses = 0
         for t in tensors:
-            addresses |= t.data_ptr()
+            addresses |= t.data_ptr() if isinstance(t, _Tensor) else t.base.data_ptr()
         if (addresses & 15 or self.jit_key != selection_key() or torch.cuda.current_device() != self.device
                 or _hooks_set()):
             return False

@@ -203,6 +203,10 @@ class PlanCache(dict):
             self.clear()
         super().__setitem__(key, plan)
 
+    def get(self, key, default=None):
+        """The plan for ``key``; none while USE_CACHED_LAUNCH is off (every launch takes Triton's path)."""
+        return super().get(key, default) if USE_CACHED_LAUNCH else default
+
 
 def launch(kernel, grid, args: tuple, kwargs: dict, *, traced: bool = False, plan: bool = False):
     """``launcher(kernel, traced)[grid](*args, **kwargs)``; with ``plan=True`` (eager calls) also

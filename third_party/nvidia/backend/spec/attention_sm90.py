@@ -32,11 +32,10 @@ import functools
 
 import torch
 
-from tritonspec.ops._library import launch
+from tritonspec.ops._library import PlanCache, cdiv, launch
 from tritonspec.ops.attention import LOG2E, tma_ok
 
 try:
-    import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -644,21 +643,55 @@ def _descriptor(t: torch.Tensor, rows: int, cols: int = HEAD_DIM, swizzle: int |
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, cols], layout)
 
 
+# Eager launch plans by problem (every shape and stride, dtype, causal, scale, device): a repeated
+# call skips eligible(), the descriptors' validation and the launch key, host time that a
+# 2048-token step waits on. A plan holds no tensor: each call rebases the recorded descriptors.
+_FWD_PLANS = PlanCache()
+_BWD_PLANS = PlanCache()
+
+
+def _problem_key(causal: bool, scale: float, *tensors: torch.Tensor) -> tuple:
+    return (tensors[0].dtype, tensors[0].device, bool(causal), scale,
+            *[(t.shape, t.stride()) for t in tensors])
+
+
+def _rebased(desc, t):
+    """``desc`` over tensor ``t`` of the same shape and strides (a plan's key fixed them), without
+    TensorDescriptor's validation; ``t=None`` for the copy a plan keeps."""
+    rebased = object.__new__(TensorDescriptor)
+    rebased.__dict__.update(desc.__dict__)
+    rebased.base = t
+    return rebased
+
+
+def _launch_planned(plans: PlanCache, key: tuple, kernel, grid, descriptors: tuple, args: tuple, kwargs: dict):
+    plan = launch(kernel, grid, (*descriptors, *args), kwargs, plan=True)
+    if plan is not None:
+        plans[key] = (plan, [_rebased(d, None) for d in descriptors])
+
+
 def attention_forward(q, k, v, o, lse, causal: bool, scale: float) -> bool:
     """The ``attention_forward`` hook: fill ``o`` and ``lse`` (base-2 logsumexp of the scaled scores,
     rows padded with +inf beforehand) and return True, or return False to leave the problem to the op."""
+    key = _problem_key(causal, scale, q, k, v, o, lse)
+    hit = _FWD_PLANS.get(key)
+    if hit is not None:
+        plan, descs = hit
+        if plan(_rebased(descs[0], q), _rebased(descs[1], k), _rebased(descs[2], v), _rebased(descs[3], o), lse):
+            return True
     if q.shape[2] <= HALF_M or not eligible(q, k, scale, v, o):  # decode-sized queries: half a tile idles
         return False
     batch, heads_q, seq_q, d = q.shape
     tile_d = 64 if d == 64 else HEAD_DIM
-    tiles = triton.cdiv(seq_q, 2 * HALF_M)
+    tiles = cdiv(seq_q, 2 * HALF_M)
     units = batch * heads_q * ((tiles + 1) // 2 if causal else tiles)  # causal: tiles n-1-u and u together
     grid = (min(units, _sm_count(q.device)), )
-    launch(_attn_fwd_ws_kernel, grid,
-           (_descriptor(q, HALF_M, tile_d), _descriptor(k, BLOCK_N, tile_d), _descriptor(v, BLOCK_N, tile_d),
-            _descriptor(o, HALF_M, tile_d), lse,
-            batch * heads_q, heads_q, heads_q // k.shape[1], seq_q, k.shape[2], lse.shape[-1], scale * LOG2E),
-           dict(CAUSAL=bool(causal), STAGES=STAGES, num_warps=4, maxnreg=MAXNREG))
+    _launch_planned(_FWD_PLANS, key, _attn_fwd_ws_kernel, grid,
+                    (_descriptor(q, HALF_M, tile_d), _descriptor(k, BLOCK_N, tile_d),
+                     _descriptor(v, BLOCK_N, tile_d), _descriptor(o, HALF_M, tile_d)),
+                    (lse, batch * heads_q, heads_q, heads_q // k.shape[1], seq_q, k.shape[2], lse.shape[-1],
+                     scale * LOG2E),
+                    dict(CAUSAL=bool(causal), STAGES=STAGES, num_warps=4, maxnreg=MAXNREG))
     return True
 
 
@@ -688,14 +721,20 @@ def attention_backward(q, k, v, do, dqa, dk, dv, lse, delta, causal: bool, scale
     from the forward's lse and the op's delta (rowsum(dO * O)), both per q row with padded rows +inf
     and 0; or return False. dQ's fp32 sums land in arrival order, so its last bits may differ between
     runs (as FlashAttention's dQ); dK and dV are deterministic."""
+    key = _problem_key(causal, scale, q, k, v, do, dk, dv, dqa, lse, delta)
+    hit = _BWD_PLANS.get(key)
+    if hit is not None:
+        plan, descs = hit
+        tensors = (q, k, v, do, dk, dv, dqa, lse.view(-1, lse.shape[-1]), delta.view(-1, delta.shape[-1]))
+        if plan(*[_rebased(d, t) for d, t in zip(descs, tensors)]):
+            return True
     if not eligible(q, k, scale, v, do, dk, dv):
         return False
     batch, heads_q, seq_q, _ = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
-    tiles = triton.cdiv(seq_k, 2 * BWD_HALF_N)
-    grid = (triton.cdiv(tiles, 2) if causal else tiles, batch * heads_kv)  # causal: a CTA takes tiles i and -1-i
-    launch(_attn_bwd_ws_kernel, grid,
-           (*_bwd_descriptors(q, k, v, do, dk, dv, dqa, lse, delta), heads_q, heads_kv, heads_q // heads_kv, seq_q,
-            seq_k, scale * LOG2E, scale),
-           dict(CAUSAL=bool(causal), STAGES=STAGES, num_warps=4, maxnreg=MAXNREG))
+    tiles = cdiv(seq_k, 2 * BWD_HALF_N)
+    grid = (cdiv(tiles, 2) if causal else tiles, batch * heads_kv)  # causal: a CTA takes tiles i and -1-i
+    _launch_planned(_BWD_PLANS, key, _attn_bwd_ws_kernel, grid, _bwd_descriptors(q, k, v, do, dk, dv, dqa, lse, delta),
+                    (heads_q, heads_kv, heads_q // heads_kv, seq_q, seq_k, scale * LOG2E, scale),
+                    dict(CAUSAL=bool(causal), STAGES=STAGES, num_warps=4, maxnreg=MAXNREG))
     return True
