@@ -13,7 +13,7 @@ hook such as a profiler's is set); a miss, or any misaligned tensor, takes Trito
 Call sites pass runtime arguments positionally and constexprs/options by keyword, always in the
 same order (the keyword order is part of the key); a constexpr passed positionally, or a callable
 grid, takes Triton's path. ``LaunchPlan`` goes one step further for an op's hot path: it fixes
-every argument but the tensors, so a repeated call builds no key at all.
+every argument but the tensors and host TMA descriptors, so a repeated call builds no key at all.
 """
 from __future__ import annotations
 
