@@ -98,11 +98,13 @@ if _GLUON:
 
         Valid only for qk_scale > 0 (the row max is taken before scaling); the launcher checks."""
         if MASKED:
-            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            valid = gl.expand_dims(cols, 0) < SEQ_K
+            # one compare a score: the block's own column against the row's last visible one
+            cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             if CAUSAL:
-                valid = valid & (gl.expand_dims(cols, 0) <= gl.expand_dims(offs_m, 1))
-            s = gl.where(valid, s, float("-inf"))
+                last = gl.minimum(offs_m, SEQ_K - 1) - j * BLOCK_N
+            else:
+                last = gl.full_like(offs_m, SEQ_K - 1 - j * BLOCK_N)
+            s = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(last, 1), s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
         alpha = gl.exp2(m_i - m_new)
