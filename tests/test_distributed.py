@@ -50,6 +50,10 @@ def _entry(rank, fn, port, args):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         fn(rank, *args)
+        # both ranks past every collective before either tears gloo down: a rank closing its pairs
+        # while the other still used them aborted a CI run (SIGABRT, "terminate called without an
+        # active exception"; the same seed replayed clean)
+        dist.barrier()
     except BaseException as e:  # pytest's Failed (from pytest.raises) is no Exception: spawn would drop it
         raise RuntimeError(f"rank {rank}: {type(e).__name__}: {e}") from e
     finally:
