@@ -21,7 +21,11 @@ def _check(gate, up, in_place_backward=False):
     ref.backward(dy.double())
     assert y.shape == gate.shape and y.dtype == gate.dtype
     assert_close(y, ref, "y")
-    assert_close(gl.grad, g64.grad, "dgate")
+    # dgate = dy * up * sig(g) * (1 + g * (1 - sig(g))): near silu's minimum the bracket cancels, so
+    # its rounding scales with the terms, not with the result
+    sig = torch.sigmoid(g64.detach())
+    terms = (dy.double() * u64.detach() * sig).abs() * (1 + (g64.detach() * (1 - sig)).abs())
+    assert_close(gl.grad, g64.grad, "dgate", scale=terms.max().item())
     assert_close(ul.grad, u64.grad, "dup")
     return gl, ul
 
