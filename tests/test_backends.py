@@ -306,8 +306,9 @@ def test_hopper_attention_kernels_compile_for_sm90(compiled):
 @compile_check
 def check_hopper_attention_kernels_compile():
     """The Gluon kernels with the descriptors the hooks build: 12 warps (two consumer warpgroups, a
-    producer warp rounded up to a warpgroup), registers moved between partitions, async wgmma,
-    within the SM's 227 KB of shared memory; both at head dims 128 and 64 (the backward with its own swizzle)."""
+    producer warp rounded up to a warpgroup; 16 with the forward's three at d=64 without the mask),
+    registers moved between partitions, async wgmma, within the SM's 227 KB of shared memory; both at
+    head dims 128 and 64 (the backward with its own swizzle)."""
     from tritonspec_backends.nvidia.backend.spec import attention_sm90 as hopper
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -319,24 +320,30 @@ def check_hopper_attention_kernels_compile():
 
     i32 = dict.fromkeys(("HQ", "GROUP", "SEQ_Q", "SEQ_K"), "i32")
     cases = []
-    for dtype, d, causal in ((torch.bfloat16, 128, True), (torch.float16, 128, False), (torch.bfloat16, 64, True)):
+    for dtype, d, causal in ((torch.bfloat16, 128, True), (torch.float16, 128, False), (torch.bfloat16, 64, True),
+                             (torch.bfloat16, 64, False)):
         t = torch.empty(1, 2, 256, d, dtype=dtype)
         dqa = torch.empty(1, 2, 256, d, dtype=torch.float32)
         rows = torch.empty(1, 2, 256, dtype=torch.float32)
         fwd = tuple(hopper._descriptor(t, rows, d) for rows in (hopper.HALF_M, hopper.BLOCK_N, hopper.BLOCK_N,
                                                                  hopper.HALF_M))
-        cases.append((hopper._attn_fwd_ws_kernel, causal,
+        cases.append((hopper._attn_fwd_ws_kernel, causal, hopper.fwd_warpgroups(d, causal),
                       sig(("q_desc", "k_desc", "v_desc", "o_desc"), fwd, LSE="*fp32", qk_scale="fp32",
-                          SEQ_PAD="i32", BH="i32", **i32)))
+                          SEQ_PAD="i32", BH="i32", WGS="constexpr", **i32)))
+        if not causal and d == 64:
+            continue  # the backward's d=64 tiles are the causal case's
         bwd = hopper._bwd_descriptors(t, t, t, t, t, t, dqa, rows, rows)
         names = ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "dqa_desc", "lse_desc", "delta_desc")
-        cases.append((hopper._attn_bwd_ws_kernel, causal,
+        cases.append((hopper._attn_bwd_ws_kernel, causal, 2,
                       sig(names, bwd, HKV="i32", qk_scale="fp32", sm_scale="fp32", **i32)))
-    for fn, causal, signature in cases:
-        src = GluonASTSource(fn, signature, constexprs={"CAUSAL": causal, "STAGES": hopper.STAGES})
-        kernel = triton.compile(src, target=CUDA, options={"num_warps": 4, "maxnreg": hopper.MAXNREG})
+    for fn, causal, consumers, signature in cases:
+        constexprs = {"CAUSAL": causal, "STAGES": hopper.STAGES}
+        if "WGS" in signature:
+            constexprs["WGS"] = consumers
+        kernel = triton.compile(GluonASTSource(fn, signature, constexprs=constexprs), target=CUDA,
+                                options={"num_warps": 4, "maxnreg": hopper.maxnreg(consumers + 1)})
         ptx = kernel.asm["ptx"]
-        assert kernel.metadata.num_warps == 12 and kernel.metadata.shared <= 227 * 1024
+        assert kernel.metadata.num_warps == 4 * (consumers + 1) and kernel.metadata.shared <= 227 * 1024
         assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)  # the producer warp's budget
         assert "wgmma.mma_async" in ptx and "wgmma.wait_group.sync.aligned 1" in ptx
         if fn is hopper._attn_bwd_ws_kernel:  # dQ leaves as bulk reduce-adds, not per-element atomics

@@ -47,7 +47,7 @@ except ImportError:  # a Triton without Gluon: the hook always declines
 
 __all__ = ["attention_forward", "attention_backward", "eligible"]
 
-HALF_M = 64  # query rows per consumer warpgroup; a CTA covers 2 * HALF_M
+HALF_M = 64  # query rows per consumer warpgroup; a CTA covers 2 or 3 * HALF_M (``fwd_warpgroups``)
 BLOCK_N = 128  # keys per pipeline stage
 STAGES = 2  # ring depth (forward K/V, backward Q/dO): 3 measured no faster in either
 HEAD_DIM = 128  # the tile's head dim (64 at head_dim 64); other head dims below it are zero-filled by TMA
@@ -56,9 +56,6 @@ BWD_BLOCK_M = 64  # backward: query rows per pipeline stage (Q and dO rings)
 # the same at head_dim 64, where 64-row steps leave the matmuls too short: 128 took 1x32/8x8192x64 from
 # 1.877 to 1.767 ms on an H100 (ptxas spills 408 bytes in the causal kernel; 64 rows spilled none)
 BWD_BLOCK_M_D64 = 128
-# Registers: the worker consumer warpgroup takes 240 and the producer warp 24 (``warp_specialize``
-# below); the default partition (the other consumer) gets what is left of 12 warps x MAXNREG.
-MAXNREG = 168
 MAX_GRID_Y = 65535  # batch x heads index the grid's second axis (tiles go first: the CTAs sharing K/V or Q/dO)
 
 if _GLUON:
@@ -176,6 +173,7 @@ if _GLUON:
                   BH, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL: gl.constexpr, C: gl.constexpr):
         """Warpgroup C: query rows C*HALF_M .. +HALF_M of each of the CTA's tiles against their key blocks.
         The output leaves through o_smem by TMA while the next tile runs."""
+        WGS: gl.constexpr = q_smem.shape[0]
         HALF_M: gl.constexpr = q_smem.shape[3]
         D: gl.constexpr = q_smem.shape[4]
         BLOCK_N: gl.constexpr = k_smem.shape[3]
@@ -191,7 +189,7 @@ if _GLUON:
         o_tile = o_smem.index(C)
         s0 = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
 
-        n_m, per_head = _fwd_units(SEQ_Q, CAUSAL, 2 * HALF_M)
+        n_m, per_head = _fwd_units(SEQ_Q, CAUSAL, WGS * HALF_M)
         ring = 0  # K/V blocks of the CTA's earlier tiles: the ring slot of this tile's first
         done = 0  # the CTA's earlier tiles: the Q barrier's phase
         for unit in range(gl.program_id(0), per_head * BH, gl.num_programs(0)):
@@ -200,7 +198,7 @@ if _GLUON:
             b = bh // HQ
             h = bh % HQ
             for k in range(_fwd_unit_tiles(u, n_m, CAUSAL)):
-                start_m, n, mask_from = _fwd_tile(u, k, n_m, SEQ_K, CAUSAL, 2 * HALF_M, BLOCK_N)
+                start_m, n, mask_from = _fwd_tile(u, k, n_m, SEQ_K, CAUSAL, WGS * HALF_M, BLOCK_N)
                 row0 = start_m + C * HALF_M
                 offs_m = row0 + gl.arange(0, HALF_M, layout=row_s)
                 m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_s)
@@ -251,13 +249,14 @@ if _GLUON:
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                   BH, HQ, GROUP, SEQ_Q, SEQ_K, CAUSAL: gl.constexpr):
-        """One warp: for each of the CTA's tiles both Q halves (once both consumers are past the previous
-        tile's last q.k^T), then K and V block by block; a stage is refilled once both consumers released
-        it (the empty barriers count two arrivals)."""
+        """One warp: for each of the CTA's tiles every consumer's Q block (once that consumer is past the
+        previous tile's last q.k^T), then K and V block by block; a stage is refilled once every consumer
+        released it (the empty barriers count WGS arrivals)."""
+        WGS: gl.constexpr = q_smem.shape[0]
         HALF_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         NSTAGES: gl.constexpr = k_smem.shape[0]
-        n_m, per_head = _fwd_units(SEQ_Q, CAUSAL, 2 * HALF_M)
+        n_m, per_head = _fwd_units(SEQ_Q, CAUSAL, WGS * HALF_M)
         ring = 0
         done = 0
         for unit in range(gl.program_id(0), per_head * BH, gl.num_programs(0)):
@@ -267,8 +266,8 @@ if _GLUON:
             h = bh % HQ
             hk = h // GROUP
             for k in range(_fwd_unit_tiles(u, n_m, CAUSAL)):
-                start_m, n, mask_from = _fwd_tile(u, k, n_m, SEQ_K, CAUSAL, 2 * HALF_M, BLOCK_N)
-                for c in gl.static_range(2):  # (a fresh mbarrier counts as "previous phase complete")
+                start_m, n, mask_from = _fwd_tile(u, k, n_m, SEQ_K, CAUSAL, WGS * HALF_M, BLOCK_N)
+                for c in gl.static_range(WGS):  # (a fresh mbarrier counts as "previous phase complete")
                     mbarrier.wait(q_empty.index(c), (done & 1) ^ 1)
                     mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
                     _tma_load(q_desc, [b, h, start_m + c * HALF_M, 0], q_bars.index(c), q_smem.index(c))
@@ -286,44 +285,57 @@ if _GLUON:
 
     @gluon.jit
     def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, BH, HQ, GROUP, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale,
-                            CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+                            CAUSAL: gl.constexpr, STAGES: gl.constexpr, WGS: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
 
         # Persistent: one CTA per SM at most; CTA i takes work units i, i + CTAs, ... of the
         # (batch * heads) x units list, units of a head side by side (they share its K/V in L2; heads
         # fastest ran the 4x32x4096x128 causal forward at 352 TFLOP/s instead of 529: 132 heads' K/V do
         # not fit in L2). A causal unit pairs the head's tiles n-1-u and u, so every unit is the same
-        # work; a CTA's next tile loads while its last one finishes and its output leaves.
-        q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-        o_smem = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+        # work; a CTA's next tile loads while its last one finishes and its output leaves. WGS consumer
+        # warpgroups (``fwd_warpgroups``) take HALF_M rows of a tile each and share its K/V ring.
+        q_smem = gl.allocate_shared_memory(dtype, [WGS] + q_desc.block_type.shape, q_desc.layout)
+        o_smem = gl.allocate_shared_memory(dtype, [WGS] + o_desc.block_type.shape, o_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_bars = gl.allocate_shared_memory(gl.int64, [WGS, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [WGS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
+        for i in gl.static_range(WGS):
             mbarrier.init(q_bars.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)
-            mbarrier.init(v_empty.index(i), count=2)
+            mbarrier.init(k_empty.index(i), count=WGS)
+            mbarrier.init(v_empty.index(i), count=WGS)
         fence_async_shared()
 
         # (argument tuples written out in the call: a tuple held in a variable would turn its
         # constexprs into tensors)
-        gl.warp_specialize([
-            (_consumer, (o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, BH, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL, 0)),
-            (_consumer, (o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, BH, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL, 1)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, BH, HQ, GROUP, SEQ_Q, SEQ_K, CAUSAL)),
-        ], [4, 1], [240, 24])
+        if WGS == 2:
+            gl.warp_specialize([
+                (_consumer, (o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty,
+                             v_empty, BH, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL, 0)),
+                (_consumer, (o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty,
+                             v_empty, BH, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL, 1)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
+                             k_empty, v_empty, BH, HQ, GROUP, SEQ_Q, SEQ_K, CAUSAL)),
+            ], [4, 1], [240, 24])
+        else:
+            gl.warp_specialize([
+                (_consumer, (o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty,
+                             v_empty, BH, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL, 0)),
+                (_consumer, (o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty,
+                             v_empty, BH, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL, 1)),
+                (_consumer, (o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty,
+                             v_empty, BH, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL, 2)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
+                             k_empty, v_empty, BH, HQ, GROUP, SEQ_Q, SEQ_K, CAUSAL)),
+            ], [4, 4, 1], [160, 160, 24])
 
     @gluon.jit
     def _bwd_span(tile, SEQ_Q, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
@@ -607,6 +619,22 @@ if _GLUON:
         ], [4, 1], [240, 24])
 
 
+def fwd_warpgroups(head_dim: int, causal: bool) -> int:
+    """Consumer warpgroups of the forward's CTA. Three (192 query rows) at head dim 64 without the
+    mask, where each K/V tile then feeds three q.k^T and p.v pairs: 8x32x2048x64 went from 0.617-0.634
+    to 0.560-0.590 ms on an H100. Causal stays at two: the 192-row tiles' diagonal took
+    4x32/8x2048x64 from 0.192 to 0.215 ms, even with each warpgroup stopping at its own last key block."""
+    return 3 if head_dim == 64 and not causal else 2
+
+
+def maxnreg(warpgroups: int) -> int:
+    """The kernel-wide register cap for ``warpgroups`` (consumers and the producer's, rounded up) of
+    128 threads sharing the SM's 64K registers. ``warp_specialize`` then moves them between partitions:
+    the worker consumers take 240 (two consumers) or 160 (three) and the producer warp 24; the default
+    partition (consumer 0) gets what is left."""
+    return 65536 // (128 * warpgroups) // 8 * 8
+
+
 @functools.lru_cache(maxsize=None)
 def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
@@ -685,7 +713,8 @@ def attention_forward(q, k, v, o, lse, causal: bool, scale: float) -> bool:
         return False
     batch, heads_q, seq_q, d = q.shape
     tile_d = 64 if d == 64 else HEAD_DIM
-    tiles = cdiv(seq_q, 2 * HALF_M)
+    wgs = fwd_warpgroups(tile_d, causal)
+    tiles = cdiv(seq_q, wgs * HALF_M)
     units = batch * heads_q * ((tiles + 1) // 2 if causal else tiles)  # causal: tiles n-1-u and u together
     grid = (min(units, _sm_count(q.device)), )
     _launch_planned(_FWD_PLANS, key, _attn_fwd_ws_kernel, grid,
@@ -693,7 +722,7 @@ def attention_forward(q, k, v, o, lse, causal: bool, scale: float) -> bool:
                      _descriptor(v, BLOCK_N, tile_d), _descriptor(o, HALF_M, tile_d)),
                     (lse, batch * heads_q, heads_q, heads_q // k.shape[1], seq_q, k.shape[2], lse.shape[-1],
                      scale * LOG2E),
-                    dict(CAUSAL=bool(causal), STAGES=STAGES, num_warps=4, maxnreg=MAXNREG))
+                    dict(CAUSAL=bool(causal), STAGES=STAGES, WGS=wgs, num_warps=4, maxnreg=maxnreg(wgs + 1)))
     return True
 
 
@@ -738,5 +767,5 @@ def attention_backward(q, k, v, do, dqa, dk, dv, lse, delta, causal: bool, scale
     grid = (cdiv(tiles, 2) if causal else tiles, batch * heads_kv)  # causal: a CTA takes tiles i and -1-i
     _launch_planned(_BWD_PLANS, key, _attn_bwd_ws_kernel, grid, _bwd_descriptors(q, k, v, do, dk, dv, dqa, lse, delta),
                     (heads_q, heads_kv, heads_q // heads_kv, seq_q, seq_k, scale * LOG2E, scale),
-                    dict(CAUSAL=bool(causal), STAGES=STAGES, num_warps=4, maxnreg=MAXNREG))
+                    dict(CAUSAL=bool(causal), STAGES=STAGES, num_warps=4, maxnreg=maxnreg(3)))
     return True
