@@ -205,6 +205,8 @@ class _LaunchSpy:
 
     def __call__(self, kernel, *args, **kwargs):
         self.counts[kernel] += 1
+        if kernel is attention_sm90._attn_fwd_ws_kernel:
+            self.fwd_warpgroups = args[2]["WGS"]  # (grid, arguments, constexprs and options)
         return self.launch(kernel, *args, **kwargs)
 
     def launches(self):
@@ -244,6 +246,7 @@ def test_hopper_kernels_run_as_shipped(seq_q, seq_k, causal, d, monkeypatch):
     k, v = (torch.randn(2, 2, seq_k, d, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
     ours = _run(q, k, v, do, causal, lambda q, k, v, c: attention(q, k, v, causal=c))
     assert spy.launches() == (1, 1)
+    assert spy.fwd_warpgroups == (3 if d == 64 and not causal else 2)
     _assert_as_close_as_sdpa(ours, q, k, v, do, causal)
 
 
