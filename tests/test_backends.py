@@ -328,8 +328,8 @@ def check_hopper_attention_kernels_compile():
         fwd = tuple(hopper._descriptor(t, rows, d) for rows in (hopper.HALF_M, hopper.BLOCK_N, hopper.BLOCK_N,
                                                                  hopper.HALF_M))
         cases.append((hopper._attn_fwd_ws_kernel, causal, hopper.fwd_warpgroups(d, causal),
-                      sig(("q_desc", "k_desc", "v_desc", "o_desc"), fwd, LSE="*fp32", qk_scale="fp32",
-                          SEQ_PAD="i32", BH="i32", WGS="constexpr", **i32)))
+                      sig(("q_desc", "k_desc", "v_desc", "o_desc"), fwd, LSE="*fp32", SCHED="*i32",
+                          qk_scale="fp32", SEQ_PAD="i32", WGS="constexpr", **i32)))
         if not causal and d == 64:
             continue  # the backward's d=64 tiles are the causal case's
         bwd = hopper._bwd_descriptors(t, t, t, t, t, t, dqa, rows, rows)
@@ -363,6 +363,45 @@ def test_hopper_descriptors():
             desc = hopper._descriptor(t, rows)
             assert desc.block_shape == [1, 1, rows, hopper.HEAD_DIM] and list(desc.strides) == list(t.stride())
             assert desc.layout == gl.NVMMASharedLayout.get_default_for([1, 1, rows, hopper.HEAD_DIM], gl_dtype)
+
+
+def _schedule_lists(schedule, ctas):
+    offsets = schedule[:ctas + 1]
+    assert offsets[0] == ctas + 1 and offsets[-1] == len(schedule) - 1  # ... then one spare entry
+    return [schedule[offsets[c]:offsets[c + 1]] for c in range(ctas)]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("batch_heads, group, tiles, seq_k, ctas, kv_per_section",
+                         [(128, 4, 16, 2048, 132, 32), (32, 4, 64, 8192, 132, 8), (256, 1, 16, 2048, 132, 32),
+                          (24, 8, 5, 600, 7, 1), (3, 1, 2, 200, 5, 2)])
+def test_hopper_forward_schedule(batch_heads, group, tiles, seq_k, ctas, kv_per_section, causal):
+    """The persistent forward's work list takes every query tile once; heads go section by section
+    (whole GQA groups); causal tiles go longest first to the least loaded CTA, so at the GQA model shapes
+    (one section) the busiest CTA holds at most two key blocks more than the mean (pairing tiles n-1-u and u into 1024
+    equal units left it 4 over at 4x32x2048 and 1x32x8192 on 132 SMs)."""
+    from tritonspec_backends.nvidia.backend.spec import attention_sm90 as hopper
+    rows = 128
+    schedule = hopper.fwd_schedule(batch_heads, group, tiles, rows, seq_k, causal, ctas, kv_per_section)
+    lists = _schedule_lists(schedule, ctas)
+    assert sorted(code for work in lists for code in work) == list(range(batch_heads * tiles))
+    section = kv_per_section * group
+    keys = [min(seq_k, (code % tiles + 1) * rows) if causal else seq_k for code in range(batch_heads * tiles)]
+    blocks = [-(-n // hopper.BLOCK_N) for n in keys]  # each tile's key blocks
+    for work in lists:
+        sections = [code // tiles // section for code in work]
+        assert sections == sorted(sections)
+        if causal:  # within a section, longest first
+            for a, b in zip(work, work[1:]):
+                assert a // tiles // section < b // tiles // section or blocks[a] >= blocks[b]
+    load = [sum(blocks[code] for code in work) for work in lists]
+    if causal:
+        cost = [sum(blocks[code] + 1 for code in work) for work in lists]
+        assert max(cost) - min(cost) <= max(blocks) + 1  # list scheduling's bound
+        if batch_heads * tiles >= 8 * ctas and batch_heads <= section:
+            assert max(load) <= sum(load) / ctas + 2
+    else:
+        assert max(map(len, lists)) - min(map(len, lists)) <= 1
 
 
 @pytest.mark.parametrize("d", [64, 96, 128])

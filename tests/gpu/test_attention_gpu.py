@@ -232,10 +232,10 @@ def _assert_as_close_as_sdpa(ours, q, k, v, do, causal):
 def test_hopper_kernels_run_as_shipped(seq_q, seq_k, causal, d, monkeypatch):
     """No backend selected: the device resolves to the installed nvidia spec, whose Hopper kernels run
     the forward and the whole backward (seq_q != seq_k both ways: top-left causal as SDPA); the outputs
-    and all gradients match float64. Causal CTAs pair tiles i and -1-i (query tiles forward, key tiles
-    backward): odd tile counts (300 keys: 3 tiles) leave the middle one alone, and at 320 x 1000 the
-    last key tiles see no query. The forward is persistent: at 4096 and 5000 there are more work
-    units than SMs, so CTAs run several, their ring and barrier phases carried across tiles. Head dim
+    and all gradients match float64. The backward's causal CTAs pair key tiles i and -1-i: odd tile
+    counts (300 keys: 3 tiles) leave the middle one alone, and at 320 x 1000 the last key tiles see no
+    query. The forward is persistent: at 4096 and 5000 there are more query tiles than SMs, so CTAs
+    run several (causal: of different lengths), their ring and barrier phases carried across tiles. Head dim
     64 without the mask runs the forward's three-warpgroup CTAs (192-row tiles: 1000 and 4096 rows
     leave the last tile partial)."""
     if not _is_sm90():
@@ -248,6 +248,21 @@ def test_hopper_kernels_run_as_shipped(seq_q, seq_k, causal, d, monkeypatch):
     assert spy.launches() == (1, 1)
     assert spy.fwd_warpgroups == (3 if d == 64 and not causal else 2)
     _assert_as_close_as_sdpa(ours, q, k, v, do, causal)
+
+
+def test_hopper_forward_in_head_sections(monkeypatch):
+    """With an L2 too small for two kv heads' K/V, the forward's schedule goes one GQA group at a
+    time, each group's causal tiles longest first: the outputs and gradients still match float64."""
+    if not _is_sm90():
+        pytest.skip("Hopper's own kernels run on sm90 only")
+    spy = _LaunchSpy(monkeypatch)
+    monkeypatch.setattr(attention_sm90, "_l2_bytes", lambda device: 0)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, do = (torch.randn(2, 8, 3000, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(2, 2, 3000, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    ours = _run(q, k, v, do, True, lambda q, k, v, c: attention(q, k, v, causal=c))
+    assert spy.launches() == (1, 1)
+    _assert_as_close_as_sdpa(ours, q, k, v, do, True)
 
 
 def test_a_repeated_problem_relaunches_its_plan_on_the_new_tensors(monkeypatch):

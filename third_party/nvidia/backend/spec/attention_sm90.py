@@ -6,10 +6,9 @@ compute the softmax while the tensor cores idle. Here the CTA holds 128 query ro
 consumer warpgroups (64 rows each) and one producer warp that streams K/V through a TMA ring guarded
 by mbarriers. Nothing ties the consumers to each other, so one's softmax runs under the other's
 matmuls. On an H100 this took the head_dim-128 forward from 450-500 to 550-610 TFLOP/s, cuDNN's
-speed. The forward is persistent (a CTA per SM walks work units; causal units pair a head's longest
-and shortest query tiles, so all are equal): each tile's Q and K/V load while the previous tile
-finishes and its output leaves, which took the 2048-token causal shapes from 93-95% of cuDNN's speed
-to 102-107% (GPU time).
+speed. The forward is persistent (a CTA per SM walks its list of query tiles, ``fwd_schedule``):
+each tile's Q and K/V load while the previous tile finishes and its output leaves, which took the
+2048-token causal shapes from 93-95% of cuDNN's speed to 102-107% (GPU time).
 
 The backward is one pass over the keys, built the same way: a CTA holds 128 keys of one kv head, 64
 per consumer warpgroup, and the producer streams 64-row (at head_dim 64, 128-row) Q and dO blocks of
@@ -29,6 +28,8 @@ Hopper API.
 from __future__ import annotations
 
 import functools
+import heapq
+import itertools
 
 import torch
 
@@ -137,40 +138,20 @@ if _GLUON:
         return acc, p, m_i, l_i
 
     @gluon.jit
-    def _fwd_units(SEQ_Q, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
-        """(q tiles per head, work units per head): a causal unit is tiles n-1-u and u, the same work in
-        every unit; otherwise a unit is one tile."""
-        n_m = gl.cdiv(SEQ_Q, BLOCK_M)
+    def _fwd_tile(t, SEQ_K, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Query tile t of a head: its first row, its key blocks and the first that needs the mask."""
+        start_m = t * BLOCK_M
         if CAUSAL:
-            per_head = (n_m + 1) // 2
-        else:
-            per_head = n_m
-        return n_m, per_head
-
-    @gluon.jit
-    def _fwd_tile(u, k, n_m, SEQ_K, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Tile k of unit u (causal: the longer first): its first row, its key blocks and the first that
-        needs the mask."""
-        if CAUSAL:
-            start_m = (n_m - 1 - u + k * (2 * u + 1 - n_m)) * BLOCK_M
             hi = gl.minimum(start_m + BLOCK_M, SEQ_K)  # top-left aligned, as SDPA's is_causal
             mask_from = gl.minimum(start_m, SEQ_K) // BLOCK_N
         else:
-            start_m = u * BLOCK_M
             hi = SEQ_K
             mask_from = SEQ_K // BLOCK_N
         return start_m, gl.cdiv(hi, BLOCK_N), mask_from
 
     @gluon.jit
-    def _fwd_unit_tiles(u, n_m, CAUSAL: gl.constexpr):
-        if CAUSAL:
-            return 1 + (2 * u + 1 != n_m)  # the middle tile of an odd count is alone
-        else:
-            return 1
-
-    @gluon.jit
     def _consumer(o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
-                  BH, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL: gl.constexpr, C: gl.constexpr):
+                  SCHED, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL: gl.constexpr, C: gl.constexpr):
         """Warpgroup C: query rows C*HALF_M .. +HALF_M of each of the CTA's tiles against their key blocks.
         The output leaves through o_smem by TMA while the next tile runs."""
         WGS: gl.constexpr = q_smem.shape[0]
@@ -189,66 +170,69 @@ if _GLUON:
         o_tile = o_smem.index(C)
         s0 = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
 
-        n_m, per_head = _fwd_units(SEQ_Q, CAUSAL, WGS * HALF_M)
+        n_m = gl.cdiv(SEQ_Q, WGS * HALF_M)
+        begin = gl.load(SCHED + gl.program_id(0))  # the CTA's tiles: SCHED[begin:end] (``fwd_schedule``)
+        end = gl.load(SCHED + gl.program_id(0) + 1)
+        code = gl.load(SCHED + begin)
         ring = 0  # K/V blocks of the CTA's earlier tiles: the ring slot of this tile's first
         done = 0  # the CTA's earlier tiles: the Q barrier's phase
-        for unit in range(gl.program_id(0), per_head * BH, gl.num_programs(0)):
-            bh = unit // per_head
-            u = unit % per_head
+        for i in range(begin, end):
+            following = gl.load(SCHED + i + 1)  # the next tile's, read ahead (the table ends in a spare entry)
+            bh = code // n_m
             b = bh // HQ
             h = bh % HQ
-            for k in range(_fwd_unit_tiles(u, n_m, CAUSAL)):
-                start_m, n, mask_from = _fwd_tile(u, k, n_m, SEQ_K, CAUSAL, WGS * HALF_M, BLOCK_N)
-                row0 = start_m + C * HALF_M
-                offs_m = row0 + gl.arange(0, HALF_M, layout=row_s)
-                m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_s)
-                l_i = gl.zeros([HALF_M], gl.float32, layout=row_s)
-                acc = gl.zeros([HALF_M, D], gl.float32, layout=o_layout)
+            start_m, n, mask_from = _fwd_tile(code % n_m, SEQ_K, CAUSAL, WGS * HALF_M, BLOCK_N)
+            row0 = start_m + C * HALF_M
+            offs_m = row0 + gl.arange(0, HALF_M, layout=row_s)
+            m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_s)
+            l_i = gl.zeros([HALF_M], gl.float32, layout=row_s)
+            acc = gl.zeros([HALF_M, D], gl.float32, layout=o_layout)
 
-                mbarrier.wait(q_bars.index(C), done & 1)
-                first = ring % NSTAGES
-                mbarrier.wait(k_ready.index(first), (ring // NSTAGES) & 1)
-                s = warpgroup_mma(q, k_smem.index(first).reshape([BLOCK_N, D]).permute((1, 0)), s0, use_acc=False,
-                                  is_async=True)
-                s = warpgroup_mma_wait(0, deps=(s, ))
-                mbarrier.arrive(k_empty.index(first), count=1)
-                if mask_from == 0:
-                    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, 0, offs_m, SEQ_K, BLOCK_N, CAUSAL, True,
-                                                  s_layout, p_layout, q.dtype)
-                else:
-                    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, 0, offs_m, SEQ_K, BLOCK_N, CAUSAL, False,
-                                                  s_layout, p_layout, q.dtype)
-                # key block j+1 needs the mask iff j+1 >= mask_from: two loops keep the mask out of the first
-                split = gl.maximum(gl.minimum(mask_from - 1, n - 1), 0)
-                acc, p, m_i, l_i = _consume_blocks(acc, p, m_i, l_i, s0, q, k_smem, v_smem, k_ready, v_ready,
-                                                   k_empty, v_empty, 0, split, ring, qk_scale, offs_m, SEQ_K, CAUSAL,
-                                                   False, s_layout, p_layout, row_o)
-                acc, p, m_i, l_i = _consume_blocks(acc, p, m_i, l_i, s0, q, k_smem, v_smem, k_ready, v_ready,
-                                                   k_empty, v_empty, split, n - 1, ring, qk_scale, offs_m, SEQ_K,
-                                                   CAUSAL, True, s_layout, p_layout, row_o)
-                mbarrier.arrive(q_empty.index(C), count=1)  # every q.k^T is done: the next tile's Q may load
-                last = ring + n - 1
-                stage = last % NSTAGES
-                mbarrier.wait(v_ready.index(stage), (last // NSTAGES) & 1)
-                acc = warpgroup_mma(p, v_smem.index(stage).reshape([BLOCK_N, D]), acc, is_async=True)
-                acc, p = warpgroup_mma_wait(0, deps=(acc, p))
-                mbarrier.arrive(v_empty.index(stage), count=1)
+            mbarrier.wait(q_bars.index(C), done & 1)
+            first = ring % NSTAGES
+            mbarrier.wait(k_ready.index(first), (ring // NSTAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(first).reshape([BLOCK_N, D]).permute((1, 0)), s0, use_acc=False,
+                              is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s, ))
+            mbarrier.arrive(k_empty.index(first), count=1)
+            if mask_from == 0:
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, 0, offs_m, SEQ_K, BLOCK_N, CAUSAL, True,
+                                              s_layout, p_layout, q.dtype)
+            else:
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, 0, offs_m, SEQ_K, BLOCK_N, CAUSAL, False,
+                                              s_layout, p_layout, q.dtype)
+            # key block j+1 needs the mask iff j+1 >= mask_from: two loops keep the mask out of the first
+            split = gl.maximum(gl.minimum(mask_from - 1, n - 1), 0)
+            acc, p, m_i, l_i = _consume_blocks(acc, p, m_i, l_i, s0, q, k_smem, v_smem, k_ready, v_ready,
+                                               k_empty, v_empty, 0, split, ring, qk_scale, offs_m, SEQ_K, CAUSAL,
+                                               False, s_layout, p_layout, row_o)
+            acc, p, m_i, l_i = _consume_blocks(acc, p, m_i, l_i, s0, q, k_smem, v_smem, k_ready, v_ready,
+                                               k_empty, v_empty, split, n - 1, ring, qk_scale, offs_m, SEQ_K,
+                                               CAUSAL, True, s_layout, p_layout, row_o)
+            mbarrier.arrive(q_empty.index(C), count=1)  # every q.k^T is done: the next tile's Q may load
+            last = ring + n - 1
+            stage = last % NSTAGES
+            mbarrier.wait(v_ready.index(stage), (last // NSTAGES) & 1)
+            acc = warpgroup_mma(p, v_smem.index(stage).reshape([BLOCK_N, D]), acc, is_async=True)
+            acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+            mbarrier.arrive(v_empty.index(stage), count=1)
 
-                lse = m_i + gl.log2(l_i)
-                gl.store(LSE + bh.to(gl.int64) * SEQ_PAD + offs_m, lse, mask=offs_m < SEQ_Q)
-                out = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
-                tma.store_wait(0)  # the previous tile's output has left o_smem
-                _barrier()
-                o_tile.reshape([HALF_M, D]).store(out.to(o_smem.dtype))
-                fence_async_shared()
-                _tma_store(o_desc, [b, h, row0, 0], o_tile)  # rows past seq_q are clipped by TMA
-                ring += n
-                done += 1
+            lse = m_i + gl.log2(l_i)
+            gl.store(LSE + bh.to(gl.int64) * SEQ_PAD + offs_m, lse, mask=offs_m < SEQ_Q)
+            out = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+            tma.store_wait(0)  # the previous tile's output has left o_smem
+            _barrier()
+            o_tile.reshape([HALF_M, D]).store(out.to(o_smem.dtype))
+            fence_async_shared()
+            _tma_store(o_desc, [b, h, row0, 0], o_tile)  # rows past seq_q are clipped by TMA
+            ring += n
+            done += 1
+            code = following
         tma.store_wait(0)
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
-                  BH, HQ, GROUP, SEQ_Q, SEQ_K, CAUSAL: gl.constexpr):
+                  SCHED, HQ, GROUP, SEQ_Q, SEQ_K, CAUSAL: gl.constexpr):
         """One warp: for each of the CTA's tiles every consumer's Q block (once that consumer is past the
         previous tile's last q.k^T), then K and V block by block; a stage is refilled once every consumer
         released it (the empty barriers count WGS arrivals)."""
@@ -256,44 +240,46 @@ if _GLUON:
         HALF_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         NSTAGES: gl.constexpr = k_smem.shape[0]
-        n_m, per_head = _fwd_units(SEQ_Q, CAUSAL, WGS * HALF_M)
+        n_m = gl.cdiv(SEQ_Q, WGS * HALF_M)
+        begin = gl.load(SCHED + gl.program_id(0))
+        end = gl.load(SCHED + gl.program_id(0) + 1)
+        code = gl.load(SCHED + begin)
         ring = 0
         done = 0
-        for unit in range(gl.program_id(0), per_head * BH, gl.num_programs(0)):
-            bh = unit // per_head
-            u = unit % per_head
+        for i in range(begin, end):
+            following = gl.load(SCHED + i + 1)
+            bh = code // n_m
             b = bh // HQ
             h = bh % HQ
             hk = h // GROUP
-            for k in range(_fwd_unit_tiles(u, n_m, CAUSAL)):
-                start_m, n, mask_from = _fwd_tile(u, k, n_m, SEQ_K, CAUSAL, WGS * HALF_M, BLOCK_N)
-                for c in gl.static_range(WGS):  # (a fresh mbarrier counts as "previous phase complete")
-                    mbarrier.wait(q_empty.index(c), (done & 1) ^ 1)
-                    mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
-                    _tma_load(q_desc, [b, h, start_m + c * HALF_M, 0], q_bars.index(c), q_smem.index(c))
-                for j in range(ring, ring + n):
-                    stage = j % NSTAGES
-                    phase = ((j // NSTAGES) & 1) ^ 1
-                    mbarrier.wait(k_empty.index(stage), phase)
-                    mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-                    _tma_load(k_desc, [b, hk, (j - ring) * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
-                    mbarrier.wait(v_empty.index(stage), phase)
-                    mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-                    _tma_load(v_desc, [b, hk, (j - ring) * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
-                ring += n
-                done += 1
+            start_m, n, mask_from = _fwd_tile(code % n_m, SEQ_K, CAUSAL, WGS * HALF_M, BLOCK_N)
+            for c in gl.static_range(WGS):  # (a fresh mbarrier counts as "previous phase complete")
+                mbarrier.wait(q_empty.index(c), (done & 1) ^ 1)
+                mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
+                _tma_load(q_desc, [b, h, start_m + c * HALF_M, 0], q_bars.index(c), q_smem.index(c))
+            for j in range(ring, ring + n):
+                stage = j % NSTAGES
+                phase = ((j // NSTAGES) & 1) ^ 1
+                mbarrier.wait(k_empty.index(stage), phase)
+                mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+                _tma_load(k_desc, [b, hk, (j - ring) * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+                mbarrier.wait(v_empty.index(stage), phase)
+                mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+                _tma_load(v_desc, [b, hk, (j - ring) * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+            ring += n
+            done += 1
+            code = following
 
     @gluon.jit
-    def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, BH, HQ, GROUP, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale,
+    def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, SCHED, HQ, GROUP, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale,
                             CAUSAL: gl.constexpr, STAGES: gl.constexpr, WGS: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
 
-        # Persistent: one CTA per SM at most; CTA i takes work units i, i + CTAs, ... of the
-        # (batch * heads) x units list, units of a head side by side (they share its K/V in L2; heads
-        # fastest ran the 4x32x4096x128 causal forward at 352 TFLOP/s instead of 529: 132 heads' K/V do
-        # not fit in L2). A causal unit pairs the head's tiles n-1-u and u, so every unit is the same
-        # work; a CTA's next tile loads while its last one finishes and its output leaves. WGS consumer
-        # warpgroups (``fwd_warpgroups``) take HALF_M rows of a tile each and share its K/V ring.
+        # Persistent: one CTA per SM at most, taking the query tiles SCHED lists for it (``fwd_schedule``:
+        # heads in sections whose K/V stay in L2; heads fastest over all of them ran the 4x32x4096x128
+        # causal forward at 352 TFLOP/s instead of 529). A CTA's next tile loads while its last one
+        # finishes and its output leaves. WGS consumer warpgroups (``fwd_warpgroups``) take HALF_M rows
+        # of a tile each and share its K/V ring.
         q_smem = gl.allocate_shared_memory(dtype, [WGS] + q_desc.block_type.shape, q_desc.layout)
         o_smem = gl.allocate_shared_memory(dtype, [WGS] + o_desc.block_type.shape, o_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -319,22 +305,22 @@ if _GLUON:
         if WGS == 2:
             gl.warp_specialize([
                 (_consumer, (o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty,
-                             v_empty, BH, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL, 0)),
+                             v_empty, SCHED, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL, 0)),
                 (_consumer, (o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty,
-                             v_empty, BH, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL, 1)),
+                             v_empty, SCHED, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL, 1)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, BH, HQ, GROUP, SEQ_Q, SEQ_K, CAUSAL)),
+                             k_empty, v_empty, SCHED, HQ, GROUP, SEQ_Q, SEQ_K, CAUSAL)),
             ], [4, 1], [240, 24])
         else:
             gl.warp_specialize([
                 (_consumer, (o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty,
-                             v_empty, BH, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL, 0)),
+                             v_empty, SCHED, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL, 0)),
                 (_consumer, (o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty,
-                             v_empty, BH, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL, 1)),
+                             v_empty, SCHED, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL, 1)),
                 (_consumer, (o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty,
-                             v_empty, BH, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL, 2)),
+                             v_empty, SCHED, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL, 2)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, BH, HQ, GROUP, SEQ_Q, SEQ_K, CAUSAL)),
+                             k_empty, v_empty, SCHED, HQ, GROUP, SEQ_Q, SEQ_K, CAUSAL)),
             ], [4, 4, 1], [160, 160, 24])
 
     @gluon.jit
@@ -638,6 +624,38 @@ def maxnreg(warpgroups: int) -> int:
     return 65536 // (128 * warpgroups) // 8 * 8
 
 
+def fwd_schedule(batch_heads: int, group: int, tiles: int, rows: int, seq_k: int, causal: bool, ctas: int,
+                 kv_heads_per_section: int) -> list[int]:
+    """The persistent forward's work list: ``ctas + 1`` offsets into the list itself (CTA c takes the
+    entries ``offsets[c]:offsets[c + 1]``, in order), then the query tiles, each coded
+    ``bh * tiles + t``, then a spare entry the kernel may read ahead into.
+
+    Heads go in sections of ``kv_heads_per_section`` GQA groups (whose K/V fit in L2: the CTAs working
+    on a section share it). A causal section's tiles go longest first, each to the CTA with the
+    least work so far (FlashAttention-3 schedules its causal tiles the same way): the launch then ends on
+    the shortest tiles, where pairing a head's tiles n-1-u and u into equal units left 1024 units on
+    132 SMs (4x32x2048 at 128 rows, 1x32x8192) to end in a round with 100 busy. Unmasked tiles are all
+    alike: round robin, a head's tiles side by side."""
+    section = kv_heads_per_section * group
+    sections = [range(s, min(s + section, batch_heads)) for s in range(0, batch_heads, section)]
+    if not causal:
+        work = [bh * tiles + t for heads in sections for bh in heads for t in range(tiles)]
+        lists = [work[c::ctas] for c in range(ctas)]
+    else:
+        lists = [[] for _ in range(ctas)]
+        load = [(0, c) for c in range(ctas)]
+        for heads in sections:
+            for t in reversed(range(tiles)):
+                # a tile costs its key blocks plus about one more (its first q.k^T waited alone, its output)
+                cost = cdiv(min((t + 1) * rows, seq_k), BLOCK_N) + 1
+                for bh in heads:
+                    done, c = heapq.heappop(load)
+                    lists[c].append(bh * tiles + t)
+                    heapq.heappush(load, (done + cost, c))
+    offsets = list(itertools.accumulate((len(work) for work in lists), initial=ctas + 1))
+    return offsets + [code for work in lists for code in work] + [0]
+
+
 @functools.lru_cache(maxsize=None)
 def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
@@ -659,6 +677,12 @@ def eligible(q: torch.Tensor, k: torch.Tensor, scale: float, *tensors: torch.Ten
 def _sm_count(device: torch.device) -> int:
     """The persistent forward's CTA count: one per SM."""
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _l2_bytes(device: torch.device) -> int:
+    """The L2 cache the forward's schedule sizes its head sections by."""
+    return torch.cuda.get_device_properties(device).L2_cache_size
 
 
 @functools.lru_cache(maxsize=None)
@@ -697,10 +721,13 @@ def _rebased(desc, t):
     return rebased
 
 
-def _launch_planned(plans: PlanCache, key: tuple, kernel, grid, descriptors: tuple, args: tuple, kwargs: dict):
+def _launch_planned(plans: PlanCache, key: tuple, kernel, grid, descriptors: tuple, args: tuple, kwargs: dict,
+                    kept: tuple = ()):
+    """Launch, and keep the plan with its descriptors' copies and ``kept``: the tensors among ``args``
+    that belong to the problem, not the call (the forward's schedule)."""
     plan = launch(kernel, grid, (*descriptors, *args), kwargs, plan=True)
     if plan is not None:
-        plans[key] = (plan, [_rebased(d, None) for d in descriptors])
+        plans[key] = (plan, [_rebased(d, None) for d in descriptors], kept)
 
 
 def attention_forward(q, k, v, o, lse, causal: bool, scale: float) -> bool:
@@ -709,23 +736,28 @@ def attention_forward(q, k, v, o, lse, causal: bool, scale: float) -> bool:
     key = _problem_key(causal, scale, q, k, v, o, lse)
     hit = _FWD_PLANS.get(key)
     if hit is not None:
-        plan, descs = hit
-        if plan(_rebased(descs[0], q), _rebased(descs[1], k), _rebased(descs[2], v), _rebased(descs[3], o), lse):
+        plan, descs, (schedule, ) = hit
+        if plan(_rebased(descs[0], q), _rebased(descs[1], k), _rebased(descs[2], v), _rebased(descs[3], o), lse,
+                schedule):
             return True
     if q.shape[2] <= HALF_M or not eligible(q, k, scale, v, o):  # decode-sized queries: half a tile idles
         return False
     batch, heads_q, seq_q, d = q.shape
+    heads_kv, seq_k = k.shape[1], k.shape[2]
     tile_d = 64 if d == 64 else HEAD_DIM
     wgs = fwd_warpgroups(tile_d, causal)
     tiles = cdiv(seq_q, wgs * HALF_M)
-    units = batch * heads_q * ((tiles + 1) // 2 if causal else tiles)  # causal: tiles n-1-u and u together
-    grid = (min(units, _sm_count(q.device)), )
-    _launch_planned(_FWD_PLANS, key, _attn_fwd_ws_kernel, grid,
+    ctas = min(batch * heads_q * tiles, _sm_count(q.device))
+    kv_head_bytes = 2 * seq_k * tile_d * k.element_size()
+    schedule = torch.tensor(fwd_schedule(batch * heads_q, heads_q // heads_kv, tiles, wgs * HALF_M, seq_k, causal,
+                                         ctas, max(1, _l2_bytes(q.device) // 2 // kv_head_bytes)),
+                            dtype=torch.int32, device=q.device)
+    _launch_planned(_FWD_PLANS, key, _attn_fwd_ws_kernel, (ctas, ),
                     (_descriptor(q, HALF_M, tile_d), _descriptor(k, BLOCK_N, tile_d),
                      _descriptor(v, BLOCK_N, tile_d), _descriptor(o, HALF_M, tile_d)),
-                    (lse, batch * heads_q, heads_q, heads_q // k.shape[1], seq_q, k.shape[2], lse.shape[-1],
-                     scale * LOG2E),
-                    dict(CAUSAL=bool(causal), STAGES=STAGES, WGS=wgs, num_warps=4, maxnreg=maxnreg(wgs + 1)))
+                    (lse, schedule, heads_q, heads_q // heads_kv, seq_q, seq_k, lse.shape[-1], scale * LOG2E),
+                    dict(CAUSAL=bool(causal), STAGES=STAGES, WGS=wgs, num_warps=4, maxnreg=maxnreg(wgs + 1)),
+                    kept=(schedule, ))
     return True
 
 
@@ -758,7 +790,7 @@ def attention_backward(q, k, v, do, dqa, dk, dv, lse, delta, causal: bool, scale
     key = _problem_key(causal, scale, q, k, v, do, dk, dv, dqa, lse, delta)
     hit = _BWD_PLANS.get(key)
     if hit is not None:
-        plan, descs = hit
+        plan, descs, _ = hit
         tensors = (q, k, v, do, dk, dv, dqa, lse.view(-1, lse.shape[-1]), delta.view(-1, delta.shape[-1]))
         if plan(*[_rebased(d, t) for d, t in zip(descs, tensors)]):
             return True
