@@ -153,8 +153,9 @@ if _GLUON:
     def _consumer(o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                   SCHED, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL: gl.constexpr, C: gl.constexpr):
         """Warpgroup C: query rows C*HALF_M .. +HALF_M of each of the CTA's tiles against their key blocks.
-        The output leaves through o_smem by TMA while the next tile runs."""
-        WGS: gl.constexpr = q_smem.shape[0]
+        Q is double-buffered (tile t in buffer t % 2), so the next tile's Q arrives while this one runs;
+        the output leaves through o_smem by TMA while the next tile runs."""
+        WGS: gl.constexpr = q_smem.shape[0] // 2
         HALF_M: gl.constexpr = q_smem.shape[3]
         D: gl.constexpr = q_smem.shape[4]
         BLOCK_N: gl.constexpr = k_smem.shape[3]
@@ -166,7 +167,6 @@ if _GLUON:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        q = q_smem.index(C).reshape([HALF_M, D])
         o_tile = o_smem.index(C)
         s0 = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
 
@@ -188,7 +188,9 @@ if _GLUON:
             l_i = gl.zeros([HALF_M], gl.float32, layout=row_s)
             acc = gl.zeros([HALF_M, D], gl.float32, layout=o_layout)
 
-            mbarrier.wait(q_bars.index(C), done & 1)
+            q_buf = (done % 2) * WGS + C
+            q = q_smem.index(q_buf).reshape([HALF_M, D])
+            mbarrier.wait(q_bars.index(q_buf), (done // 2) & 1)
             first = ring % NSTAGES
             mbarrier.wait(k_ready.index(first), (ring // NSTAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(first).reshape([BLOCK_N, D]).permute((1, 0)), s0, use_acc=False,
@@ -209,7 +211,7 @@ if _GLUON:
             acc, p, m_i, l_i = _consume_blocks(acc, p, m_i, l_i, s0, q, k_smem, v_smem, k_ready, v_ready,
                                                k_empty, v_empty, split, n - 1, ring, qk_scale, offs_m, SEQ_K,
                                                CAUSAL, True, s_layout, p_layout, row_o)
-            mbarrier.arrive(q_empty.index(C), count=1)  # every q.k^T is done: the next tile's Q may load
+            mbarrier.arrive(q_empty.index(q_buf), count=1)  # every q.k^T is done: a later tile's Q may load
             last = ring + n - 1
             stage = last % NSTAGES
             mbarrier.wait(v_ready.index(stage), (last // NSTAGES) & 1)
@@ -233,10 +235,10 @@ if _GLUON:
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                   SCHED, HQ, GROUP, SEQ_Q, SEQ_K, CAUSAL: gl.constexpr):
-        """One warp: for each of the CTA's tiles every consumer's Q block (once that consumer is past the
-        previous tile's last q.k^T), then K and V block by block; a stage is refilled once every consumer
-        released it (the empty barriers count WGS arrivals)."""
-        WGS: gl.constexpr = q_smem.shape[0]
+        """One warp: for each of the CTA's tiles every consumer's Q block (into the buffer of the tile two
+        before, once that consumer is past its last q.k^T), then K and V block by block; a stage is refilled
+        once every consumer released it (the empty barriers count WGS arrivals)."""
+        WGS: gl.constexpr = q_smem.shape[0] // 2
         HALF_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         NSTAGES: gl.constexpr = k_smem.shape[0]
@@ -254,9 +256,10 @@ if _GLUON:
             hk = h // GROUP
             start_m, n, mask_from = _fwd_tile(code % n_m, SEQ_K, CAUSAL, WGS * HALF_M, BLOCK_N)
             for c in gl.static_range(WGS):  # (a fresh mbarrier counts as "previous phase complete")
-                mbarrier.wait(q_empty.index(c), (done & 1) ^ 1)
-                mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
-                _tma_load(q_desc, [b, h, start_m + c * HALF_M, 0], q_bars.index(c), q_smem.index(c))
+                q_buf = (done % 2) * WGS + c
+                mbarrier.wait(q_empty.index(q_buf), ((done // 2) & 1) ^ 1)
+                mbarrier.expect(q_bars.index(q_buf), q_desc.block_type.nbytes)
+                _tma_load(q_desc, [b, h, start_m + c * HALF_M, 0], q_bars.index(q_buf), q_smem.index(q_buf))
             for j in range(ring, ring + n):
                 stage = j % NSTAGES
                 phase = ((j // NSTAGES) & 1) ^ 1
@@ -279,18 +282,19 @@ if _GLUON:
         # heads in sections whose K/V stay in L2; heads fastest over all of them ran the 4x32x4096x128
         # causal forward at 352 TFLOP/s instead of 529). A CTA's next tile loads while its last one
         # finishes and its output leaves. WGS consumer warpgroups (``fwd_warpgroups``) take HALF_M rows
-        # of a tile each and share its K/V ring.
-        q_smem = gl.allocate_shared_memory(dtype, [WGS] + q_desc.block_type.shape, q_desc.layout)
+        # of a tile each and share its K/V ring; Q has two buffers per consumer (at head dim 128 the shared
+        # memory is then 224 KB of the 227).
+        q_smem = gl.allocate_shared_memory(dtype, [2 * WGS] + q_desc.block_type.shape, q_desc.layout)
         o_smem = gl.allocate_shared_memory(dtype, [WGS] + o_desc.block_type.shape, o_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-        q_bars = gl.allocate_shared_memory(gl.int64, [WGS, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [WGS, 1], mbarrier.MBarrierLayout())
+        q_bars = gl.allocate_shared_memory(gl.int64, [2 * WGS, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2 * WGS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(WGS):
+        for i in gl.static_range(2 * WGS):
             mbarrier.init(q_bars.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=1)
         for i in gl.static_range(STAGES):
