@@ -635,11 +635,11 @@ def fwd_schedule(batch_heads: int, group: int, tiles: int, rows: int, seq_k: int
     ``bh * tiles + t``, then a spare entry the kernel may read ahead into.
 
     Heads go in sections of ``kv_heads_per_section`` GQA groups (whose K/V fit in L2: the CTAs working
-    on a section share it). A causal section's tiles go longest first, each to the CTA with the
-    least work so far (FlashAttention-3 schedules its causal tiles the same way): the launch then ends on
-    the shortest tiles, where pairing a head's tiles n-1-u and u into equal units left 1024 units on
-    132 SMs (4x32x2048 at 128 rows, 1x32x8192) to end in a round with 100 busy. Unmasked tiles are all
-    alike: round robin, a head's tiles side by side."""
+    on a section share it). A causal section's tiles go longest first, each to the CTA with the least
+    work so far (FlashAttention-3's scheduler also hands out causal tiles longest first by L2-sized head
+    sections, at run time): the launch then ends on the shortest tiles, where pairing a head's tiles
+    n-1-u and u into equal units left 1024 units on 132 SMs (4x32x2048 at 128 rows, 1x32x8192) to end
+    in a round with 100 busy. Unmasked tiles are all alike: round robin, a head's tiles side by side."""
     section = kv_heads_per_section * group
     sections = [range(s, min(s + section, batch_heads)) for s in range(0, batch_heads, section)]
     if not causal:
