@@ -265,6 +265,38 @@ def test_hopper_forward_in_head_sections(monkeypatch):
     _assert_as_close_as_sdpa(ours, q, k, v, do, True)
 
 
+def test_a_captured_forward_outlives_the_launch_plans():
+    """A CUDA graph that captured the Hopper forward still computes attention after the launch plans
+    are dropped (a registry change or a full plan cache drops them) and freed memory is handed out
+    again: the forward's tile list, whose address the graph holds, lives as long as the process."""
+    if not _is_sm90():
+        pytest.skip("Hopper's own kernels run on sm90 only")
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q = torch.randn(2, 8, 1000, 128, device="cuda", generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(2, 2, 1000, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the capturing stream, as torch.cuda.graph asks
+        attention(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention(q, k, v, causal=True)
+    attention_sm90._FWD_PLANS.clear()
+    with torch.cuda.stream(side):  # the warm-up's stream: its freed blocks go to calls on it
+        junk = [torch.full((n, ), 2 ** 30, dtype=torch.int32, device="cuda") for n in range(64, 4096, 64)]
+    torch.cuda.current_stream().wait_stream(side)
+    for t in (q, k, v):
+        t.copy_(torch.randn(t.shape, device="cuda", generator=g))
+    graph.replay()
+    torch.cuda.synchronize()
+    del junk
+    ref = attention_ref(q, k, v, causal=True)
+    sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    err, err_sdpa = (out.double() - ref).abs().max().item(), (sdpa.double() - ref).abs().max().item()
+    assert err <= 3 * err_sdpa + _EPS[torch.bfloat16] * ref.abs().max().item()
+
+
 def test_a_repeated_problem_relaunches_its_plan_on_the_new_tensors(monkeypatch):
     """A problem's second call launches the plan its first call recorded (no ``launch`` call, no
     descriptor built from scratch): the outputs and gradients are the second inputs', in Hugging

@@ -661,6 +661,13 @@ def fwd_schedule(batch_heads: int, group: int, tiles: int, rows: int, seq_k: int
 
 
 @functools.lru_cache(maxsize=None)
+def _fwd_schedule_on(device: torch.device, *problem) -> torch.Tensor:
+    """``fwd_schedule(*problem)`` on ``device``, kept for the life of the process (a few KB a problem):
+    a CUDA graph that captured a launch holds its address, so it outlives the launch plans."""
+    return torch.tensor(fwd_schedule(*problem), dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=None)
 def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
@@ -753,9 +760,8 @@ def attention_forward(q, k, v, o, lse, causal: bool, scale: float) -> bool:
     tiles = cdiv(seq_q, wgs * HALF_M)
     ctas = min(batch * heads_q * tiles, _sm_count(q.device))
     kv_head_bytes = 2 * seq_k * tile_d * k.element_size()
-    schedule = torch.tensor(fwd_schedule(batch * heads_q, heads_q // heads_kv, tiles, wgs * HALF_M, seq_k, causal,
-                                         ctas, max(1, _l2_bytes(q.device) // 2 // kv_head_bytes)),
-                            dtype=torch.int32, device=q.device)
+    schedule = _fwd_schedule_on(q.device, batch * heads_q, heads_q // heads_kv, tiles, wgs * HALF_M, seq_k,
+                                bool(causal), ctas, max(1, _l2_bytes(q.device) // 2 // kv_head_bytes))
     _launch_planned(_FWD_PLANS, key, _attn_fwd_ws_kernel, (ctas, ),
                     (_descriptor(q, HALF_M, tile_d), _descriptor(k, BLOCK_N, tile_d),
                      _descriptor(v, BLOCK_N, tile_d), _descriptor(o, HALF_M, tile_d)),
