@@ -1,5 +1,10 @@
 """The shared module-replacement engine: install, record, report, undo — with small test layers only."""
+import copy
+import functools
+import gc
+import pickle
 import types
+import weakref
 
 import pytest
 import torch
@@ -153,15 +158,75 @@ def test_report_str_and_counts():
 def test_a_patched_model_is_freed_when_dropped():
     """The ledger references the model itself (a replaced root forward, a custom undo bound to it): it must not
     keep a dropped model, and its weights, alive."""
-    import copy
-    import gc
-    import weakref
     m = _model()
     engine.replace_forward(m, m, lambda self, x: x, path="", kernel="identity", source="test")
     engine.record_custom(m, m, "flag", lambda: None, path="", what="attribute", kernel="k", source="test")
-    twin = copy.deepcopy(m)  # a copy starts with no recorded changes of its own
-    assert len(engine.report(m)) == 2 and len(engine.report(twin)) == 0
     ref = weakref.ref(m)
     del m
     gc.collect()
     assert ref() is None
+
+
+def _set_flag(module, value):
+    module.flag = value
+
+
+def _changed_model():
+    """A model with every kind of change: a forward, a module swap, a custom undo over the model's own objects."""
+    m = _model()
+    m.flag = "before"
+    engine.replace_forward(m, m[0], _double, path="0", kernel="k", source="t")
+    engine.replace_module(m, "1.0", Scale(20.0), kernel="Scale", source="t")
+    m.flag = "after"
+    engine.record_custom(m, m, "flag", functools.partial(_set_flag, m, "before"), path="", what="attribute",
+                         kernel="k", source="t")
+    return m
+
+
+def test_a_deep_copy_reverts_on_its_own():
+    m = _changed_model()
+    x = torch.randn(5, generator=torch.Generator().manual_seed(3))
+    ref = m(x)
+    twin = copy.deepcopy(m)
+    assert engine.report(twin) == engine.report(m)
+    torch.testing.assert_close(twin(x), ref)
+    undone = engine.revert(twin)
+    assert [c.path for c in undone] == ["0", "1.0", ""]
+    assert "forward" not in vars(twin[0]) and twin.flag == "before"
+    torch.testing.assert_close(twin(x), x * 1.0 * 2.0 * 3.0)
+    assert twin[1][0] is not m[1][0] and twin[1][0].s == 2.0  # the copy's own original module came back
+    # the original still holds all of its changes
+    assert engine.report(m).paths() == ["0", "1.0", ""] and m.flag == "after" and m[1][0].s == 20.0
+    torch.testing.assert_close(m(x), ref)
+    engine.revert(m)
+    torch.testing.assert_close(m(x), x * 1.0 * 2.0 * 3.0)
+
+
+def test_a_changed_model_does_not_pickle():
+    m = _changed_model()
+    with pytest.raises(TypeError, match=r"cannot pickle a model changed by tritonspec \(3 replacements.*revert"):
+        pickle.dumps(m)
+    engine.revert(m)
+    pickle.loads(pickle.dumps(m))  # reverted: an ordinary model again
+
+
+def test_shared_patch_goes_when_its_last_model_is_collected():
+    holder = types.SimpleNamespace(fn=lambda: "orig")
+    orig = holder.fn
+    a, b = _model(), _model()
+    engine.patch_attr(a, holder, "fn", lambda: "new", path="holder.fn", kernel="k", source="t", shared=True)
+    engine.patch_attr(b, holder, "fn", lambda: "new", path="holder.fn", kernel="k", source="t", shared=True)
+    del a
+    gc.collect()
+    assert holder.fn() == "new"  # b still holds it
+    twin = copy.deepcopy(b)  # the copy holds it too
+    del b
+    gc.collect()
+    assert holder.fn() == "new"
+    engine.revert(twin)
+    assert holder.fn is orig
+    c = _model()
+    engine.patch_attr(c, holder, "fn", lambda: "new", path="holder.fn", kernel="k", source="t", shared=True)
+    del c
+    gc.collect()
+    assert holder.fn is orig and engine.shared_original(holder, "fn", "unpatched") == "unpatched"

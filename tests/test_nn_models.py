@@ -148,3 +148,30 @@ def test_shared_rotary_patch_is_safe_for_other_models(monkeypatch, spy):
         torch.testing.assert_close(model(input_ids=ids).logits, ref32(input_ids=ids).logits)
         assert spy == {}
     tnn.revert(model)
+
+
+def test_kernelized_model_copies_pickles_and_collects_cleanly(spy):
+    """A deep copy of a kernelized model runs our kernels and reverts on its own; pickling one is a clear error;
+    the module-level apply_rotary_pos_emb patch lasts exactly as long as a model holding it."""
+    import gc
+    import io
+    from transformers.models.llama import modeling_llama
+    stock = modeling_llama.apply_rotary_pos_emb
+    ids = token_ids(96)
+    model = tnn.kernelize(tiny_model("llama", torch.float32), mode=tnn.Mode.INFERENCE)
+    assert modeling_llama.apply_rotary_pos_emb is not stock
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        spy.clear()
+        torch.testing.assert_close(twin(input_ids=ids).logits, ref, rtol=0, atol=0)
+    assert {"rms_norm", "rope"} <= set(spy)
+    with pytest.raises(TypeError, match="cannot pickle a model changed by tritonspec"):
+        torch.save(model, io.BytesIO())
+    assert tnn.report(twin) == tnn.report(model)
+    tnn.revert(twin)
+    assert tnn.report(twin) == [] and all("forward" not in vars(m) for m in twin.modules())
+    assert len(tnn.report(model)) > 0 and modeling_llama.apply_rotary_pos_emb is not stock  # the original's stay
+    del model
+    gc.collect()  # dropped without revert: nothing of it may stay patched
+    assert modeling_llama.apply_rotary_pos_emb is stock

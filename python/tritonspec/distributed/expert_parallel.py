@@ -19,6 +19,7 @@ them like the rest of the model.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -124,6 +125,20 @@ def _forward(self, hidden_states, top_k_index, top_k_weights):
     return combine(out, top_k_weights, plan)
 
 
+def _gather_experts(module: nn.Module, names: list[str], had_count: bool, old_count, group, ep: int) -> None:
+    """Undo :func:`expert_parallel` on one module (collective: every rank's slice comes back)."""
+    for n in names:
+        local = module._parameters[n].detach().contiguous()
+        parts = [torch.empty_like(local) for _ in range(ep)]
+        dist.all_gather(parts, local, group=group)
+        module._parameters[n] = nn.Parameter(torch.cat(parts), requires_grad=module._parameters[n].requires_grad)
+    if had_count:
+        module.num_experts = old_count
+    else:
+        del module.num_experts
+    delattr(module, _STATE)
+
+
 def is_expert_parallel(module: nn.Module) -> bool:
     return hasattr(module, _STATE)
 
@@ -163,19 +178,8 @@ def expert_parallel(model: nn.Module, mesh, mesh_dim: str | None = None) -> list
         module.num_experts = per_rank
         setattr(module, _STATE, (num_experts, group))
 
-        def undo(module=module, names=names, had_count=had_count, old_count=old_count):
-            for n in names:  # collective: every rank's slice comes back
-                local = module._parameters[n].detach().contiguous()
-                parts = [torch.empty_like(local) for _ in range(ep)]
-                dist.all_gather(parts, local, group=group)
-                module._parameters[n] = nn.Parameter(torch.cat(parts), requires_grad=module._parameters[n].requires_grad)
-            if had_count:
-                module.num_experts = old_count
-            else:
-                del module.num_experts
-            delattr(module, _STATE)
-
         detail = f"experts {rank * per_rank}..{(rank + 1) * per_rank - 1} of {num_experts}"
+        undo = functools.partial(_gather_experts, module, names, had_count, old_count, group, ep)
         engine.record_custom(model, module, _STATE, undo, path=path, what="experts", kernel="expert_parallel",
                              source="distributed", detail=detail)
         engine.replace_forward(model, module, _forward, path=path, kernel=engine.qualname(_forward),

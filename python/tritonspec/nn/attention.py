@@ -9,6 +9,7 @@ SDPA path, so results never depend on which path ran.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 
 import torch
@@ -81,7 +82,7 @@ def use_tritonspec_attention(model: nn.Module, *, source: str = "registry", deta
     register_attention()
     old = config._attn_implementation
     setter(ATTENTION_NAME)
-    return engine.record_custom(model, config, "_attn_implementation", lambda: setter(old or "eager"),
+    return engine.record_custom(model, config, "_attn_implementation", functools.partial(setter, old or "eager"),
                                 path="", what="attn_implementation",
                                 kernel=engine.qualname(tritonspec_attention_forward), source=source,
                                 detail=detail or f"{old} -> {ATTENTION_NAME}")

@@ -7,12 +7,19 @@ still reverts exactly, and ``report(model)`` lists every change whichever front 
 
 Changes are recorded per root model (the object the user passed). A change to an object that is not part
 of the model (a ``modeling_llama.apply_rotary_pos_emb`` global, the shared ``Func`` module transformers
-builds for it) is *shared*: several models may hold it, and the original comes back only when the last
-of them reverts.
+builds for it) is *shared*: several models may hold it, and the original comes back when the last of them
+reverts or is garbage-collected, so no patch outlives the models that made it.
+
+A changed model deep-copies completely: the copy gets a ledger of its own whose entries point at the copy's
+modules, so ``revert(copy)`` undoes the copy's changes and leaves the original's alone. Pickling one
+(``torch.save(model)``) fails with a ``TypeError``: an unpickled model could not be reverted, and its
+replaced forwards would not survive the trip.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -23,7 +30,17 @@ import torch.nn as nn
 
 logger = logging.getLogger("tritonspec.nn")
 
-_MISSING = object()
+class _Missing:
+    """The attribute was not in the target's own ``__dict__``; one object, kept by copies and pickles."""
+
+    def __reduce__(self):
+        return "_MISSING"
+
+    def __repr__(self):
+        return "<missing>"
+
+
+_MISSING = _Missing()
 
 
 @dataclass(frozen=True)
@@ -74,21 +91,47 @@ class _Entry:
     attr: str
     original: Any  # _MISSING: the attribute was not in the target's own __dict__ (class attribute in use)
     shared: bool
-    undo: Callable[[], None] | None = None  # custom undo (attention implementation switch)
+    # Custom undo (a module swap, the attention switch): a partial over the objects it touches, never a closure,
+    # so a deep copy of the model gets one that touches the copy's objects.
+    undo: Callable[[], None] | None = None
 
 
-@dataclass
 class _Ledger:
-    entries: list[_Entry] = field(default_factory=list)
+    """The changes made to one root model, newest last; lives in the model's ``__dict__``."""
 
-    def __reduce__(self):  # a deep copy or a pickle of the model starts with no recorded changes
-        return (_Ledger, ())
+    def __init__(self, model: nn.Module):
+        self.entries: list[_Entry] = []
+        self.model = weakref.ref(model)
 
     def find(self, target, attr) -> _Entry | None:
         for e in self.entries:
             if e.target is target and e.attr == attr:
                 return e
         return None
+
+    def __deepcopy__(self, memo) -> "_Ledger":
+        model = self.model()
+        twin = memo.get(id(model)) if model is not None else None
+        if twin is None:
+            raise TypeError("a tritonspec ledger is copied with its model: copy.deepcopy(model)")
+        new = _Ledger(twin)
+        memo[id(self)] = new
+        for e in self.entries:
+            if e.shared:
+                # The copy shares the patched object when it lies outside the model (a Python module's function);
+                # an object the model's copy holds its own copy of (transformers' Func module) is the copy's.
+                target = memo.get(id(e.target), e.target)
+                original = e.original if target is e.target else copy.deepcopy(e.original, memo)
+                _share(twin, target, e.attr, original)
+                new.entries.append(_Entry(e.change, target, e.attr, original, True))
+            else:
+                new.entries.append(_Entry(e.change, copy.deepcopy(e.target, memo), e.attr,
+                                          copy.deepcopy(e.original, memo), False, copy.deepcopy(e.undo, memo)))
+        return new
+
+    def __reduce__(self):
+        raise TypeError(f"cannot pickle a model changed by tritonspec ({len(self.entries)} replacements; "
+                        "tritonspec.nn.report(model) lists them): revert(model) first, or save model.state_dict()")
 
 
 # Per root model, in the model's own __dict__: its entries reference the model itself (a replaced root forward,
@@ -97,28 +140,54 @@ class _Ledger:
 _LEDGER_ATTR = "_tritonspec_ledger"
 
 
-@dataclass
 class _SharedPatch:
-    original: Any
-    owners: "weakref.WeakSet"  # root models that installed (and have not reverted) this patch
+    """A patch of an object outside any model: its original and the models holding it."""
+
+    def __init__(self, target: Any, attr: str, original: Any):
+        self.target, self.attr, self.original = target, attr, original
+        self.owners: dict[int, weakref.ref] = {}  # id(model) -> weakref whose callback drops the owner
+
+    def add(self, model: nn.Module) -> None:
+        if id(model) not in self.owners:
+            self.owners[id(model)] = weakref.ref(model, functools.partial(_owner_gone, self, id(model)))
+
+    def discard(self, model_id: int) -> None:
+        """Forget an owner; the last one gone puts the original back."""
+        self.owners.pop(model_id, None)
+        if not self.owners and _SHARED.get((id(self.target), self.attr)) is self:
+            _write(self.target, self.attr, self.original)
+            del _SHARED[(id(self.target), self.attr)]
 
 
-# (id(target), attr) -> patch state, plus a strong ref to the target so the id stays valid.
-_SHARED: dict[tuple[int, str], tuple[Any, _SharedPatch]] = {}
+def _owner_gone(patch: _SharedPatch, model_id: int, _ref) -> None:
+    patch.discard(model_id)
+
+
+# (id(target), attr) -> patch state; the patch holds the target, so the id stays valid.
+_SHARED: dict[tuple[int, str], _SharedPatch] = {}
+
+
+def _share(model: nn.Module, target: Any, attr: str, original: Any) -> Any:
+    """Make ``model`` an owner of the shared patch of ``target.attr``; returns the patch's original."""
+    held = _SHARED.get((id(target), attr))
+    if held is None:
+        held = _SHARED[(id(target), attr)] = _SharedPatch(target, attr, original)
+    held.add(model)
+    return held.original
 
 
 def shared_original(target: Any, attr: str, default: Any = None) -> Any:
     """What ``target.attr`` was before any front end patched it as a shared object (``default`` if unpatched)."""
     held = _SHARED.get((id(target), attr))
-    if held is None or held[1].original is _MISSING:
+    if held is None or held.original is _MISSING:
         return default
-    return held[1].original
+    return held.original
 
 
 def _ledger(model: nn.Module, create: bool = True) -> _Ledger | None:
     led = model.__dict__.get(_LEDGER_ATTR)
     if led is None and create:
-        led = model.__dict__[_LEDGER_ATTR] = _Ledger()
+        led = model.__dict__[_LEDGER_ATTR] = _Ledger(model)
     return led
 
 
@@ -153,13 +222,7 @@ def patch_attr(model: nn.Module, target: Any, attr: str, value: Any, *, path: st
         _write(target, attr, value)
         return change
     if shared:
-        key = (id(target), attr)
-        held = _SHARED.get(key)
-        if held is None:
-            held = (target, _SharedPatch(_own(target, attr), weakref.WeakSet()))
-            _SHARED[key] = held
-        held[1].owners.add(model)
-        original = held[1].original
+        original = _share(model, target, attr, _own(target, attr))
     else:
         original = _own(target, attr)
     _write(target, attr, value)
@@ -188,25 +251,28 @@ def replace_module(model: nn.Module, path: str, new: nn.Module, *, kernel: str, 
     entry = led.find(parent, name)
     old = parent._modules[name]
     setattr(parent, name, new)
-    release = getattr(new, "release", None)
-
-    def undo(p=parent, n=name, o=old):
-        setattr(p, n, o)
-        if callable(release):
-            release()
-
     if entry is not None:
         entry.change = change
     else:
-        led.entries.append(_Entry(change, parent, name, old, False, undo=undo))
+        led.entries.append(_Entry(change, parent, name, old, False, undo=functools.partial(_put_back, parent, name,
+                                                                                           old, new)))
     return change
+
+
+def _put_back(parent: nn.Module, name: str, old: nn.Module, new: nn.Module) -> None:
+    setattr(parent, name, old)
+    release = getattr(new, "release", None)
+    if callable(release):
+        release()
 
 
 def record_custom(model: nn.Module, target: Any, key: str, undo: Callable[[], None], *, path: str, what: str,
                   kernel: str, source: str, detail: str = "") -> Change:
     """Record a change made by the caller through an API (e.g. ``set_attn_implementation``).
 
-    ``undo`` runs on revert. Recording the same (target, key) twice keeps the first ``undo``.
+    ``undo`` runs on revert. Recording the same (target, key) twice keeps the first ``undo``. Pass a
+    ``functools.partial`` of a function over the objects it restores, not a closure: a deep copy of the model
+    then gets an undo that restores the copy's objects.
     """
     led = _ledger(model)
     change = Change(path, what, kernel, source, detail)
@@ -223,14 +289,9 @@ def _undo(model: nn.Module, e: _Entry) -> None:
         e.undo()
         return
     if e.shared:
-        key = (id(e.target), e.attr)
-        held = _SHARED.get(key)
-        if held is None:
-            return
-        held[1].owners.discard(model)
-        if len(held[1].owners) == 0:
-            _write(e.target, e.attr, held[1].original)
-            del _SHARED[key]
+        held = _SHARED.get((id(e.target), e.attr))
+        if held is not None:
+            held.discard(id(model))
         return
     _write(e.target, e.attr, e.original)
 
