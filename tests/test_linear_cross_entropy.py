@@ -416,6 +416,8 @@ def _call(d, x=(3, 8), w=(10, 8), y=None, **kw):
     (lambda d: _call(d, softcap=-30.0), "'softcap' must be a finite number > 0"),
     (lambda d: _call(d, ignore_index=-100.0), "'ignore_index' must be an int"),
     (lambda d: _call(d, ignore_index=True), "'ignore_index' must be an int"),
+    (lambda d: _call(d, ignore_index=2**70), "'ignore_index' must fit in int64"),
+    (lambda d: _call(d, ignore_index=-2**63 - 1), "'ignore_index' must fit in int64"),
     (lambda d: _call(d, num_items_in_batch=0), "'num_items_in_batch' must be > 0"),
     (lambda d: _call(d, num_items_in_batch=2.5), "'num_items_in_batch' must be an int or a tensor"),
     (lambda d: _call(d, num_items_in_batch=torch.ones(2, device=d)), "'num_items_in_batch' must be a one-element"),

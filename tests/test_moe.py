@@ -272,6 +272,9 @@ def _bad(**changes):
     (_bad(down_bias=lambda x: x.new_zeros(4, 31)), "'down_bias' has shape"),
     (_bad(down_bias=lambda x: torch.zeros(4, 32, device="meta")), "'down_bias' is on meta"),
     (_bad(gate_up_proj=lambda t: t.to("meta")), "is on meta"),
+    (_bad(gate_up_proj=lambda t: t[:0], down_proj=lambda t: t[:0], top_k_ids=lambda t: t * 0),
+     "'gate_up_proj' has no experts"),
+    (_bad(gate_up_proj=lambda t: t[:, :0], down_proj=lambda t: t[:, :, :0]), "'gate_up_proj' has shape"),
 ])
 def test_bad_arguments_raise_naming_the_argument(call, match, device):
     with pytest.raises((TypeError, ValueError), match=match):

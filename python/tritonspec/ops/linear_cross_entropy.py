@@ -388,6 +388,8 @@ def _check(hidden, weight, labels, bias, ignore_index, reduction, label_smoothin
                          f"{tuple(hidden.shape[:-1])} (one label per token)")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"{op}: argument 'ignore_index' must be an int, got {type(ignore_index).__name__}")
+    if not -2**63 <= ignore_index < 2**63:  # compared with int64 labels, in the kernel and in torch alike
+        raise ValueError(f"{op}: argument 'ignore_index' must fit in int64 (labels' dtype), got {ignore_index}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"{op}: argument 'reduction' must be one of {', '.join(map(repr, REDUCTIONS))}, got "
                          f"{reduction!r}")

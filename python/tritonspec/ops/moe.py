@@ -729,13 +729,15 @@ def _check(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, la
     if clamp is not None and activation != "gpt_oss":
         raise ValueError(f"{op}: argument 'clamp' applies to activation 'gpt_oss' only")
     E = gate_up_proj.shape[0]
+    if E == 0:
+        raise ValueError(f"{op}: argument 'gate_up_proj' has no experts, shape {tuple(gate_up_proj.shape)}")
     if layout == "concatenated":
         two_i, h_in = gate_up_proj.shape[1:]
         want_down = (E, H, two_i // 2)
     else:
         h_in, two_i = gate_up_proj.shape[1:]
         want_down = (E, two_i // 2, H)
-    if h_in != H or two_i % 2:
+    if h_in != H or two_i % 2 or two_i == 0:
         raise ValueError(f"{op}: argument 'gate_up_proj' has shape {tuple(gate_up_proj.shape)}; with layout {layout!r} "
                          f"and hidden size {H} it must be " + ("(E, 2I, H)" if layout == "concatenated" else "(E, H, 2I)"))
     if tuple(down_proj.shape) != want_down:
