@@ -22,7 +22,7 @@ import copy
 import functools
 import logging
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MethodType
 from typing import Any, Callable, Iterator
 
