@@ -392,3 +392,89 @@ class FastBlock(nn.Module):
 
     def forward(self, x):
         return self.act(self.proj(x)) * 1.0
+
+
+class Norm(nn.Module):
+    """LlamaRMSNorm's state (weight, variance_epsilon) and formula."""
+
+    def __init__(self, n=8):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def _normed():
+    torch.manual_seed(0)
+    return nn.ModuleDict({"block": Block(), "norm": Norm()})
+
+
+def _norm_rule(kwargs):
+    return [{"match": {"class": f"{HERE}.Norm"}, "replace": {"class": "tritonspec.nn.RMSNorm", "kwargs": kwargs}}]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"eps": [1e-6]}, "TypeError: eps: expected a number, got list"),
+    ({"eps": "1e-6"}, "TypeError: eps: expected a number, got the string '1e-6' .*write 1.0e-6"),
+    ({"eps": float("nan")}, "ValueError: eps: expected a finite number >= 0, got nan"),
+    ({"eps": float("inf")}, "ValueError: eps: expected a finite number >= 0, got inf"),
+    ({"eps": -1e-6}, "ValueError: eps: expected a finite number >= 0, got -1e-06"),
+    ({"eps": True}, "TypeError: eps: expected a number, got bool"),
+    ({"eps": 10**400}, "ValueError: eps: expected a finite number >= 0, got inf"),
+    ({"epsilon": 1e-6}, r"TypeError: unknown kwarg epsilon; did you mean 'eps'\?; it takes eps"),
+])
+def test_wrong_kwargs_fail_when_the_rule_is_applied(kwargs, match):
+    model = _normed()
+    norm, before = model["norm"], {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuleError, match=f"rule 0: replace.kwargs: building tritonspec.nn.RMSNorm for norm failed: "
+                                        f"{match}"):
+        apply_rules(model, _norm_rule(kwargs))
+    assert model["norm"] is norm and tnn.report(model) == []
+    assert model.state_dict().keys() == before.keys()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_yaml_eps_needs_a_dot_to_be_a_number():
+    """YAML 1.1 (PyYAML) reads 1e-6 as a string: the rule fails at apply_rules, not at the first forward."""
+    rule = f"- match: {{class: {HERE}.Norm}}\n  replace: {{class: tritonspec.nn.RMSNorm, kwargs: {{eps: %s}}}}\n"
+    with pytest.raises(RuleError, match="rule 0: replace.kwargs: .*eps: expected a number, got the string '1e-6'"):
+        apply_rules(_normed(), rule % "1e-6")
+    model, x = _normed(), torch.randn(3, 8)
+    original = model["norm"]
+    original.variance_epsilon = 1e-2  # the reference: the original module with the rule's eps
+    want = original(x)
+    apply_rules(model, rule % "1.0e-2")
+    assert isinstance(model["norm"], tnn.RMSNorm) and model["norm"].weight is original.weight
+    assert model["norm"].variance_epsilon == 1e-2
+    torch.testing.assert_close(model["norm"](x), want)
+
+
+@pytest.mark.parametrize("eps, want", [(0, 0.0), (1, 1.0), (None, 1e-6)])  # None: the original's
+def test_number_kwargs_become_floats(eps, want):
+    model = _normed()
+    apply_rules(model, _norm_rule({"eps": eps}))
+    assert type(model["norm"].variance_epsilon) is float and model["norm"].variance_epsilon == want
+
+
+def test_builder_without_kwargs_names_the_unknown_one():
+    model = nn.ModuleDict({"mlp": nn.Module()})
+    with pytest.raises(RuleError, match="rule 0: replace.kwargs: .*unknown kwarg in_place; it takes none"):
+        apply_rules(model, [{"match": {"name": "^mlp$"},
+                             "replace": {"class": "tritonspec.nn.SwiGLUMLP", "kwargs": {"in_place": False}}}])
+
+
+def test_real_rule_files_fit_the_regex_bounds():
+    """KTransformers-style patterns (lookaheads, layer ranges, a 48-layer alternation, counted repetitions) in one
+    file stay far inside the bounds on length and compiled size, and match as re.search does."""
+    patterns = [r"^model\.layers\..*\.mlp\.experts$", r"^model\.layers\.([0-9]|[1-5][0-9]|6[0-3])\.mlp$",
+                r"^model\.layers\.(?!.*self_attn\.kv_b_proj).*$", r"^lm_head$", r"^model\.embed_tokens",
+                r"^model\.layers\.\d{1,3}\.(self_attn|mlp)\.\w+_proj$", r"^model(\.\w+){0,8}\.experts\.\d{1,4}$",
+                r"^model\.layers\.(" + "|".join(str(i) for i in range(0, 96, 2)) + r")\.mlp\.gate$"] * 4
+    rules = load_rules([{"match": {"name": p}, "replace": {"class": "default"}} for p in patterns])
+    paths = ["model.layers.17.mlp.experts", "model.layers.64.mlp", "model.layers.3.self_attn.kv_b_proj", "lm_head",
+             "model.layers.250.self_attn.q_proj", "model.layers.2.mlp.experts.127", "model.layers.94.mlp.gate"]
+    for rule, pattern in zip(rules, patterns):
+        for path in paths:
+            assert rule.matches(path, nn.Identity()) == bool(re.search(pattern, path)), (pattern, path)

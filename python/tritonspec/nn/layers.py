@@ -5,6 +5,10 @@ State names match Hugging Face (``weight`` / ``variance_epsilon``; ``gate_proj``
 """
 from __future__ import annotations
 
+import math
+import numbers
+import reprlib
+
 import torch
 from torch import nn
 
@@ -18,13 +22,29 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
+        self.variance_epsilon = _checked_eps(eps)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+def _checked_eps(eps) -> float:
+    """``eps`` as a float, checked here because the kernel would take a wrong one silently or fail only at the
+    first forward (rule files give it as data: YAML 1.1 reads ``1e-6`` as a string, ``1.0e-6`` as a float)."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        got = (f"the string {reprlib.repr(eps)} (YAML reads 1e-6 as a string; write 1.0e-6)" if isinstance(eps, str)
+               else type(eps).__name__)
+        raise TypeError(f"eps: expected a number, got {got}")
+    try:
+        value = float(eps)
+    except OverflowError:  # an int too large for a float
+        value = math.inf
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"eps: expected a finite number >= 0, got {value!r}")
+    return value
 
 
 class SwiGLUMLP(nn.Module):

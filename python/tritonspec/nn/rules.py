@@ -18,11 +18,19 @@ rule file is data, and must never be a way to run arbitrary code. ``match.class`
 against the module's class hierarchy and imports nothing; ``replace.class`` is imported only from
 modules under an allowed prefix (``tritonspec`` plus what the caller passes).
 
-A rule file is also bounded, so a hostile or broken one fails with :class:`RuleError` instead of hanging or
-crashing: ``match.name`` is searched with the ``regex`` package (``re``-compatible syntax) under a timeout of
-``MATCH_TIMEOUT_S`` per module path, and lists/mappings may nest at most ``MAX_NESTING_DEPTH`` levels, the rule
-list itself counting as one (a rule's ``replace.kwargs`` is at level 4), whether the rules come as YAML or as
-Python lists and dicts.
+A rule file is also bounded, so a hostile or broken one fails with :class:`RuleError` instead of hanging,
+crashing or taking gigabytes, whether the rules come as YAML or as Python lists and dicts:
+
+- ``match.name`` is a pattern in Python's ``re`` syntax, at most ``MAX_PATTERN_CHARS`` long; the file's patterns
+  together may expand to at most ``MAX_REGEX_UNITS`` when compiled (counted repetitions multiply), and are searched
+  with the ``regex`` package under a timeout of ``MATCH_TIMEOUT_S`` per module path and ``MATCH_BUDGET_S`` for all
+  searches of one :func:`apply_rules` call;
+- lists/mappings nest at most ``MAX_NESTING_DEPTH`` levels, the rule list itself counting as one (a rule's
+  ``replace.kwargs`` is at level 4); values shared through YAML aliases are walked once, not once per path, and
+  error messages show values cut to a few items and characters (reprlib's bounds), so a billion-laughs file costs
+  what its text does;
+- ``replace.kwargs`` must be parameters of the replacement's builder, and are checked by it (the values, like an
+  RMSNorm's ``eps``) when the rule is applied, not at the first forward.
 
 A replacement class is either a hub-style pure layer (validated like kernelize's; its ``forward`` is
 bound onto the matched module) or an ``nn.Module`` to put in the module's place. For the latter the class
@@ -39,6 +47,8 @@ import inspect
 import logging
 import math
 import re
+import reprlib
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -52,6 +62,11 @@ from . import engine
 from .repository import validate_layer
 from .targets import infer_layer_name, tagged_name
 
+try:  # re's parser, to read a pattern's structure before the regex package compiles (and expands) it
+    from re import _parser as _re_parser  # Python 3.11+
+except ImportError:  # Python 3.10
+    import sre_parse as _re_parser
+
 logger = logging.getLogger("tritonspec.nn.rules")
 
 DEFAULT_ALLOWED_MODULES = ("tritonspec",)
@@ -63,6 +78,20 @@ _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 # take microseconds, so this is thousands of times the need; only catastrophic backtracking gets near it, and
 # then an error naming the rule beats hanging forever (re has no timeout; the regex package has).
 MATCH_TIMEOUT_S = 0.1
+# Seconds all match.name searches of one apply_rules call may take together: without it, 60 rules each staying
+# just under the per-search timeout keep a 2-layer model busy for minutes. A search costs about 6 us here (5 of
+# them the timeout's bookkeeping), so this is half a million searches: 50,000 module paths against 10 rules.
+MATCH_BUDGET_S = 3.0
+# Characters in one match.name pattern: a dotted module path is well under 100, an alternation of dozens of them
+# fits; the bound keeps scanning and parsing (before the size below is known) to milliseconds.
+MAX_PATTERN_CHARS = 2000
+# Units all match.name patterns of one rule file may expand to when compiled: each atom counts once per
+# repetition of every counted quantifier around it (``a{1000}`` is 1000, ``(a{1000}){1000}`` a million), the
+# upper count where there is one, else the lower. The regex package expands counts when compiling: 2-8 us and
+# 250-1000 bytes per unit (``a{10000000}``: 17 s, 2.6 GB; ``((a|bc){1000}){1000}`` crashes it), so this bound is
+# about 0.2 s and 50 MB at worst. Real patterns take tens to a hundred (``\d{1,3}`` 3, a 48-layer alternation
+# 115), so a file of dozens fits; it bounds every repetition count too.
+MAX_REGEX_UNITS = 50_000
 # Lists/mappings a rule file may nest, the rule list counting as 1 (a rule is 2, its replace.kwargs 4). Real files
 # need about 6; PyYAML composes nodes recursively, so a bound far below Python's recursion limit turns a deep
 # file into a RuleError instead of a RecursionError.
@@ -72,6 +101,8 @@ MAX_NESTING_DEPTH = 32
 # a fixed bound gives the same answer everywhere.
 MAX_GROUP_DEPTH = 64
 _NESTED = (list, tuple, dict)
+_REPEATS = {getattr(_re_parser, op) for op in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT")
+            if hasattr(_re_parser, op)}
 
 
 class RuleError(ValueError):
@@ -83,7 +114,37 @@ class RuleError(ValueError):
         self.index, self.key = index, key
 
 
-@dataclass
+class _BoundedRepr(reprlib.Repr):
+    """reprlib's bounds for values from a rule file: a few levels, items and characters, so the message about a
+    billion-laughs value is as short as any other. Only plain data is shown; other objects show their type name,
+    so no ``__repr__`` of theirs runs (a list subclass's could walk every path)."""
+
+    def __init__(self):
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother = 3, 80, 40
+        self.maxlist = self.maxtuple = self.maxdict = self.maxset = self.maxfrozenset = 4
+
+    def repr_int(self, x, level):
+        return repr(x) if x.bit_length() <= 64 else f"<int of {x.bit_length()} bits>"  # repr refuses > 4300 digits
+
+    def repr_float(self, x, level):
+        return repr(x)
+
+    repr_bool = repr_NoneType = repr_float
+
+    def repr_instance(self, x, level):
+        return f"<{type(x).__name__}>"
+
+
+_shown = _BoundedRepr().repr
+
+
+def _named(value) -> str:
+    """A mapping key or kwarg name for a message or a RuleError key: itself when it is a short string."""
+    return value if isinstance(value, str) and len(value) <= 60 else _shown(value)
+
+
+@dataclass(repr=False)
 class Rule:
     index: int
     name: regex.Pattern | None
@@ -95,13 +156,22 @@ class Rule:
     match_kernel: str | None = None
     replace_kernel: str | None = None  # the kernel table's layer instead of replace_class
 
-    def matches(self, path: str, module: nn.Module) -> bool:
+    def __repr__(self) -> str:
+        fields = (f"{k}={_shown(v.pattern if isinstance(v, regex.Pattern) else v)}" for k, v in vars(self).items())
+        return f"Rule({', '.join(fields)})"
+
+    def matches(self, path: str, module: nn.Module, timeout: float = MATCH_TIMEOUT_S) -> bool:
+        """Whether the rule holds for ``module`` at ``path``; ``timeout`` (at most MATCH_TIMEOUT_S) is what is left
+        of the rule file's matching budget."""
         if self.name is not None:
             try:
-                found = self.name.search(path, timeout=MATCH_TIMEOUT_S)
+                found = self.name.search(path, timeout=max(timeout, 0))  # regex: a negative timeout is none at all
             except TimeoutError:
-                raise RuleError(self.index, "match.name", f"{self.name.pattern!r} timed out after {MATCH_TIMEOUT_S}s "
-                                f"on {path!r} (catastrophic backtracking; simplify the pattern)") from None
+                why = (f"timed out after {MATCH_TIMEOUT_S}s on {_shown(path)} (catastrophic backtracking"
+                       if timeout >= MATCH_TIMEOUT_S else f"ran out of time on {_shown(path)}: all match.name "
+                       f"searches of one apply_rules call may take {MATCH_BUDGET_S}s together (slow patterns")
+                raise RuleError(self.index, "match.name", f"{_shown(self.name.pattern)} {why}; simplify the "
+                                "pattern)") from None
             if not found:
                 return False
         if self.match_class is not None and self.match_class not in _class_names(type(module)):
@@ -134,7 +204,7 @@ def _too_deep(index: int | None, labels: list, cyclic: bool = False) -> RuleErro
     for label in labels[:3]:
         if not isinstance(label, str):
             break
-        keys.append(label)
+        keys.append(_named(label))
     key = ".".join(keys) or ("rule" if index is not None else "rules")
     return RuleError(index, key, f"nested deeper than {MAX_NESTING_DEPTH} levels of lists/mappings"
                      f"{' (it contains itself)' if cyclic else ''}; that is the maximum nesting depth of a rule file")
@@ -241,51 +311,99 @@ def _bounded_loader() -> type:
     return BoundedSafeLoader
 
 
-def _parse_rule(i: int, raw: Any) -> Rule:
+def _regex_units(parsed) -> int:
+    """What a pattern parsed by ``re``'s parser expands to when compiled (MAX_REGEX_UNITS says how it counts).
+    Groups, alternatives and lookarounds are found as the parsed subpatterns inside an item's arguments, whatever
+    the opcode, so an opcode a later Python adds is still counted."""
+    units = 0
+    for op, av in parsed:
+        if op in _REPEATS:
+            low, high, sub = av
+            units += max(low if high == _re_parser.MAXREPEAT else high, 1) * _regex_units(sub)
+            continue
+        inner = 0
+        for arg in av if isinstance(av, (tuple, list)) else (av,):
+            for sub in arg if isinstance(arg, list) else (arg,):  # BRANCH holds a list of alternatives
+                if isinstance(sub, _re_parser.SubPattern):
+                    inner += _regex_units(sub)
+        units += max(inner, 1)
+    return units
+
+
+def _name_compiler() -> Callable[[int, Any], regex.Pattern]:
+    """Compiles the match.name patterns of one rule file, bounded before anything is compiled: length, group
+    depth, and what they expand to together (``re``'s parser gives their structure without expanding it)."""
+    units_left = MAX_REGEX_UNITS
+
+    def compile_name(i: int, pattern) -> regex.Pattern:
+        nonlocal units_left
+        if not isinstance(pattern, str):
+            raise RuleError(i, "match.name", f"expected a regex string, got {type(pattern).__name__}")
+        if len(pattern) > MAX_PATTERN_CHARS:
+            raise RuleError(i, "match.name", f"{len(pattern)} characters, over the {MAX_PATTERN_CHARS} a pattern may "
+                            f"have: {_shown(pattern)}")
+        too_deep = RuleError(i, "match.name", f"regex nests its groups too deeply to compile: {_shown(pattern)}")
+        if _group_depth(pattern) > MAX_GROUP_DEPTH:
+            raise too_deep
+        try:
+            units = _regex_units(_re_parser.parse(pattern))
+        except re.error as e:
+            raise RuleError(i, "match.name", f"invalid regex {_shown(pattern)} (Python re syntax): {e}") from None
+        except RecursionError:  # the parser recurses per group level
+            raise too_deep from None
+        if units > units_left:
+            spent = MAX_REGEX_UNITS - units_left
+            raise RuleError(i, "match.name", f"{_shown(pattern)} expands to "
+                            f"{units if units <= MAX_REGEX_UNITS else f'over {MAX_REGEX_UNITS}'} units when compiled"
+                            f"{f', the earlier patterns to {spent}' if spent else ''}; a rule file's patterns may "
+                            f"expand to {MAX_REGEX_UNITS} together (a repetition count multiplies what it repeats)")
+        units_left -= units
+        try:
+            return regex.compile(pattern, regex.V0)  # V0: the re-compatible syntax checked above
+        except regex.error as e:
+            raise RuleError(i, "match.name", f"invalid regex {_shown(pattern)}: {e}") from None
+        except RecursionError:  # the compiler recurses per group level
+            raise too_deep from None
+
+    return compile_name
+
+
+def _check_keys(i: int, prefix: str, mapping: dict, allowed: set[str]) -> None:
+    """The first key that is not ``allowed`` (not a string, else in sorted order) is an error naming it."""
+    odd = next((k for k in mapping if not isinstance(k, str)), None)
+    unknown = sorted(k for k in mapping if isinstance(k, str) and k not in allowed)
+    if odd is not None or unknown:
+        raise RuleError(i, prefix + _named(unknown[0] if odd is None else odd),
+                        f"unknown key (allowed: {', '.join(sorted(allowed))})")
+
+
+def _parse_rule(i: int, raw: Any, compile_name: Callable[[int, Any], regex.Pattern]) -> Rule:
     _check_nesting(i, raw)
     if not isinstance(raw, dict):
         raise RuleError(i, "rule", f"expected a mapping with match/replace, got {type(raw).__name__}")
-    unknown = set(raw) - _RULE_KEYS
-    if unknown:
-        raise RuleError(i, sorted(unknown)[0], f"unknown key (allowed: {', '.join(sorted(_RULE_KEYS))})")
+    _check_keys(i, "", raw, _RULE_KEYS)
     match = raw.get("match")
     if not isinstance(match, dict):
         raise RuleError(i, "match", "required, a mapping with name and/or class")
-    unknown = set(match) - _MATCH_KEYS
-    if unknown:
-        raise RuleError(i, f"match.{sorted(unknown)[0]}", "unknown key (allowed: name, class, kernel)")
+    _check_keys(i, "match.", match, _MATCH_KEYS)
     if not match.get("name") and not match.get("class") and not match.get("kernel"):
         raise RuleError(i, "match", "needs at least one of name, class, kernel")
     match_kernel = _kernel_name(i, "match.kernel", match.get("kernel"), site="module")
-    pattern = None
-    if "name" in match:
-        if not isinstance(match["name"], str):
-            raise RuleError(i, "match.name", f"expected a regex string, got {type(match['name']).__name__}")
-        too_deep = RuleError(i, "match.name", f"regex nests its groups too deeply to compile: {match['name'][:60]!r}"
-                             "...")
-        if _group_depth(match["name"]) > MAX_GROUP_DEPTH:
-            raise too_deep
-        try:
-            pattern = regex.compile(match["name"])
-        except regex.error as e:
-            raise RuleError(i, "match.name", f"invalid regex {match['name']!r}: {e}") from None
-        except RecursionError:  # the compiler recurses per group level
-            raise too_deep from None
+    pattern = compile_name(i, match["name"]) if "name" in match else None
     match_class = match.get("class")
     if match_class is not None and (not isinstance(match_class, str) or not _DOTTED.match(match_class)):
-        raise RuleError(i, "match.class", f"expected a dotted class name like pkg.module.Class, got {match_class!r}")
+        raise RuleError(i, "match.class", f"expected a dotted class name like pkg.module.Class, got "
+                        f"{_shown(match_class)}")
     replace = raw.get("replace")
     if not isinstance(replace, dict):
         raise RuleError(i, "replace", "required, a mapping with class and optional kwargs")
-    unknown = set(replace) - _REPLACE_KEYS
-    if unknown:
-        raise RuleError(i, f"replace.{sorted(unknown)[0]}", "unknown key (allowed: class, kernel, kwargs)")
+    _check_keys(i, "replace.", replace, _REPLACE_KEYS)
     if ("class" in replace) == ("kernel" in replace):
         raise RuleError(i, "replace", "needs exactly one of class, kernel")
     replace_kernel = _kernel_name(i, "replace.kernel", replace.get("kernel"))
     rclass = replace.get("class", "default" if replace_kernel is None else None)
     if replace_kernel is None and (not isinstance(rclass, str) or not (rclass == "default" or _DOTTED.match(rclass))):
-        raise RuleError(i, "replace.class", f"expected 'default' or a dotted class name, got {rclass!r}")
+        raise RuleError(i, "replace.class", f"expected 'default' or a dotted class name, got {_shown(rclass)}")
     kwargs = replace.get("kwargs", {}) or {}
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
         raise RuleError(i, "replace.kwargs", "expected a mapping of keyword arguments")
@@ -293,7 +411,7 @@ def _parse_rule(i: int, raw: Any) -> Rule:
     for key, default in (("recursive", True), ("optional", False)):
         v = raw.get(key, default)
         if not isinstance(v, bool):
-            raise RuleError(i, key, f"expected true or false, got {v!r}")
+            raise RuleError(i, key, f"expected true or false, got {_shown(v)}")
         flags[key] = v
     return Rule(i, pattern, match_class, None if rclass == "default" else rclass, dict(kwargs), **flags,
                 match_kernel=match_kernel, replace_kernel=replace_kernel)
@@ -304,17 +422,19 @@ def _kernel_name(i: int, key: str, name, site: str | None = None) -> str | None:
     if name is None:
         return None
     if not isinstance(name, str) or name not in kernel_table.KERNELS:
-        raise RuleError(i, key, f"{name!r} is not a declared kernel{suggest(str(name), kernel_table.KERNELS)}; "
+        close = suggest(name, kernel_table.KERNELS) if isinstance(name, str) and len(name) <= 60 else ""
+        raise RuleError(i, key, f"{_shown(name)} is not a declared kernel{close}; "
                         f"declared: {', '.join(kernel_table.KERNELS)}")
     kernel = kernel_table.KERNELS[name]
     if kernel.layer is None or (site is not None and kernel.site != site):
-        raise RuleError(i, key, f"kernel {name!r} installs at a {kernel.site!r} site, not by replacing a module")
+        raise RuleError(i, key, f"kernel {_shown(name)} installs at a {kernel.site!r} site, not by replacing a module")
     return name
 
 
 def load_rules(source: str | Path | list) -> list[Rule]:
     """Parse rules from a YAML file path, a YAML string, or an already-loaded list; validates everything."""
-    if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and source.endswith((".yaml", ".yml"))):
+    is_path = isinstance(source, str) and "\n" not in source and source.endswith((".yaml", ".yml"))
+    if isinstance(source, Path) or is_path:
         path = Path(source)
         if not path.is_file():
             raise FileNotFoundError(f"source: rule file {path} does not exist")
@@ -327,7 +447,8 @@ def load_rules(source: str | Path | list) -> list[Rule]:
             raise RuleError(None, "yaml", str(e)) from None
     if not isinstance(source, list) or not source:
         raise RuleError(None, "rules", "a rule file is a non-empty list of rules")
-    return [_parse_rule(i, r) for i, r in enumerate(source)]
+    compile_name = _name_compiler()
+    return [_parse_rule(i, r, compile_name) for i, r in enumerate(source)]
 
 
 _CONVERTERS: dict[type, Callable[..., nn.Module]] = {}
@@ -365,6 +486,7 @@ def _builder(rule: Rule, cls: type) -> Callable[..., nn.Module]:
     from_module = getattr(cls, "from_module", None)
     if callable(from_module):
         wants = set(inspect.signature(from_module).parameters) & {"parent", "path"}
+        _check_kwargs(rule.kwargs, from_module)
         return lambda orig, **where: from_module(orig, **{k: where[k] for k in wants}, **rule.kwargs)
     build = _CONVERTERS.get(cls)
     if build is None:
@@ -373,7 +495,30 @@ def _builder(rule: Rule, cls: type) -> Callable[..., nn.Module]:
     if build is None:
         raise RuleError(rule.index, "replace.class", f"{rule.replace_class} is neither a stateless layer nor has "
                         "a from_module(original, **kwargs) classmethod or a registered converter")
+    _check_kwargs(rule.kwargs, build)
     return lambda orig, **where: build(orig, **rule.kwargs)
+
+
+def _check_kwargs(kwargs: dict, build: Callable[..., nn.Module]) -> None:
+    """Rule kwargs must be keyword parameters of ``build(original, ...)`` (a builder taking ``**kwargs`` checks its
+    own); their values are checked by the builder and the constructor it calls."""
+    params = list(inspect.signature(build).parameters.values())[1:]  # after the original module
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    takes = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+             and p.name not in ("parent", "path")]
+    unknown = sorted(set(kwargs) - set(takes))
+    if unknown:
+        name = _named(unknown[0])
+        raise TypeError(f"unknown kwarg {name}{suggest(name, takes) if len(name) <= 60 else ''}; it takes "
+                        f"{', '.join(takes) or 'none'}")
+
+
+def _said(error: BaseException) -> str:
+    """``str(error)``, bounded. Only when its arguments are strings: a KeyError's (or any exception's with other
+    arguments) str is their repr, and the argument may be a rule file's value."""
+    text = str(error) if all(isinstance(a, str) for a in error.args) else _shown(error.args)
+    return text if len(text) <= 500 else text[:500] + "..."
 
 
 def _load_builtin_converters() -> None:
@@ -384,23 +529,21 @@ def _load_builtin_converters() -> None:
     for cls_name, build in (("RMSNorm", _rms_norm_from), ("SwiGLUMLP", _swiglu_from)):
         cls = getattr(own, cls_name, None)
         if cls is not None:
-            _CONVERTERS.setdefault(cls, lambda orig, _cls=cls, _b=build, **kw: _b(_cls, orig, **kw))
+            _CONVERTERS.setdefault(cls, functools.partial(build, cls))
 
 
-def _rms_norm_from(cls, orig: nn.Module, **kwargs) -> nn.Module:
-    """tritonspec.nn.RMSNorm sharing the original's weight (same Parameter object, same state_dict key)."""
-    eps = kwargs.pop("eps", getattr(orig, "variance_epsilon", getattr(orig, "eps", 1e-6)))
-    if kwargs:
-        raise TypeError(f"unexpected kwargs {sorted(kwargs)}")
+def _rms_norm_from(cls, orig: nn.Module, eps: float | None = None) -> nn.Module:
+    """tritonspec.nn.RMSNorm sharing the original's weight (same Parameter object, same state_dict key), with the
+    original's eps unless the rule gives one (the constructor checks it)."""
+    if eps is None:
+        eps = getattr(orig, "variance_epsilon", getattr(orig, "eps", 1e-6))
     new = cls(orig.weight.shape[0], eps)
     new.weight = orig.weight
     return new
 
 
-def _swiglu_from(cls, orig: nn.Module, **kwargs) -> nn.Module:
+def _swiglu_from(cls, orig: nn.Module) -> nn.Module:
     """tritonspec.nn.SwiGLUMLP reusing the original's gate/up/down Linear modules."""
-    if kwargs:
-        raise TypeError(f"unexpected kwargs {sorted(kwargs)}")
     new = cls(orig.gate_proj.in_features, orig.gate_proj.out_features)
     for n in ("gate_proj", "up_proj", "down_proj"):
         setattr(new, n, getattr(orig, n))
@@ -439,9 +582,20 @@ def apply_rules(model: nn.Module, rules: str | Path | list, *, allowed_modules: 
     hits = {r.index: 0 for r in parsed}
 
     parents: dict[str, nn.Module] = {}
+    budget_left = MATCH_BUDGET_S
+
+    def first_match(path, module) -> Rule | None:
+        nonlocal budget_left
+        for r in parsed:
+            start = time.perf_counter()
+            hit = r.matches(path, module, timeout=min(MATCH_TIMEOUT_S, budget_left))
+            budget_left -= time.perf_counter() - start
+            if hit:
+                return r
+        return None
 
     def prune(path, module):
-        rule = next((r for r in parsed if r.matches(path, module)), None)
+        rule = first_match(path, module)
         if rule is not None:
             parent_path = path.rpartition(".")[0]
             parents[path] = model.get_submodule(parent_path) if parent_path else model
@@ -486,7 +640,7 @@ def apply_rules(model: nn.Module, rules: str | Path | list, *, allowed_modules: 
                     raise
                 except Exception as e:
                     raise RuleError(rule.index, "replace.kwargs", f"building {name} for {path} "
-                                    f"failed: {type(e).__name__}: {e}") from None
+                                    f"failed: {type(e).__name__}: {_said(e)}") from None
                 new.train(live.training)
                 engine.replace_module(model, path, new, kernel=engine.qualname(cls), source="rules", detail=detail,
                                       parent=_parent_in_use(model, path, module, parents[path]))
