@@ -509,3 +509,27 @@ def test_cross_compiling_uses_the_target_backends_injections(registry):
     assert "math.exp" not in hip_ttir and "arith.mulf" in hip_ttir
     assert "math.exp" in cuda_ttir and "arith.mulf" not in cuda_ttir
     assert tl.exp is stock_exp
+
+
+@pytest.mark.parametrize("override,match", [
+    ({"BLOCK_N": 2**40}, "BLOCK_N=1099511627776 must be at most 1048576 \\(the most elements a Triton tensor holds\\)"),
+    ({"BLOCK_M": 2**31}, "BLOCK_M=2147483648 must be at most 1048576"),
+    ({"BLOCK_N": -64}, "BLOCK_N=-64 must be >= 1"),
+    ({"BLOCK_N": 96}, "BLOCK_N=96 must be a power of two"),
+    ({"num_warps": 1024}, "num_warps=1024 must be at most 32"),
+    ({"maxnreg": 4096}, "maxnreg=4096 must be at most 255"),
+    ({"num_stages": 2**32}, "num_stages=4294967296 must be at most 2147483647"),
+])
+def test_a_launch_config_out_of_tritons_range_fails_where_it_is_looked_up(registry, override, match):
+    """Named with backend, hook, kernel and key, before anything launches (not "arange must fit in int32"
+    from inside the interpreter); as a function and as a ConfigTable alike."""
+    from tritonspec import ConfigTable, LaunchConfigError, ops
+    x, w = torch.randn(3, 64), torch.randn(64)
+    hooks = {"fn": lambda kernel, **problem: dict(override),
+             "table": ConfigTable({"rms_norm_fwd": lambda kernel, **problem: dict(override)})}
+    for name, hook in hooks.items():
+        tritonspec.register_spec(f"huge-{name}", make_spec(f"huge_{name}_spec", kernel_config=hook))
+        with tritonspec.use_backend(f"huge-{name}"):
+            with pytest.raises(LaunchConfigError, match=f"^backend 'huge-{name}' kernel_config\\('rms_norm_fwd'\\): "
+                                                        + match):
+                ops.rms_norm(x, w)

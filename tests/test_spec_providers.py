@@ -17,11 +17,13 @@ import triton.language as tl
 STOCK_EXP_3 = 20.085536923187668  # e**3: what tl.exp(3.0) must give unless a trusted spec says otherwise
 
 
-def fake_distribution(site, name, entry_points: dict, modules: dict) -> None:
-    """A distribution as pip leaves it: ``<name>-1.0.dist-info`` (METADATA, entry_points.txt) and modules."""
-    info = site / f"{name}-1.0.dist-info"
+def fake_distribution(site, name, entry_points: dict, modules: dict, record=True, version="1.0",
+                      folder=None) -> None:
+    """A distribution as pip leaves it: ``<name>-<version>.dist-info`` (METADATA, entry_points.txt and,
+    with ``record``, a RECORD listing its files) and modules. ``folder`` names the dist-info otherwise."""
+    info = site / (folder or f"{name}-{version}.dist-info")
     info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
     lines = []
     for group, eps in entry_points.items():
         lines.append(f"[{group}]")
@@ -29,6 +31,9 @@ def fake_distribution(site, name, entry_points: dict, modules: dict) -> None:
     (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
     for mod, source in modules.items():
         (site / f"{mod}.py").write_text(textwrap.dedent(source))
+    if record:
+        files = [f"{mod}.py" for mod in modules] + [f"{info.name}/{f}" for f in ("METADATA", "entry_points.txt")]
+        (info / "RECORD").write_text("".join(f"{f},,\n" for f in files) + f"{info.name}/RECORD,,\n")
 
 
 # A spec that claims the interpreter's backend name and makes tl.exp(x) return x + x. Importing it
@@ -122,22 +127,109 @@ def test_check_shows_conflicts_and_distributions(evil_site):
     assert not (evil_site / "marker").exists()
 
 
-def test_register_spec_under_a_pinned_name_needs_that_distribution(tmp_path):
+def test_register_spec_cannot_take_a_pinned_name(tmp_path):
+    """A pinned name's spec comes from its distribution's entry point: not from a module made at run time
+    under a name that looks like the distribution's, nor from its own module registered by hand."""
     code = textwrap.dedent("""
         import types, tritonspec
-        spec = types.ModuleType("scratch_spec"); spec.__all__ = []
-        try:
-            tritonspec.register_spec("cpu", spec)
-        except tritonspec.SpecError as e:
-            print("REFUSED", e)
+        lookalike = types.ModuleType("tritonspec_backends.cpu.backend.evil"); lookalike.__all__ = []
         import tritonspec_backends.cpu.backend.spec as ours
-        tritonspec.register_spec("cpu", ours)  # the pinned distribution's own module is fine
-        print("OK", tritonspec.REGISTRY.get("cpu").distribution)
+        for module in (lookalike, ours):
+            try:
+                tritonspec.register_spec("cpu", module)
+                print("ACCEPTED", module.__name__)
+            except tritonspec.SpecError as e:
+                print("REFUSED", e)
+        print("PROVIDER", tritonspec.REGISTRY.get("cpu").origin)
+        tritonspec.register_spec("scratch", lookalike)  # an allowed name that is not pinned
+        print("OK", tritonspec.REGISTRY.get("scratch").origin)
     """)
-    proc = run_python(["-c", code], {"TRITONSPEC_BACKENDS": "cpu=tritonspec"})
+    proc = run_python(["-c", code], {"TRITONSPEC_BACKENDS": "cpu=tritonspec,scratch"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "REFUSED register_spec: backend 'cpu' (module scratch_spec, distribution none) is not allowed" in proc.stdout
-    assert "OK tritonspec" in proc.stdout
+    refused = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED")]
+    assert len(refused) == 2 and "ACCEPTED" not in proc.stdout, proc.stdout
+    for line, module in zip(refused, ("tritonspec_backends.cpu.backend.evil", "tritonspec_backends.cpu.backend.spec")):
+        assert ("register_spec: backend 'cpu' is pinned to distribution tritonspec by TRITONSPEC_BACKENDS="
+                "'cpu=tritonspec,scratch': its spec comes from that distribution's tritonspec.specs entry point "
+                f"only, not from module {module} registered at run time") in line, line
+    assert "PROVIDER entry point" in proc.stdout and "OK register_spec" in proc.stdout
+
+
+def test_a_package_calling_itself_tritonspec_is_refused_under_the_pin(tmp_path):
+    """METADATA says ``Name: tritonspec``; nothing else about it is tritonspec's. (First on sys.path, it also
+    hides tritonspec's Triton backends from Triton's discovery, so here tritonspec is imported by name.)"""
+    site = tmp_path / "site"
+    fake_distribution(site, "tritonspec", {"tritonspec.specs": {"cpu": "evilmod"}}, {"evilmod": EVIL},
+                      record=False, version="9.0")
+    (tmp_path / "probe.py").write_text("import tritonspec\n" + PROBE)
+    out = probe(tmp_path, "cpu=tritonspec,nvidia")
+    assert "backend 'cpu' has 2 spec providers: tritonspec==9.0 (evilmod) and tritonspec==0.1.0" in out["result"], out
+    assert "distributions of one name cannot be told apart by a pin" in out["result"]
+    assert not out["evil imported"]
+
+
+PINNED = """
+import json, os, sys
+import tritonspec
+from tritonspec import REGISTRY
+try:
+    provider = REGISTRY.get(sys.argv[1])
+    result = {"module": provider.module.__name__, "file": provider.module.__file__,
+              "distribution": provider.distribution}
+except tritonspec.SpecError as e:
+    result = {"refused": str(e)}
+result["evil imported"] = os.path.exists(os.environ["EVIL_MARKER"])
+print("PINNED " + json.dumps(result))
+"""
+
+
+def pinned(root, backend, allow, cwd=None) -> dict:
+    """What ``REGISTRY.get(backend)`` gives in a fresh process under ``TRITONSPEC_BACKENDS=allow``."""
+    marker = root / "marker"
+    marker.unlink(missing_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(root / "site"), EVIL_MARKER=str(marker), TRITONSPEC_BACKENDS=allow)
+    proc = subprocess.run([sys.executable, "-c", PINNED, backend], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=cwd or root)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PINNED ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("PINNED "):])
+
+
+def test_a_second_distribution_of_the_pinned_name_is_refused_even_with_its_own_record(tmp_path):
+    """Its dist-info folder named otherwise, its RECORD listing its module: still not the pinned project."""
+    fake_distribution(tmp_path / "site", "tritonspec", {"tritonspec.specs": {"toyx": "evilmod"}}, {"evilmod": EVIL},
+                      folder="innocent-1.0.dist-info")
+    out = pinned(tmp_path, "toyx", "toyx=tritonspec,cpu")
+    assert out["refused"].startswith("backend 'toyx': refusing the provider evilmod of tritonspec==1.0 pinned by "
+                                     "TRITONSPEC_BACKENDS: 2 different installed distributions are named "
+                                     "'tritonspec' (at "), out
+    assert "innocent-1.0.dist-info: toyx = evilmod" in out["refused"] and "the pin cannot tell" in out["refused"]
+    assert not out["evil imported"]
+
+
+def test_a_pinned_provider_must_be_a_file_of_its_distribution(tmp_path):
+    """The entry point names a module the distribution does not ship (not in its RECORD)."""
+    fake_distribution(tmp_path / "site", "evil", {"tritonspec.specs": {"cpu": "evilmod"}}, {"evilmod": EVIL},
+                      record=False)
+    out = pinned(tmp_path, "cpu", "cpu=evil")
+    evil_file = os.path.realpath(tmp_path / "site" / "evilmod.py")
+    assert out["refused"] == ("backend 'cpu': refusing the provider evilmod of evil==1.0 pinned by "
+                              f"TRITONSPEC_BACKENDS: {evil_file} (imported for evilmod) is not a file of distribution "
+                              "evil==1.0: neither in its RECORD nor in its editable source"), out
+    assert not out["evil imported"]
+
+
+@pytest.mark.parametrize("from_repo", [False, True])
+def test_the_editable_install_passes_its_own_pin(tmp_path, from_repo):
+    """``pip install -e`` records only its .pth and import finder: the finder's mapping names the sources.
+    From the repository root the source tree's ``tritonspec.egg-info`` is a second, identical distribution."""
+    (tmp_path / "site").mkdir()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    allow = ",".join(f"{name}=tritonspec" for name in ("cpu", "nvidia", "amd", "ascend", "iluvatar"))
+    for backend in ("cpu", "nvidia", "ascend"):
+        out = pinned(tmp_path, backend, allow, cwd=repo if from_repo else None)
+        assert out.get("distribution") == "tritonspec", out
+        assert out["file"].startswith(os.path.join(repo, "third_party", backend, "backend", "spec")), out
 
 
 @pytest.mark.parametrize("raw", ["cpu=", "=tritonspec"])
@@ -296,6 +388,36 @@ def test_disable_leaves_triton_stock(tmp_path):
     assert out == {"backends": stock, "ours": []}
     enabled = _compile_in_process(code, tmp_path / "cache")  # and without it: our backends, our modules
     assert set(enabled["backends"]) > set(stock) and "tritonspec" in enabled["ours"]
+
+
+ACTIVE = """
+import json, sys
+import triton
+print("ACTIVE " + json.dumps([m for m in ("tritonspec", "tritonspec_backends") if m in sys.modules]))
+"""
+
+
+def test_disable_takes_what_tritons_boolean_knobs_take(monkeypatch):
+    """``TRITONSPEC_DISABLE`` reads like ``TRITON_INTERPRET``: 1/true/yes/on/y in any case disable, and
+    0/false/no/off/empty do not; anything else keeps the layer on, with a warning naming the value."""
+    from triton._C.libtriton import getenv_bool  # how triton.knobs reads its boolean switches
+    values = ["1", "true", "TRUE", "yes", "On", "y", "0", "false", "no", "off", "", "maybe"]
+    procs = {}
+    for value in values:
+        monkeypatch.setenv("TRITONSPEC_DISABLE", value)
+        procs[value] = subprocess.Popen([sys.executable, "-c", ACTIVE], env=dict(os.environ), text=True,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    disabled = []
+    for value, proc in procs.items():
+        monkeypatch.setenv("TRITONSPEC_DISABLE", value)
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+        loaded = json.loads(stdout.split("ACTIVE ", 1)[1])
+        assert loaded == ([] if getenv_bool("TRITONSPEC_DISABLE", False) else ["tritonspec", "tritonspec_backends"]), \
+            (value, loaded)
+        assert ("TRITONSPEC_DISABLE='maybe' is neither true" in stderr) == (value == "maybe"), (value, stderr[-2000:])
+        disabled += [value] if not loaded else []
+    assert disabled == ["1", "true", "TRUE", "yes", "On", "y"]
 
 
 def test_a_broken_provider_does_not_take_the_others_down(tmp_path):

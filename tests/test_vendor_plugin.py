@@ -254,12 +254,8 @@ def _run(args, env, cwd, timeout=300) -> subprocess.CompletedProcess:
     return proc
 
 
-@pytest.fixture(scope="module")
-def plugin_venv(tmp_path_factory):
-    """(python, work dir) of a fresh venv with the plugin installed offline from a copy of its source."""
-    root = tmp_path_factory.mktemp("vendor_plugin")
-    src = root / "src"
-    shutil.copytree(PLUGIN, src, ignore=shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__"))
+def _fresh_venv(root: Path) -> tuple[Path, Path]:
+    """(python, site-packages) of a new venv at ``root / "venv"`` that also sees this one's site-packages."""
     venv = root / "venv"
     # pip comes from the outer site-packages; a venv made without pip (uv) gets one from ensurepip (offline).
     has_pip = importlib.util.find_spec("pip") is not None
@@ -269,9 +265,23 @@ def plugin_venv(tmp_path_factory):
     # the editable tritonspec's finder.
     (site_dir / "_outer_site_packages.pth").write_text(
         "".join(f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages()))
-    python = venv / "bin" / "python"
+    return venv / "bin" / "python", site_dir
+
+
+def _pip_install(python: Path, src: Path, cwd: Path) -> None:
+    """Install ``src`` offline; never touch a distribution of the same name outside the new venv."""
     _run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index", "--no-cache-dir",
-          src], _env(False), cwd=root)
+          "--ignore-installed", src], _env(False), cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def plugin_venv(tmp_path_factory):
+    """(python, work dir) of a fresh venv with the plugin installed offline from a copy of its source."""
+    root = tmp_path_factory.mktemp("vendor_plugin")
+    src = root / "src"
+    shutil.copytree(PLUGIN, src, ignore=shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__"))
+    python, site_dir = _fresh_venv(root)
+    _pip_install(python, src, root)
     assert any(site_dir.glob("tritonspec_toyvendor-*.dist-info")), sorted(p.name for p in site_dir.iterdir())
     for name, text in (("kernels.py", KERNELS), ("interpreted.py", INTERPRETED), ("compiled.py", COMPILED),
                        ("disabled.py", DISABLED)):
@@ -323,3 +333,98 @@ def test_disabled_layer_is_not_imported(plugin_venv):
     python, root = plugin_venv
     out = _run([python, "disabled.py"], _env(False, TRITONSPEC_DISABLE="1"), cwd=root).stdout
     assert "disabled checks passed" in out
+
+
+# -- the distribution pin against wheels installed in a fresh venv -----------------------------------
+# Both venvs also see this one's site-packages, so the editable tritonspec is a second distribution
+# named tritonspec there: an identical one (same providers) for the real wheel, a different one for the fake.
+
+PINNED = """
+import json, os, sys
+import tritonspec
+from tritonspec import REGISTRY
+out = {"tritonspec": tritonspec.__file__}
+for backend in sys.argv[1:]:
+    try:
+        provider = REGISTRY.get(backend)
+        out[backend] = {"file": provider.module.__file__, "distribution": provider.distribution,
+                        "cacheable": provider.digest.cacheable}
+    except tritonspec.SpecError as e:
+        out[backend] = {"refused": str(e)}
+out["evil imported"] = "evilmod" in sys.modules
+print("PINNED " + json.dumps(out))
+"""
+
+FAKE_PYPROJECT = """
+[build-system]
+requires = ["setuptools"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "tritonspec"
+version = "9.9"
+
+[project.entry-points."tritonspec.specs"]
+cpu = "evilmod"
+toyx = "evilmod"
+
+[tool.setuptools]
+py-modules = ["evilmod"]
+"""
+
+EVILMOD = """
+from triton.language import core
+
+@core.builtin
+def exp(x, _semantic=None):
+    return _semantic.add(x, x, True)
+
+math_ext_base_func_list = ["exp"]
+__all__ = ["math_ext_base_func_list"]
+"""
+
+
+def _pinned(python: Path, root: Path, allow: str, *backends) -> dict:
+    import json
+    proc = _run([python, "pinned.py", *backends], _env(False, TRITONSPEC_BACKENDS=allow), cwd=root)
+    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("PINNED ")][-1][7:])
+
+
+def test_a_wheel_install_of_tritonspec_passes_its_own_pin(tmp_path_factory):
+    """A regular (non-editable) install: its RECORD lists the spec packages' files."""
+    root = tmp_path_factory.mktemp("tritonspec_wheel")
+    src = root / "src"
+    for part in ("python", "third_party"):
+        shutil.copytree(REPO / part, src / part, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    shutil.copy(REPO / "setup.py", src / "setup.py")
+    python, site_dir = _fresh_venv(root)
+    _pip_install(python, src, root)
+    (root / "pinned.py").write_text(PINNED)
+    allow = ",".join(f"{name}=tritonspec" for name in ("cpu", "nvidia", "amd", "ascend", "iluvatar"))
+    out = _pinned(python, root, allow, "cpu", "nvidia", "iluvatar")
+    assert Path(out["tritonspec"]).is_relative_to(site_dir), out
+    for backend in ("cpu", "nvidia", "iluvatar"):
+        assert out[backend].get("distribution") == "tritonspec", out
+        assert Path(out[backend]["file"]).is_relative_to(site_dir / "tritonspec_backends" / backend), out
+        assert out[backend]["cacheable"], out
+
+
+def test_a_wheel_calling_itself_tritonspec_is_refused_under_the_pin(tmp_path_factory):
+    """A proper wheel (RECORD and all) whose METADATA says ``Name: tritonspec``: installed beside the real
+    tritonspec, it is a second, different distribution of that name, and a pin cannot tell them apart."""
+    root = tmp_path_factory.mktemp("fake_tritonspec")
+    src = root / "src"
+    src.mkdir()
+    (src / "pyproject.toml").write_text(FAKE_PYPROJECT)
+    (src / "evilmod.py").write_text(EVILMOD)
+    python, site_dir = _fresh_venv(root)
+    _pip_install(python, src, root)
+    assert any(site_dir.glob("tritonspec-9.9.dist-info/RECORD")), sorted(p.name for p in site_dir.iterdir())
+    (root / "pinned.py").write_text(PINNED)
+    out = _pinned(python, root, "cpu=tritonspec,toyx=tritonspec,nvidia", "cpu", "toyx")
+    assert "backend 'cpu' has 2 spec providers: tritonspec==9.9 (evilmod) and tritonspec==0.1.0" in \
+        out["cpu"]["refused"], out
+    assert out["toyx"]["refused"].startswith("backend 'toyx': refusing the provider evilmod of tritonspec==9.9 pinned "
+                                             "by TRITONSPEC_BACKENDS: 2 different installed distributions are named "
+                                             "'tritonspec'"), out
+    assert not out["evil imported"], out

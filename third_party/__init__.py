@@ -2,7 +2,8 @@
 
 Triton's backend discovery imports the Triton backends declared here (iluvatar, ascend) through
 its ``triton.backends`` entry points, and those imports activate tritonspec. With
-``TRITONSPEC_DISABLE=1`` the layer must leave Triton exactly stock, yet discovery imports these
+``TRITONSPEC_DISABLE`` true (``1``, ``true``, ``yes``, ``on``, ``y``, any case: what Triton's boolean knobs
+take) the layer must leave Triton exactly stock, yet discovery imports these
 packages anyway: ``leave_triton_stock`` then takes them back out as soon as discovery is over
 (their entries in ``triton.backends.backends``, those of out-of-tree vendors of this layer too, and
 every ``tritonspec*`` module).
@@ -10,7 +11,8 @@ every ``tritonspec*`` module).
 import os
 import sys
 
-DISABLED = os.environ.get("TRITONSPEC_DISABLE", "0") == "1"
+# Read as triton.knobs.env_bool reads Triton's switches; tritonspec._disabled() applies the same rule.
+DISABLED = os.environ.get("TRITONSPEC_DISABLE", "").lower() in ("1", "true", "yes", "on", "y")
 
 
 class _AfterDiscovery:

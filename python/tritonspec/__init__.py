@@ -1,7 +1,8 @@
 """tritonspec: FlagTree-style backend specialization hooks installed into stock Triton.
 
 Importing tritonspec (or any ``import triton`` once it is installed) installs the hooks unless
-``TRITONSPEC_DISABLE=1``. Nothing here creates a device driver.
+``TRITONSPEC_DISABLE`` is set to what Triton's boolean knobs take for true (``1``, ``true``, ``yes``,
+``on``, ``y``, any case). Nothing here creates a device driver.
 """
 from .hooks import HOOKS, Hook, Kind, SpecContractError, SpecError, get_hook
 from .identity import BackendInfo
@@ -33,7 +34,19 @@ def deactivate():
     _deactivate()
 
 
-import os as _os
+def _disabled() -> bool:
+    """``TRITONSPEC_DISABLE`` read as Triton reads its boolean knobs (``triton.knobs.env_bool``); the same
+    rule as ``tritonspec_backends.DISABLED``. A value that is neither true nor false is a warning, not a guess."""
+    import os
+    raw = os.environ.get("TRITONSPEC_DISABLE", "")
+    if raw.lower() in ("1", "true", "yes", "on", "y"):
+        return True
+    if raw.lower() not in ("", "0", "false", "no", "off", "n"):
+        import warnings
+        warnings.warn(f"TRITONSPEC_DISABLE={raw!r} is neither true (1, true, yes, on, y) nor false (0, false, no, off, "
+                      "n, empty): tritonspec stays enabled", RuntimeWarning, stacklevel=2)
+    return False
 
-if _os.environ.get("TRITONSPEC_DISABLE", "0") != "1":
+
+if not _disabled():
     activate()

@@ -177,25 +177,10 @@ def kernel_rows(providers: dict) -> tuple[list, list]:
     return rows, failures
 
 
-def _table(rows, header) -> str:
-    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
-    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
-
-
-def main(argv=None) -> int:
-    from triton.backends.compiler import GPUTarget
-    # Say what FP fusion is (Triton 3.9 otherwise warns on stderr in the middle of the tables).
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    failures = []
-    print(f"tritonspec check: triton {triton.__version__}, python {sys.version.split()[0]}")
-    if not install.is_active():
-        print("hooks are disabled (TRITONSPEC_DISABLE=1): nothing to check")
-        return 1
-    __import__("triton.runtime.interpreter")  # installs the interpreter point
-
-    # 1. providers
-    providers, rows = {}, []
+def provider_rows() -> tuple[dict, list, list]:
+    """(providers, rows, failures) for the providers table: each backend's provider, where it comes from,
+    what it specializes, and whether its compiled kernels are cached across processes (and if not, why)."""
+    providers, rows, failures = {}, [], []
     allow = os.environ.get(ALLOW_ENV)
     for name in REGISTRY.names():
         conflict = REGISTRY.conflict(name)
@@ -211,11 +196,34 @@ def main(argv=None) -> int:
                 continue
             providers[name] = p
             lists = [f"{n}[{', '.join(getattr(p.module, n))}]" for n in sorted(p.exports) if n.endswith("_func_list")]
-            cache = "shared" if p.digest.cacheable else f"this process only ({p.digest.reason})"
+            cache = "shared" if p.digest.cacheable else f"not cached across processes: {p.digest.reason}"
             rows.append([name, p.info.runs, p.source, ", ".join(p.hooks + lists) or "-", cache])
         except Exception as e:
             failures.append(f"spec provider {name}: {e}")
             rows.append([name, "FAILED", str(e), "", ""])
+    return providers, rows, failures
+
+
+def _table(rows, header) -> str:
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def main(argv=None) -> int:
+    from triton.backends.compiler import GPUTarget
+    # Say what FP fusion is (Triton 3.9 otherwise warns on stderr in the middle of the tables).
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    failures = []
+    print(f"tritonspec check: triton {triton.__version__}, python {sys.version.split()[0]}")
+    if not install.is_active():
+        print(f"hooks are disabled (TRITONSPEC_DISABLE={os.environ.get('TRITONSPEC_DISABLE')}): nothing to check")
+        return 1
+    __import__("triton.runtime.interpreter")  # installs the interpreter point
+
+    # 1. providers
+    providers, rows, problems = provider_rows()
+    failures += problems
     print("\nSpec providers\n" + _table(rows, ["backend", "runs", "from", "spec functions", "compile cache"]))
 
     # 2. hook table vs install points

@@ -4,6 +4,8 @@ Ops never branch on the backend: they pass their own heuristic as a typed defaul
 ``LaunchConfig`` of the kernel table) and the backend's ``kernel_config`` hook may override any of
 its fields. The override is checked as the default is: an unknown key names the nearest ones, block
 sizes are powers of two, counts are in range, and the error names the backend, the kernel and the key.
+Overrides are also held to what Triton itself can launch (``limits()``), so ``BLOCK_N=2**40`` fails here,
+not deep inside the interpreter or the compiler.
 
 Eager ops call this on every launch that has no launch plan yet, so the result is memoized per
 (config type, backend, device, problem) and the memo is dropped whenever the spec registry changes: a
@@ -64,9 +66,33 @@ def launch_config(config: type[LaunchConfig], device, default, **problem) -> Lau
         fn = lookup("kernel_config", backend=backend)
         override = fn(config.kernel, device=device, **problem) if fn is not None else None
         if override:
-            base = base.override(override, where=f"backend {backend!r} kernel_config({config.kernel!r}): ")
+            where = f"backend {backend!r} kernel_config({config.kernel!r}): "
+            base = base.override(override, where=where)
+            _check_limits(base, override, where)
         cfg = _cache[key] = base
     return cfg
+
+
+def limits() -> tuple:
+    """(field name prefix, the largest value, why) of what Triton can launch; the first matching prefix applies.
+
+    Lower bounds, powers of two and kernel-specific ranges are the kernel table's types' own checks."""
+    from triton.language import TRITON_MAX_TENSOR_NUMEL  # on use: this module loads while triton imports
+    return (("BLOCK", TRITON_MAX_TENSOR_NUMEL, "the most elements a Triton tensor holds"),
+            ("num_warps", 32, "1024 threads a block, the CUDA and HIP limit, at 32 threads a warp"),
+            ("maxnreg", 255, "the most registers a GPU thread can have"),
+            ("", 2**31 - 1, "Triton passes launch parameters as int32"))
+
+
+def _check_limits(cfg: LaunchConfig, changed: dict, where: str) -> None:
+    """Each integer ``changed`` sets in ``cfg`` is within what Triton can launch (``limits()``)."""
+    for name in changed:
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            continue
+        _, most, why = next(limit for limit in limits() if name.startswith(limit[0]))
+        if value > most:
+            raise LaunchConfigError(f"{where}{name}={value!r} must be at most {most} ({why})")
 
 
 @dataclass(frozen=True)

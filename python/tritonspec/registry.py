@@ -10,6 +10,15 @@ identified by backend name *and* distribution:
   allow-list picks one (which provider wins never depends on ``sys.path`` order);
 * a provider that is not allowed is never imported.
 
+A pin trusts more than a ``METADATA`` name, which any package can claim. Before a pinned provider
+is imported, every file that importing it would run must belong to the pinned distribution: listed
+in its ``RECORD``, or, for an editable install (PEP 660), inside the source directories its
+``.pth`` or import finder maps; and the installed distributions of that name must all be one
+project (a source tree's ``*.egg-info`` beside its editable install is; a second package merely
+called ``tritonspec`` is not). A pinned name cannot be taken over at run time: ``register_spec``
+refuses it. (A package that shadows the pinned distribution's own modules earlier on ``sys.path``
+can replace any module, Triton's included; no pin can tell.)
+
 The allow-list is read once, when a provider is first needed (set it before the process starts;
 ``REGISTRY.refresh()`` reads it again).
 
@@ -17,9 +26,14 @@ The allow-list is read once, when a provider is first needed (set it before the 
 """
 from __future__ import annotations
 
+import ast
+import dataclasses
 import importlib
+import importlib.machinery
+import importlib.util
 import os
 import re
+import sys
 import threading
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -116,6 +130,8 @@ class Candidate:
     value: str  # the module path
     distribution: str | None
     version: str | None
+    # The installed distributions declaring exactly this (a source tree's egg-info beside its install).
+    dists: tuple = field(default=(), compare=False, repr=False)
 
     @property
     def label(self) -> str:
@@ -128,6 +144,7 @@ class Registry:
         self._registered: dict[str, Provider] = {}  # register_spec: wins over entry points
         self._loaded: dict[tuple, Provider] = {}  # (name, distribution) -> entry point's, imported on first use
         self._entry_points = None  # name -> [Candidate], read lazily
+        self._projects: dict = {}  # distribution name -> {its declared entry points: [where installed]}
         self._allow: AllowList | None = None  # TRITONSPEC_BACKENDS, read on first use (refresh() re-reads)
         self._resolved: dict = {}  # name -> Provider or None: what get() found (ops look hooks up per call)
         self._listeners = []  # called after any change of registrations
@@ -157,11 +174,15 @@ class Registry:
         if not isinstance(module, ModuleType):
             raise TypeError(f"register_spec: module must be a module, got {type(module).__name__}")
         allow = self.allow_list()
-        distribution = _module_distribution(module) if allow.pinned(backend) else None
-        if not allow.allows(backend, distribution):
-            raise SpecError(f"register_spec: backend {backend!r} (module {module.__name__}, distribution "
-                            f"{distribution or 'none'}) is not allowed by {ALLOW_ENV}={os.environ[ALLOW_ENV]!r}")
-        provider = Provider(backend, module, distribution, origin)
+        if allow.pinned(backend):
+            raise SpecError(f"register_spec: backend {backend!r} is pinned to distribution "
+                            f"{' or '.join(sorted(allow.names[backend]))} by {ALLOW_ENV}={os.environ[ALLOW_ENV]!r}: "
+                            f"its spec comes from that distribution's {ENTRY_POINT_GROUP} entry point only, "
+                            f"not from module {module.__name__} registered at run time")
+        if not allow.allows(backend, None):
+            raise SpecError(f"register_spec: backend {backend!r} (module {module.__name__}) is not allowed by "
+                            f"{ALLOW_ENV}={os.environ[ALLOW_ENV]!r}")
+        provider = Provider(backend, module, None, origin)
         with self._lock:
             self._registered[backend] = provider
             self._changed()
@@ -184,15 +205,32 @@ class Registry:
 
     # -- entry points -------------------------------------------------------------------------------
     def entry_points(self) -> dict[str, list[Candidate]]:
-        """``name -> [Candidate]`` of the ``tritonspec.specs`` group: every distribution's, none imported."""
+        """``name -> [Candidate]`` of the ``tritonspec.specs`` group: every distribution's, none imported.
+
+        Every installed distribution counts, also a second one of the same name (``importlib.metadata``'s
+        ``entry_points()`` would keep only the first on ``sys.path``, so a package calling itself
+        ``tritonspec`` could hide the real one's providers); identical declarations are one candidate."""
         if self._entry_points is None:
-            from importlib.metadata import entry_points
+            from importlib.metadata import distributions
             found: dict[str, list] = {}
-            for ep in entry_points(group=ENTRY_POINT_GROUP):
-                dist = getattr(ep, "dist", None)
-                name = dist.metadata["Name"] if dist is not None else None
-                found.setdefault(ep.name, []).append(Candidate(ep.name, ep.value, name, dist and dist.version))
-            self._entry_points = found
+            index: dict[tuple, int] = {}  # (name, value, distribution) -> its place in found[name]
+            projects: dict[str, dict] = {}  # distribution name -> {its declarations: [where installed]}
+            for dist in distributions():
+                eps = [ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP]
+                if not eps:
+                    continue
+                name = dist.metadata["Name"]
+                declared = frozenset((ep.name, ep.value) for ep in eps)
+                projects.setdefault(normalize(name or ""), {}).setdefault(declared, []).append(_location(dist))
+                for ep in eps:
+                    listed, key = found.setdefault(ep.name, []), (ep.name, ep.value, normalize(name or ""))
+                    if key in index:
+                        same = listed[index[key]]
+                        listed[index[key]] = dataclasses.replace(same, dists=same.dists + (dist,))
+                    else:
+                        index[key] = len(listed)
+                        listed.append(Candidate(ep.name, ep.value, name, dist.version, (dist,)))
+            self._entry_points, self._projects = found, projects
         return self._entry_points
 
     def candidates(self, backend: str) -> list[Candidate]:
@@ -206,8 +244,35 @@ class Registry:
         if len(found) < 2:
             return None
         who = " and ".join(f"{c.label} ({c.value})" for c in found)
+        names = [normalize(c.distribution or "") for c in found]
+        if len(set(names)) < len(names):
+            return (f"backend {backend!r} has {len(found)} spec providers: {who}; distributions of one name cannot "
+                    "be told apart by a pin: uninstall the one that is not meant")
         return (f"backend {backend!r} has {len(found)} spec providers: {who}; pick one with "
                 f"{ALLOW_ENV}={backend}=<distribution>")
+
+    def pin_problem(self, backend: str, candidate: Candidate) -> str | None:
+        """Why ``candidate``, pinned by the allow-list, may not be its distribution's own code; else None.
+
+        Nothing is imported: the files importing it would run are found as the import would find them."""
+        if not self.allow_list().pinned(backend):
+            return None
+        self.entry_points()
+        projects = self._projects.get(normalize(candidate.distribution or ""), {})
+        if len(projects) > 1:
+            where = "; ".join(f"at {', '.join(places)}: {', '.join(sorted(f'{n} = {v}' for n, v in declared))}"
+                              for declared, places in projects.items())
+            return (f"{len(projects)} different installed distributions are named {candidate.distribution!r} "
+                    f"({where}); the pin cannot tell which one is meant")
+        files = _import_files(candidate.value)
+        if files is None:
+            return f"module {candidate.value} cannot be found"
+        owned = [_owned(dist) for dist in candidate.dists]
+        for path in files:
+            if not any(_owns(found, path) for found in owned):
+                return (f"{path} (imported for {candidate.value}) is not a file of distribution {candidate.label}: "
+                        "neither in its RECORD nor in its editable source")
+        return None
 
     def get(self, backend: str | None) -> Provider | None:
         """The provider for ``backend``, importing its entry point on first use; None if there is none."""
@@ -231,6 +296,10 @@ class Registry:
         if provider is None:
             with self._lock:
                 if key not in self._loaded:
+                    problem = self.pin_problem(backend, found[0])
+                    if problem is not None:
+                        raise SpecError(f"backend {backend!r}: refusing the provider {found[0].value} of "
+                                        f"{found[0].label} pinned by {ALLOW_ENV}: {problem}")
                     module = importlib.import_module(found[0].value)
                     self._loaded[key] = Provider(backend, module, key[1], "entry point")
                 provider = self._loaded[key]
@@ -245,11 +314,74 @@ class Registry:
         return {name: p for name in self.names() if self.conflict(name) is None and (p := self.get(name)) is not None}
 
 
-def _module_distribution(module: ModuleType) -> str | None:
-    """The installed distribution that ships ``module``'s top-level package, or None."""
-    from importlib.metadata import packages_distributions
-    dists = packages_distributions().get(module.__name__.split(".")[0], [])
-    return dists[0] if dists else None
+def _location(dist) -> str:
+    """Where an installed distribution's metadata is (its ``*.dist-info`` or ``*.egg-info``)."""
+    return str(getattr(dist, "_path", None) or dist.locate_file(""))
+
+
+def _import_files(name: str) -> list[str] | None:
+    """The files importing module ``name`` runs (each package's ``__init__`` on the way, then the module),
+    found without importing anything; None if it cannot be found."""
+    files, search, parts = [], None, name.split(".")
+    for i in range(len(parts)):
+        full = ".".join(parts[:i + 1])
+        module = sys.modules.get(full)
+        if module is not None:
+            origin, search = getattr(module, "__file__", None), getattr(module, "__path__", None)
+        else:
+            try:
+                spec = (importlib.util.find_spec(full) if i == 0 or ".".join(parts[:i]) in sys.modules
+                        else importlib.machinery.PathFinder.find_spec(full, list(search or [])))
+            except (ImportError, ValueError):
+                spec = None
+            if spec is None:
+                return None
+            origin = spec.origin if spec.has_location else None
+            search = spec.submodule_search_locations
+        if origin:
+            files.append(os.path.realpath(origin))
+    return files
+
+
+def _owns(owned: tuple, path: str) -> bool:
+    """Whether ``path`` (a real path) is one of a distribution's files (``owned``: what ``_owned`` found):
+    in its RECORD, or under a source directory its editable install maps."""
+    files, roots = owned
+    return path in files or any(path == root or path.startswith(root + os.sep) for root in roots)
+
+
+def _owned(dist) -> tuple[frozenset, tuple]:
+    """(files, directories) of ``dist``, as real paths: what its RECORD lists, and what its editable
+    install maps (PEP 660: setuptools' import finder ``MAPPING``, or the directories of a ``.pth``)."""
+    files, roots = set(), []
+    for entry in dist.files or ():
+        path = os.path.realpath(dist.locate_file(entry))
+        files.add(path)
+        if not os.path.isfile(path):
+            continue
+        if entry.name.endswith(".pth"):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                lines = [line.strip() for line in f]
+            roots += [line for line in lines if line and not line.startswith(("#", "import ", "import\t"))]
+        elif entry.name.startswith("__editable__") and entry.name.endswith("finder.py"):
+            roots += _finder_mapping(path)
+    return frozenset(files), tuple(os.path.realpath(r) for r in roots if os.path.exists(r))
+
+
+def _finder_mapping(path: str) -> list[str]:
+    """The source paths of setuptools' editable import finder (``MAPPING = {name: path}``), read, not run."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign)
+                                                                      and len(node.targets) == 1 else None)
+        if isinstance(target, ast.Name) and target.id == "MAPPING" and node.value is not None:
+            try:
+                mapping = ast.literal_eval(node.value)
+            except ValueError:
+                return []
+            return [str(p) for p in mapping.values()] if isinstance(mapping, dict) else []
+    return []
 
 
 REGISTRY = Registry()
@@ -258,7 +390,7 @@ REGISTRY = Registry()
 def register_spec(backend: str, module: ModuleType) -> Provider:
     """Register ``module`` as the spec module of ``backend`` (replacing any earlier one).
 
-    Under a pinned allow-list (``TRITONSPEC_BACKENDS=name=distribution``) the module must come
-    from that distribution.
+    A name the allow-list pins (``TRITONSPEC_BACKENDS=name=distribution``) is refused: its spec comes
+    from that distribution's entry point only.
     """
     return REGISTRY.register(backend, module)

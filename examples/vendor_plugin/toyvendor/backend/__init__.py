@@ -11,5 +11,6 @@ import os
 # itself this is a no-op: triton is already in sys.modules.
 import triton  # noqa: E402,F401
 
-if os.environ.get("TRITONSPEC_DISABLE", "0") != "1":
+# TRITONSPEC_DISABLE read as Triton reads its boolean knobs: then no tritonspec module is imported at all.
+if os.environ.get("TRITONSPEC_DISABLE", "").lower() not in ("1", "true", "yes", "on", "y"):
     import tritonspec  # noqa: F401  (activates the hooks; safe during Triton's import)

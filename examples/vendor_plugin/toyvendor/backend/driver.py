@@ -13,7 +13,7 @@ from .compiler import TARGET_BACKEND
 
 def selected() -> bool:
     """Whether tritonspec selects toyvendor here (never imports tritonspec when it is disabled)."""
-    if os.environ.get("TRITONSPEC_DISABLE", "0") == "1":
+    if os.environ.get("TRITONSPEC_DISABLE", "").lower() in ("1", "true", "yes", "on", "y"):
         return False
     try:
         from tritonspec.resolve import explicit_backend
