@@ -340,7 +340,7 @@ def dram_bandwidth():
 
 def cpu_expert_rate(layer, threads=None):
     """Weight GB/s of one-token experts on the CPU, cycling over distinct experts (at least 1 GB of them)."""
-    views = layer.layout.views(layer.store.rows)
+    views = layer.store.parts
     H = layer.layout.shapes[1][1][0] if layer.kind[0] == "concatenated" else layer.layout.shapes[1][1][1]
     x = torch.randn(1, H).to(layer.layout.dtype)
     n = min(layer.num_experts, max(3, -(-GiB // layer.layout.nbytes)))

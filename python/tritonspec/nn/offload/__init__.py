@@ -2,8 +2,8 @@
 
 ``offload_experts(model, gpu_budget="16GiB")`` replaces every fused experts module (the kernel table's
 ``moe`` kernel recognizes them) with an :class:`OffloadedExperts` that keeps its weights in host memory
-(``storage="cpu"``, pinned rows) or in the model's ``save_pretrained`` checkpoint (``storage="disk"``,
-memory-mapped), holds ``experts_per_layer`` of them in fixed GPU slots chosen by a policy, prefetches
+(``storage="cpu"``, page-locked in place) or in the model's ``save_pretrained`` checkpoint (``storage="disk"``,
+read by byte range), holds ``experts_per_layer`` of them in fixed GPU slots chosen by a policy, prefetches
 the next layer's experts with its router, and computes what is missing on the CPU when that beats
 copying it. It is one YAML rule, applied through :func:`tritonspec.nn.apply_rules`; a rule file can say
 the same thing::
@@ -16,6 +16,14 @@ the same thing::
 The returned :class:`OffloadHandle` (or ``offload_handle(model)`` after a rule file) reports hits,
 misses, bytes moved and read, prefetch recall and CPU time, and ``revert()`` puts the original experts
 back with their weights on their devices.
+
+What it guarantees about weights: the model's own weights are the truth. The host tier keeps the very tensors
+the model held (a GPU's moved, only meta ones read from ``checkpoint``); the disk tier serves the checkpoint's
+experts only where they equal the model's bit for bit, and the others from a temporary file of its own. So the
+offloaded model computes with exactly the model's weights, ``state_dict()``/``save_pretrained`` write them in
+full, and a revert restores them bit for bit as plain contiguous tensors. Everything (arguments, device, every
+expert tensor, the checkpoint's files and tensors) is checked before the first layer changes, and an error
+part-way leaves the model as it was.
 """
 from __future__ import annotations
 
@@ -27,11 +35,11 @@ import torch
 from torch import nn
 
 from .. import engine
-from ..rules import apply_rules
+from ..rules import apply_rules, shown
 from ..targets import is_fused_experts
 from .cache import POLICIES
-from .offloaded import CPU_COMPUTE, STORAGES, OffloadedExperts, Stats
-from .storage import Checkpoint, ExpertLayout
+from .checkpoint import Checkpoint
+from .offloaded import CPU_COMPUTE, STORAGES, OffloadedExperts, Stats, plan_offload
 
 __all__ = ["offload_experts", "offload_handle", "OffloadHandle", "OffloadedExperts", "parse_bytes"]
 
@@ -45,7 +53,7 @@ def parse_bytes(value) -> int:
         return value
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", value, re.I) if isinstance(value, str) else None
     if m is None or float(m.group(1)) <= 0:
-        raise ValueError(f"gpu_budget: expected a positive byte count such as 16GiB or 500MB, got {value!r}")
+        raise ValueError(f"gpu_budget: expected a positive byte count such as 16GiB or 500MB, got {shown(value)}")
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
 
 
@@ -58,9 +66,15 @@ class OffloadHandle:
         if not self.layers:
             raise ValueError("model: no offloaded experts in it (run offload_experts or a rule with OffloadedExperts)")
 
+    def _live(self, what: str) -> None:
+        if not self.layers or any(m.store is None for _, m in self.layers):
+            raise RuntimeError(f"offload handle: {what} after the offload was reverted; the statistics went with the "
+                               "offloaded layers")
+
     def stats(self) -> dict:
         """Totals over the layers: counters of :class:`Stats`, plus ``hit_rate``, ``prefetch_recall`` and
-        ``bytes_read`` (from the checkpoint, disk tier)."""
+        ``bytes_read`` (from the checkpoint or the file of experts that differ from it, disk tier)."""
+        self._live("stats()")
         total = Stats()
         for _, m in self.layers:
             total.add(m.stats)
@@ -68,26 +82,25 @@ class OffloadHandle:
         served = total.hits + total.misses + total.cpu_experts
         out["hit_rate"] = total.hits / served if served else 0.0
         out["prefetch_recall"] = total.predicted / total.needed_after_guess if total.needed_after_guess else 0.0
-        readers = {id(m.store.checkpoint): m.store.checkpoint for _, m in self.layers
-                   if hasattr(m.store, "checkpoint")}
-        out["bytes_read"] = sum(c.bytes_read for c in readers.values())
+        out["bytes_read"] = sum(m.store.bytes_read for _, m in self.layers)
         out["layers"] = len(self.layers)
         out["slots_per_layer"] = self.layers[0][1].cache.num_slots
         return out
 
     def reset_stats(self) -> None:
+        self._live("reset_stats()")
         for _, m in self.layers:
             m.stats = Stats()
-        for c in {id(m.store.checkpoint): m.store.checkpoint for _, m in self.layers
-                  if hasattr(m.store, "checkpoint")}.values():
-            c.bytes_read = 0
+            m.store.bytes_read = 0
 
     def revert(self) -> None:
-        """Put the original experts modules back (their weights on their original devices)."""
+        """Put the original experts modules back (their weights, bit for bit, on their original devices)."""
         for path, m in self.layers:
             parent_path, _, name = path.rpartition(".")
             parent = self.model.get_submodule(parent_path) if parent_path else self.model
-            engine.restore(self.model, parent, name)
+            if not engine.restore(self.model, parent, name) and parent._modules.get(name) is m:
+                raise RuntimeError(f"{path}: the model has no record of this offload (tritonspec.nn.report(model) "
+                                   "lists what it has), so it cannot be reverted")
         self.layers = []
 
 
@@ -113,24 +126,27 @@ def offload_experts(model: nn.Module, *, gpu_budget: int | str | None = None, ex
             on the CPU), False (always copied).
         device: where the rest of the model goes afterwards (``model.to(device)``; the experts stay put).
 
-    Nothing is changed when an argument is wrong or a module cannot be offloaded.
+    Nothing is changed when an argument is wrong or a module cannot be offloaded: every check (the
+    device first) runs before the first layer changes, and a failure part-way undoes what was done.
     """
+    device = _device(device)
     if policy not in POLICIES:
-        raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, got {policy!r}")
+        raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, got {shown(policy)}")
     if storage not in STORAGES:
-        raise ValueError(f"storage: expected one of {', '.join(STORAGES)}, got {storage!r}")
+        raise ValueError(f"storage: expected one of {', '.join(STORAGES)}, got {shown(storage)}")
     if cpu_compute not in CPU_COMPUTE or not isinstance(cpu_compute, (str, bool)):
-        raise ValueError(f"cpu_compute: expected 'auto', True or False, got {cpu_compute!r}")
+        raise ValueError(f"cpu_compute: expected 'auto', True or False, got {shown(cpu_compute)}")
     if (gpu_budget is None) == (experts_per_layer is None):
         raise ValueError("gpu_budget / experts_per_layer: give exactly one")
     found = [(p, m) for p, m in model.named_modules() if not isinstance(m, OffloadedExperts) and is_fused_experts(m)]
     if not found:
         raise ValueError("model: no fused MoE experts module the Triton kernel computes was found")
     if checkpoint is not None:
-        checkpoint = Checkpoint(checkpoint)  # a missing file fails here, before anything changes
+        checkpoint = Checkpoint(checkpoint)  # a missing or malformed file fails here, before anything changes
+    plans = [plan_offload(m, storage=storage, checkpoint=checkpoint, path=p) for p, m in found]
     if gpu_budget is not None:
         budget = parse_bytes(gpu_budget)
-        per_expert = ExpertLayout.of(found[0][1]).nbytes
+        per_expert = plans[0].layout.nbytes
         experts_per_layer = budget // (per_expert * len(found))
         if experts_per_layer < 1:
             raise ValueError(f"gpu_budget: {budget} bytes is less than one expert per layer ({per_expert} bytes per "
@@ -140,7 +156,50 @@ def offload_experts(model: nn.Module, *, gpu_budget: int | str | None = None, ex
                         "kwargs": dict(experts_per_layer=experts_per_layer, storage=storage, checkpoint=checkpoint,
                                        policy=policy, prefetch=prefetch, cpu_compute=cpu_compute,
                                        cpu_threads=cpu_threads)}}
-    apply_rules(model, [rule])
+    made = apply_rules(model, [rule])
+    handle = OffloadHandle(model)
     if device is not None:
+        try:
+            _move(model, device)
+        except BaseException:
+            mine = set(made.paths())
+            handle.layers = [(p, m) for p, m in handle.layers if p in mine]
+            handle.revert()
+            raise
+    return handle
+
+
+def _device(device) -> torch.device | None:
+    """``device=`` checked before anything changes: a device torch knows, of a kind offloading runs on, present."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device: expected a device such as 'cuda', 'cuda:1' or 'cpu', got {shown(device)}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "torch was built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+            raise ValueError(f"device: {device!r} asks for CUDA, but {why}; use device='cpu' or run where a GPU is")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device: {device!r}, but only {torch.cuda.device_count()} CUDA devices are visible")
+    elif dev.type != "cpu":
+        raise ValueError(f"device: offloaded experts run on 'cpu' or 'cuda', got {shown(device)}")
+    return dev
+
+
+def _move(model: nn.Module, device: torch.device) -> None:
+    """``model.to(device)``, all or nothing: when it fails (out of GPU memory) every tensor goes back where it was."""
+    where = [(mod, name, t.device) for mod in model.modules() for tensors in (mod._parameters, mod._buffers)
+             for name, t in tensors.items() if t is not None]
+    try:
         model.to(device)
-    return OffloadHandle(model)
+    except BaseException:
+        for mod, name, dev in where:
+            if name in mod._parameters and mod._parameters[name] is not None:
+                p = mod._parameters[name]
+                if p.device != dev:
+                    p.data = p.data.to(dev)
+            elif mod._buffers.get(name) is not None and mod._buffers[name].device != dev:
+                mod._buffers[name] = mod._buffers[name].to(dev)
+        raise

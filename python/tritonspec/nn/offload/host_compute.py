@@ -74,32 +74,35 @@ def _best(fn, reps: int = 3) -> float:
 _MEASURE_BYTES = 1 << 30  # the CPU is timed over this many bytes of distinct experts: DRAM, not its caches
 
 
-def measure(device: torch.device, rows: dict[str, torch.Tensor], store_rows: torch.Tensor, kind: tuple,
-            flops_per_token: float, threads: int | None = None) -> Costs:
-    """Time an expert row's copy to ``device`` and the CPU experts on 1 and 64 tokens; cached per shape.
+def measure(device: torch.device, parts: dict[str, torch.Tensor], kind: tuple, flops_per_token: float,
+            threads: int | None = None) -> Costs:
+    """Time one expert's copy to ``device`` (``parts``: a store's ``(E, ...)`` host tensors, one copy per tensor,
+    as the module copies) and the CPU experts on 1 and 64 tokens; cached per shape.
 
     The CPU runs distinct experts (up to ``_MEASURE_BYTES`` of them) so their weights come from DRAM
     as they will in use; the cost model corrects itself afterwards from the real CPU times anyway.
     """
-    row = store_rows[0]
-    key = (str(device), tuple(row.shape), row.dtype, kind, threads)
+    first = {n: t[0] for n, t in parts.items()}
+    dtype = first["down_proj"].dtype
+    key = (str(device), tuple((n, tuple(t.shape)) for n, t in first.items()), dtype, kind, threads)
     if key in _MEASURED:
         return _MEASURED[key]
-    nbytes = row.numel() * row.element_size()
-    dst = torch.empty_like(row, device=device)
+    nbytes = sum(t.numel() * t.element_size() for t in first.values())
+    dst = {n: torch.empty_like(t, device=device) for n, t in first.items()}
 
     def copy():
-        dst.copy_(row, non_blocking=True)
+        for n, t in first.items():
+            dst[n].copy_(t, non_blocking=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
     link = nbytes / _best(copy)
-    H = rows["down_proj"].shape[1] if kind[0] == "concatenated" else rows["down_proj"].shape[2]
-    n = max(1, min(store_rows.shape[0], _MEASURE_BYTES // nbytes))
+    H = parts["down_proj"].shape[1] if kind[0] == "concatenated" else parts["down_proj"].shape[2]
+    n = max(1, min(parts["down_proj"].shape[0], _MEASURE_BYTES // nbytes))
 
     def cpu(tokens):
-        x = torch.randn(tokens, H, dtype=row.dtype)
-        return _best(lambda: [run_experts(x, 1, rows, [e], kind) for e in range(n)]) / n
+        x = torch.randn(tokens, H, dtype=dtype)
+        return _best(lambda: [run_experts(x, 1, parts, [e], kind) for e in range(n)]) / n
 
     with torch_threads(threads):
         t1, t64 = cpu(1), cpu(64)

@@ -17,6 +17,7 @@ is learned from the order the modules run in, so the same code serves every mode
 """
 from __future__ import annotations
 
+import copy
 import threading
 import time
 import weakref
@@ -27,9 +28,11 @@ import torch
 from torch import nn
 
 from ..experts import experts_kind
-from .cache import SlotCache, place_after_profile, serve
+from ..rules import shown
+from .cache import POLICIES, SlotCache, place_after_profile, serve
+from .checkpoint import Checkpoint
 from .host_compute import Costs, choose_cpu, measure, run_experts, torch_threads
-from .storage import Checkpoint, DiskStore, ExpertLayout, HostStore
+from .storage import DiskStore, ExpertLayout, ExpertSources, HostStore, disk_store, host_store
 
 STORAGES = ("cpu", "disk")
 CPU_COMPUTE = ("auto", True, False)
@@ -38,6 +41,10 @@ _STAGING_ROWS = 4  # pinned rows the disk tier reads into, in turn, before each 
 # Batches of at most this many tokens are decode: cpu_compute="auto" weighs the CPU against copies for them
 # (KTransformers' generate_device); larger ones are prefill and copy (its prefill_device).
 DECODE_TOKENS = 16
+# What a module holds for the device it runs on: made on first use (``_bind``), dropped by a revert, a
+# ``load_state_dict`` and a deep copy (whose slots, events and streams would belong to the original).
+_DEVICE_STATE = ("_slots", "_slot_views", "_slot_parts", "_cuda", "_ready", "_free", "_waited", "_seq", "_stream",
+                 "_staging", "_staging_events", "_staging_next", "_costs")
 
 
 @dataclass
@@ -63,6 +70,46 @@ class Stats:
 _LAST = threading.local()  # the offloaded layer that ran last on this thread: how the layer order is learned
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What offloading one experts module needs, every check made (:func:`plan_offload`)."""
+
+    kind: tuple
+    layout: ExpertLayout
+    num_experts: int
+    sources: ExpertSources | None  # the checkpoint's tensors for what the store reads from it
+
+
+def plan_offload(original: nn.Module, *, storage: str, checkpoint: Checkpoint | None, path: str = "") -> Plan:
+    """Check everything offloading ``original`` depends on (the module, each expert tensor, the checkpoint's
+    tensors it will read) without changing anything: :func:`offload_experts` runs it on every layer before the
+    first one changes, and each :class:`OffloadedExperts` before it touches its original."""
+    from ...distributed.expert_parallel import is_expert_parallel
+    name = path or type(original).__name__
+    if is_expert_parallel(original):
+        raise ValueError(f"{name}: its experts are sharded by tritonspec.distributed.expert_parallel (this rank "
+                         "holds a slice of them; the others' tokens travel to other ranks); offloading would drop "
+                         "those tokens. Offload experts of a model that is not expert-parallel")
+    kind = experts_kind(original)
+    if kind is None:
+        raise TypeError(f"{name}: not a fused experts module the Triton kernel computes")
+    layout = ExpertLayout.of(original, name)
+    num_experts = original._parameters["gate_up_proj"].shape[0]
+    # The disk tier reads every expert from the checkpoint (those that differ from it are kept apart); the host
+    # tier only those that exist nowhere in memory.
+    wanted = tuple(n for n, _ in layout.shapes if storage == "disk" or original._parameters[n].is_meta)
+    sources = None
+    if wanted:
+        if checkpoint is None:
+            if storage == "disk":
+                raise ValueError("checkpoint: storage='disk' reads the experts from a save_pretrained checkpoint; "
+                                 "give its directory or .safetensors file")
+            raise ValueError(f"{name}: the experts' weights ({', '.join(wanted)}) are on the meta device; give "
+                             "checkpoint= to read them from")
+        sources = ExpertSources(checkpoint, path, layout, num_experts, wanted, kind[0] == "concatenated")
+    return Plan(kind, layout, num_experts, sources)
+
+
 def _router_of(parent: nn.Module | None, num_experts: int):
     gate = getattr(parent, "gate", None)
     weight = getattr(gate, "weight", None)
@@ -77,7 +124,13 @@ class OffloadedExperts(nn.Module):
     Build it with :func:`tritonspec.nn.offload.offload_experts`, or a YAML rule whose ``replace.class`` is
     this class; its ``kwargs`` are this constructor's (KTransformers' ``generate_device`` /
     ``prefill_device`` are understood too). The original module is kept, outside the module tree, and
-    gets its weights back (on their device) when the replacement is reverted.
+    gets its weights back (on their device, bit for bit) when the replacement is reverted. Nothing of the
+    original changes before every check passed and the store holds its weights.
+
+    ``state_dict()`` holds the original's entries under their own names, every expert in full (read back from
+    disk for the disk tier), so saving an offloaded model saves its weights; ``load_state_dict`` updates the
+    host tier (the disk tier refuses). ``copy.deepcopy`` gives an independent module with no device state;
+    pickling is refused (the weights live outside the module).
     """
 
     def __init__(self, original: nn.Module, *, experts_per_layer: int, storage: str = "cpu",
@@ -85,56 +138,43 @@ class OffloadedExperts(nn.Module):
                  cpu_compute="auto", cpu_threads: int | None = None, router: nn.Module | None = None,
                  path: str = "", spill: int | None = None):
         super().__init__()
-        kind = experts_kind(original)
-        if kind is None:
-            raise TypeError(f"{path or type(original).__name__}: not a fused experts module the Triton kernel computes")
         if storage not in STORAGES:
-            raise ValueError(f"storage: expected one of {', '.join(STORAGES)}, got {storage!r}")
+            raise ValueError(f"storage: expected one of {', '.join(STORAGES)}, got {shown(storage)}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, got {shown(policy)}")
         if cpu_compute not in CPU_COMPUTE or not isinstance(cpu_compute, (str, bool)):
-            raise ValueError(f"cpu_compute: expected 'auto', True or False, got {cpu_compute!r}")
+            raise ValueError(f"cpu_compute: expected 'auto', True or False, got {shown(cpu_compute)}")
         if isinstance(experts_per_layer, bool) or not isinstance(experts_per_layer, int) or experts_per_layer < 1:
-            raise ValueError(f"experts_per_layer: expected a positive int, got {experts_per_layer!r}")
+            raise ValueError(f"experts_per_layer: expected a positive int, got {shown(experts_per_layer)}")
         if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int)
                                         or cpu_threads < 1):
-            raise ValueError(f"cpu_threads: expected a positive int or None, got {cpu_threads!r}")
+            raise ValueError(f"cpu_threads: expected a positive int or None, got {shown(cpu_threads)}")
         if storage == "disk" and checkpoint is None:
             raise ValueError("checkpoint: storage='disk' reads the experts from a save_pretrained checkpoint; "
                              "give its directory or .safetensors file")
-        self.kind = kind
-        self.layout = ExpertLayout.of(original)
-        self.num_experts = original.gate_up_proj.shape[0]
+        ckpt = checkpoint if checkpoint is None or isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+        plan = plan_offload(original, storage=storage, checkpoint=ckpt, path=path)
+        self.kind, self.layout, self.num_experts = plan.kind, plan.layout, plan.num_experts
         self.path = path
-        self.policy, self.prefetch, self.cpu_compute, self.cpu_threads = policy, bool(prefetch), cpu_compute, cpu_threads
+        self.policy, self.prefetch = policy, bool(prefetch)
+        self.cpu_compute, self.cpu_threads = cpu_compute, cpu_threads
         slots = min(experts_per_layer, self.num_experts)
         # The frequency policy's slots for misses: one batch's worth, but never more than half the slots.
         spill = spill if spill is not None else max(1, min(getattr(router, "top_k", None) or 1, slots // 2))
         self.cache = SlotCache(slots, self.num_experts, policy, spill)
-        ckpt = None
-        if checkpoint is not None:
-            ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
-        params = [(n, getattr(original, n)) for n, _ in self.layout.shapes]
-        on_meta = any(p.is_meta for _, p in params)
-        if on_meta and ckpt is None:
-            raise ValueError(f"{path}: the experts' weights are on the meta device; give checkpoint= to read them from")
-        disk = DiskStore(self.layout, self.num_experts, ckpt, path) if ckpt is not None else None
         if storage == "disk":
-            self.store = disk
+            store = disk_store(original, self.layout, plan.sources, path)
         else:
-            self.store = HostStore(self.layout, self.num_experts)
-            if disk is not None:
-                for e in range(self.num_experts):
-                    disk.read_into(e, self.store.rows[e])
-            else:
-                self.layout.pack(original, self.store.rows)
-        # Not submodules: model.to() and state_dict() must leave the original and the router alone.
+            store = host_store(original, self.layout, plan.sources)
+        # The original is unchanged up to here; from here on its experts' weights are the store's.
+        self.store: HostStore | DiskStore | None = store
+        # Not submodules: model.to() must leave the original and the router alone (state_dict: see below).
         self.__dict__["original"] = original
         self.__dict__["router"] = router
-        self.__dict__["_home"] = {n: p.device for n, p in params}
-        self._take_weights(params)
+        self.__dict__["_home"] = {n: original._parameters[n].device for n, _ in self.layout.shapes}
+        self._take_weights()
         self.stats = Stats()
-        self._next: weakref.ref | None = None
-        self._guess: set[int] | None = None
-        self._device: torch.device | None = None
+        self._unbind()
 
     @classmethod
     def from_module(cls, original: nn.Module, *, parent: nn.Module | None = None, path: str = "",
@@ -145,57 +185,145 @@ class OffloadedExperts(nn.Module):
         if generate_device is not None or prefill_device is not None:
             if "cpu_compute" in kwargs:
                 raise ValueError("cpu_compute: give it or generate_device/prefill_device, not both")
-            pair = (str(generate_device or "cuda").split(":")[0], str(prefill_device or "cuda").split(":")[0])
+            pair = tuple((d or "cuda").split(":")[0] if isinstance(d, str) or d is None else None
+                         for d in (generate_device, prefill_device))
             if any(d not in _DEVICES for d in pair) or pair == ("cuda", "cpu"):
                 raise ValueError(f"generate_device/prefill_device: expected cpu/cuda, cuda/cuda or cpu/cpu, got "
-                                 f"{generate_device}/{prefill_device}")
+                                 f"{shown(generate_device)}/{shown(prefill_device)}")
             kwargs["cpu_compute"] = {("cpu", "cuda"): "auto", ("cuda", "cuda"): False, ("cpu", "cpu"): True}[pair]
-        num_experts = original.gate_up_proj.shape[0]
+        gate_up = original._parameters.get("gate_up_proj")
+        num_experts = gate_up.shape[0] if isinstance(gate_up, torch.Tensor) and gate_up.dim() else 0
         return cls(original, router=_router_of(parent, num_experts), path=path, **kwargs)
 
     # ------------------------------------------------------------------------------------------
     # the original's weights: taken on offload, handed back on revert
     # ------------------------------------------------------------------------------------------
-    def _take_weights(self, params) -> None:
-        if isinstance(self.store, HostStore):  # the packed rows hold the values: the parameters become views of them
-            views = self.layout.views(self.store.rows)
-            for n, p in params:
-                p.data = views[n]
-        else:  # read back from the checkpoint on revert
-            for n, p in params:
-                if not p.is_meta:
-                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    def _take_weights(self) -> None:
+        original = self.__dict__["original"]
+        for n, _ in self.layout.shapes:
+            p = original._parameters[n]
+            if p.is_meta:
+                continue
+            if isinstance(self.store, HostStore):  # the same tensor where it was on the host, else the host copy
+                p.data = self.store.parts[n]
+            else:  # read back from disk on revert
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def release(self) -> None:
-        """Give the original module its weights back (called on revert): those from a GPU go back there,
-        those from host memory stay the packed rows' views (no second copy of the experts), those on the
-        meta device stay there; the disk tier's are read from the checkpoint again."""
+        """Give the original module its weights back (called on revert, and when a rule file fails part-way):
+        the host tier's tensors as they are (no copy), moved back to the GPU they came from; the disk tier's
+        read back, bit for bit what was taken; those on the meta device stay there. The parameters are plain
+        contiguous tensors. Once is enough: a second call does nothing."""
+        store = self.store
+        if store is None:
+            return
+        self._drain()
+        back = {}
+        try:
+            for n, device in self.__dict__["_home"].items():
+                if device.type == "meta":
+                    continue
+                t = store.parts[n] if isinstance(store, HostStore) else store.read_part(n, self.num_experts)
+                back[n] = t if device.type == "cpu" else t.to(device)
+        except (OSError, RuntimeError, ValueError) as e:
+            raise RuntimeError(f"{self.path}: its experts' weights could not be given back: {e}") from e
         original = self.__dict__["original"]
+        for n, t in back.items():
+            original._parameters[n].data = t
+        store.release()
+        self.store = None
+        self._unbind()
+
+    def _drain(self) -> None:
+        """Wait for copies in flight out of the store (before its memory is handed back or overwritten)."""
+        if self.__dict__.get("_cuda"):
+            self._stream.synchronize()
+
+    def _full_parts(self) -> dict[str, torch.Tensor]:
+        """Every expert, as ``(E, ...)`` host tensors under the original's parameter names."""
         if isinstance(self.store, HostStore):
-            rows = self.store.rows
-        else:
-            rows = torch.empty((self.num_experts, self.layout.numel), dtype=self.layout.dtype)
-            for e in range(self.num_experts):
-                self.store.read_into(e, rows[e])
-        views = self.layout.views(rows)
-        for n, device in self.__dict__["_home"].items():
-            p = getattr(original, n)
-            if device.type == "cpu" and isinstance(self.store, HostStore):
-                continue  # already views of the rows: no second copy of the experts in host memory
-            if device.type != "meta":
-                p.data = views[n].to(device).contiguous()
-        self._slots = self._slot_views = None  # the slots' device memory goes back to the allocator
-        self._device = None
+            return dict(self.store.parts)
+        return {n: self.store.read_part(n, self.num_experts) for n, _ in self.layout.shapes}
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        if self.store is None:
+            return
+        full = self._full_parts()
+        for name, value in self.__dict__["original"].state_dict(keep_vars=keep_vars).items():
+            destination[prefix + name] = full.get(name, value)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        if self.store is None:
+            return
+        original = self.__dict__["original"]
+        targets = dict(original.state_dict(keep_vars=True))
+        parts = self._full_parts() if isinstance(self.store, HostStore) else {}
+        targets.update(parts)
+        if strict:
+            missing_keys.extend(prefix + n for n in targets if prefix + n not in state_dict)
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in targets)
+        incoming = {n: state_dict[prefix + n] for n in targets if prefix + n in state_dict}
+        if not incoming:
+            return
+        if isinstance(self.store, DiskStore):
+            error_msgs.append(f"{prefix[:-1]}: its experts are offloaded to disk (storage='disk'), read from the "
+                              "checkpoint; revert the offload, load the state dict, then offload again")
+            return
+        for n, value in incoming.items():
+            if value.shape != targets[n].shape:
+                error_msgs.append(f"size mismatch for {prefix}{n}: copying a param with shape {tuple(value.shape)} "
+                                  f"from checkpoint, the shape in current model is {tuple(targets[n].shape)}.")
+                return
+        self._drain()
+        with torch.no_grad():
+            for n, value in incoming.items():
+                targets[n].copy_(value)
+        self._unbind()  # the device slots hold the old weights
+
+    def __deepcopy__(self, memo) -> "OffloadedExperts":
+        """An independent copy: its own host tensors (the disk tier's checkpoint and row file shared: they are
+        only read), its original's parameters views of them as here, and no device state (slots, events,
+        streams, the learned next layer: they belong to this module)."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        store = copy.deepcopy(self.store, memo)
+        if isinstance(store, HostStore):
+            for n, t in store.parts.items():
+                p = self.__dict__["original"]._parameters[n]
+                if type(p) is nn.Parameter and not p.is_meta and id(p) not in memo:
+                    memo[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)  # Parameter's own would clone
+        skip = {"store", "_device", "_next", "_guess", *_DEVICE_STATE}
+        for k, v in self.__dict__.items():
+            if k not in skip:
+                new.__dict__[k] = copy.deepcopy(v, memo)
+        new.store = store
+        new._unbind()
+        return new
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(f"{self.path or type(self).__name__}: a model with offloaded experts cannot be pickled "
+                        "(torch.save(model), pickle, multiprocessing): the experts' weights live outside the module, "
+                        "in host memory or a file. Save model.state_dict() (it holds every expert), or revert the "
+                        "offload first (offload_handle(model).revert())")
 
     # ------------------------------------------------------------------------------------------
     # device state, made once per device
     # ------------------------------------------------------------------------------------------
+    def _unbind(self) -> None:
+        for k in _DEVICE_STATE:
+            self.__dict__.pop(k, None)
+        self._device: torch.device | None = None
+        self._next: weakref.ref | None = None
+        self._guess: set[int] | None = None
+
     def _bind(self, device: torch.device) -> None:
         if self._device == device:
             return
         S, numel = self.cache.num_slots, self.layout.numel
         self._slots = torch.empty((S, numel), dtype=self.layout.dtype, device=device)
         self._slot_views = self.layout.views(self._slots)
+        self._slot_parts = [self.layout.row_parts(self._slots[s]) for s in range(S)]
         self.cache = SlotCache(S, self.num_experts, self.cache.policy, self.cache.spill)
         self._cuda = device.type == "cuda"
         self._ready: list = [None] * S  # (sequence, event) of the last copy into each slot
@@ -214,48 +342,51 @@ class OffloadedExperts(nn.Module):
     def costs(self) -> Costs:
         """Host link and CPU rates for this layer's expert shape (measured on first use, cached per process)."""
         if self._costs is None:
-            views, rows, _ = self._host_rows(list(range(min(self.num_experts, 8))))
-            self._costs = measure(self._device, views, rows, self.kind, self._flops_per_token(), self.cpu_threads)
+            views, _ = self._host_rows(list(range(min(self.num_experts, 8))))
+            self._costs = measure(self._device, views, self.kind, self._flops_per_token(), self.cpu_threads)
         return self._costs
 
     def _flops_per_token(self) -> float:
         return 2.0 * sum(_numel(s) for n, s in self.layout.shapes if not n.endswith("bias"))
 
-    def _host_rows(self, experts: list[int]) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[int]]:
-        """Views of host rows holding ``experts``, the rows, and the ids to use with them."""
+    def _host_rows(self, experts: list[int]) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """``(E', ...)`` host tensors holding ``experts``, and the ids to use with them."""
         if isinstance(self.store, HostStore):
-            return self.layout.views(self.store.rows), self.store.rows, experts
+            return self.store.parts, experts
         rows = torch.empty((len(experts), self.layout.numel), dtype=self.layout.dtype)
         for i, e in enumerate(experts):
             self.store.read_into(e, rows[i])
-        return self.layout.views(rows), rows, list(range(len(experts)))
+        return self.layout.views(rows), list(range(len(experts)))
 
     # ------------------------------------------------------------------------------------------
     # copies
     # ------------------------------------------------------------------------------------------
     def _load(self, e: int, slot: int) -> None:
         dst = self._slots[slot]
-        nbytes = self.layout.nbytes
-        self.stats.bytes_to_device += nbytes
+        self.stats.bytes_to_device += self.layout.nbytes
+        disk = isinstance(self.store, DiskStore)
         if not self._cuda:  # the CPU standing in for the GPU: copies are plain and synchronous
-            if isinstance(self.store, DiskStore):
+            if disk:
                 self.store.read_into(e, dst)
             else:
-                dst.copy_(self.store.row(e))
+                for n, part in self._slot_parts[slot].items():
+                    part.copy_(self.store.parts[n][e])
             return
-        if isinstance(self.store, DiskStore):
+        if disk:
             r = self._staging_next
             self._staging_next = (r + 1) % _STAGING_ROWS
             if self._staging_events[r] is not None:
                 self._staging_events[r].synchronize()  # the row's previous copy has left it
             src = self._staging[r]
             self.store.read_into(e, src)
-        else:
-            src = self.store.row(e)
         with torch.cuda.stream(self._stream):
             if self._free[slot] is not None:
                 self._stream.wait_event(self._free[slot])  # the kernels reading the old expert are done
-            dst.copy_(src, non_blocking=True)
+            if disk:
+                dst.copy_(src, non_blocking=True)
+            else:  # one copy per tensor of the expert, each contiguous on both sides
+                for n, part in self._slot_parts[slot].items():
+                    part.copy_(self.store.parts[n][e], non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
         self._seq += 1
@@ -284,7 +415,8 @@ class OffloadedExperts(nn.Module):
     # ------------------------------------------------------------------------------------------
     def _next_layer(self) -> "OffloadedExperts | None":
         nxt = self._next() if self._next is not None else None
-        return nxt if nxt is not None and nxt.prefetch and nxt.router is not None and nxt._device == self._device else None
+        ready = nxt is not None and nxt.prefetch and nxt.router is not None and nxt._device == self._device
+        return nxt if ready else None
 
     def _guess_next(self, x: torch.Tensor, top_k: int) -> torch.Tensor | None:
         """Layer l+1's router on layer l's input: the ids it would pick (on the device), or None."""
@@ -318,6 +450,9 @@ class OffloadedExperts(nn.Module):
     @torch.compiler.disable  # host decisions per batch: a graph break, the model around it still compiles
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         x = hidden_states
+        if self.store is None:
+            raise RuntimeError(f"{self.path}: these offloaded experts were reverted; the original module has the "
+                               "weights back")
         if x.dtype != self.layout.dtype:
             raise TypeError(f"{self.path}: hidden_states have dtype {x.dtype} but the offloaded experts are "
                             f"{self.layout.dtype}")
@@ -359,7 +494,7 @@ class OffloadedExperts(nn.Module):
                 copied.synchronize()
             t0 = time.perf_counter()
             experts = sorted(on_cpu)
-            views, _, local = self._host_rows(experts)
+            views, local = self._host_rows(experts)
             remap = torch.full((self.num_experts + 1,), -1, dtype=torch.int64)
             remap[experts] = torch.tensor(local)
             ids_cpu = remap[ids.index_select(0, rows).long().clamp(-1, self.num_experts)]  # -1: the extra entry
@@ -420,13 +555,15 @@ class OffloadedExperts(nn.Module):
         self._wait_ready(slots)
         layout, activation, clamp = self.kind
         v = self._slot_views
-        y = moe.moe_experts(x, slot_ids, weights, v["gate_up_proj"], v["down_proj"], gate_up_bias=v.get("gate_up_proj_bias"),
-                            down_bias=v.get("down_proj_bias"), layout=layout, activation=activation, clamp=clamp)
+        y = moe.moe_experts(x, slot_ids, weights, v["gate_up_proj"], v["down_proj"],
+                            gate_up_bias=v.get("gate_up_proj_bias"), down_bias=v.get("down_proj_bias"),
+                            layout=layout, activation=activation, clamp=clamp)
         self._mark_used(slots)
         return y
 
     def extra_repr(self) -> str:
-        return (f"experts={self.num_experts}, slots={self.cache.num_slots}, storage={self.store.tier}, "
+        tier = self.store.tier if self.store is not None else "reverted"
+        return (f"experts={self.num_experts}, slots={self.cache.num_slots}, storage={tier}, "
                 f"policy={self.policy!r}, prefetch={self.prefetch}, cpu_compute={self.cpu_compute!r}")
 
 
