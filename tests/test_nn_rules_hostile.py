@@ -204,3 +204,31 @@ def test_many_slow_patterns_exhaust_the_files_matching_budget(tmp_path):
     index, key, message, unchanged = errors["budget"]
     assert key == "match.name" and 0 <= index < 60 and unchanged
     assert f"all match.name searches of one apply_rules call may take {rules.MATCH_BUDGET_S}s" in message, message
+
+
+def test_billion_laughs_in_a_replacement_classes_kwargs(tmp_path):
+    """A replacement class's own argument checks quote the value bounded too (offloaded experts' kwargs)."""
+    keys = ("experts_per_layer", "storage", "generate_device", "cpu_threads", "policy")
+    errors = _run_hostile(f"""
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        import tritonspec.nn.offload
+        config = Qwen3MoeConfig(hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_experts=4,
+                                num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=2,
+                                num_key_value_heads=1, vocab_size=32)
+        for key in {keys!r}:
+            kwargs = {{"experts_per_layer": 2, key: shared_nesting()}}
+            print(json.dumps(["start", key]), flush=True)
+            model = Qwen3MoeForCausalLM(config)
+            before = {{k: v.clone() for k, v in model.state_dict().items()}}
+            try:
+                apply_rules(model, [{{"match": {{"kernel": "moe"}}, "replace": {{
+                    "class": "tritonspec.nn.offload.OffloadedExperts", "kwargs": kwargs}}}}])
+            except RuleError as e:
+                same = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+                print(json.dumps(["RuleError", key, e.index, e.key, str(e), same]), flush=True)
+            else:
+                print(json.dumps(["accepted", key]), flush=True)
+    """, tmp_path)
+    for key in keys:
+        index, got_key, message, unchanged = errors[key]
+        assert index == 0 and key in message and len(message) < 1000 and unchanged, (key, message)

@@ -136,12 +136,12 @@ class _BoundedRepr(reprlib.Repr):
         return f"<{type(x).__name__}>"
 
 
-_shown = _BoundedRepr().repr
+shown = _BoundedRepr().repr  # for every message that quotes a value from a rule file (kwargs too)
 
 
 def _named(value) -> str:
     """A mapping key or kwarg name for a message or a RuleError key: itself when it is a short string."""
-    return value if isinstance(value, str) and len(value) <= 60 else _shown(value)
+    return value if isinstance(value, str) and len(value) <= 60 else shown(value)
 
 
 @dataclass(repr=False)
@@ -157,7 +157,7 @@ class Rule:
     replace_kernel: str | None = None  # the kernel table's layer instead of replace_class
 
     def __repr__(self) -> str:
-        fields = (f"{k}={_shown(v.pattern if isinstance(v, regex.Pattern) else v)}" for k, v in vars(self).items())
+        fields = (f"{k}={shown(v.pattern if isinstance(v, regex.Pattern) else v)}" for k, v in vars(self).items())
         return f"Rule({', '.join(fields)})"
 
     def matches(self, path: str, module: nn.Module, timeout: float = MATCH_TIMEOUT_S) -> bool:
@@ -167,10 +167,10 @@ class Rule:
             try:
                 found = self.name.search(path, timeout=max(timeout, 0))  # regex: a negative timeout is none at all
             except TimeoutError:
-                why = (f"timed out after {MATCH_TIMEOUT_S}s on {_shown(path)} (catastrophic backtracking"
-                       if timeout >= MATCH_TIMEOUT_S else f"ran out of time on {_shown(path)}: all match.name "
+                why = (f"timed out after {MATCH_TIMEOUT_S}s on {shown(path)} (catastrophic backtracking"
+                       if timeout >= MATCH_TIMEOUT_S else f"ran out of time on {shown(path)}: all match.name "
                        f"searches of one apply_rules call may take {MATCH_BUDGET_S}s together (slow patterns")
-                raise RuleError(self.index, "match.name", f"{_shown(self.name.pattern)} {why}; simplify the "
+                raise RuleError(self.index, "match.name", f"{shown(self.name.pattern)} {why}; simplify the "
                                 "pattern)") from None
             if not found:
                 return False
@@ -341,19 +341,19 @@ def _name_compiler() -> Callable[[int, Any], regex.Pattern]:
             raise RuleError(i, "match.name", f"expected a regex string, got {type(pattern).__name__}")
         if len(pattern) > MAX_PATTERN_CHARS:
             raise RuleError(i, "match.name", f"{len(pattern)} characters, over the {MAX_PATTERN_CHARS} a pattern may "
-                            f"have: {_shown(pattern)}")
-        too_deep = RuleError(i, "match.name", f"regex nests its groups too deeply to compile: {_shown(pattern)}")
+                            f"have: {shown(pattern)}")
+        too_deep = RuleError(i, "match.name", f"regex nests its groups too deeply to compile: {shown(pattern)}")
         if _group_depth(pattern) > MAX_GROUP_DEPTH:
             raise too_deep
         try:
             units = _regex_units(_re_parser.parse(pattern))
         except re.error as e:
-            raise RuleError(i, "match.name", f"invalid regex {_shown(pattern)} (Python re syntax): {e}") from None
+            raise RuleError(i, "match.name", f"invalid regex {shown(pattern)} (Python re syntax): {e}") from None
         except RecursionError:  # the parser recurses per group level
             raise too_deep from None
         if units > units_left:
             spent = MAX_REGEX_UNITS - units_left
-            raise RuleError(i, "match.name", f"{_shown(pattern)} expands to "
+            raise RuleError(i, "match.name", f"{shown(pattern)} expands to "
                             f"{units if units <= MAX_REGEX_UNITS else f'over {MAX_REGEX_UNITS}'} units when compiled"
                             f"{f', the earlier patterns to {spent}' if spent else ''}; a rule file's patterns may "
                             f"expand to {MAX_REGEX_UNITS} together (a repetition count multiplies what it repeats)")
@@ -361,7 +361,7 @@ def _name_compiler() -> Callable[[int, Any], regex.Pattern]:
         try:
             return regex.compile(pattern, regex.V0)  # V0: the re-compatible syntax checked above
         except regex.error as e:
-            raise RuleError(i, "match.name", f"invalid regex {_shown(pattern)}: {e}") from None
+            raise RuleError(i, "match.name", f"invalid regex {shown(pattern)}: {e}") from None
         except RecursionError:  # the compiler recurses per group level
             raise too_deep from None
 
@@ -393,7 +393,7 @@ def _parse_rule(i: int, raw: Any, compile_name: Callable[[int, Any], regex.Patte
     match_class = match.get("class")
     if match_class is not None and (not isinstance(match_class, str) or not _DOTTED.match(match_class)):
         raise RuleError(i, "match.class", f"expected a dotted class name like pkg.module.Class, got "
-                        f"{_shown(match_class)}")
+                        f"{shown(match_class)}")
     replace = raw.get("replace")
     if not isinstance(replace, dict):
         raise RuleError(i, "replace", "required, a mapping with class and optional kwargs")
@@ -403,7 +403,7 @@ def _parse_rule(i: int, raw: Any, compile_name: Callable[[int, Any], regex.Patte
     replace_kernel = _kernel_name(i, "replace.kernel", replace.get("kernel"))
     rclass = replace.get("class", "default" if replace_kernel is None else None)
     if replace_kernel is None and (not isinstance(rclass, str) or not (rclass == "default" or _DOTTED.match(rclass))):
-        raise RuleError(i, "replace.class", f"expected 'default' or a dotted class name, got {_shown(rclass)}")
+        raise RuleError(i, "replace.class", f"expected 'default' or a dotted class name, got {shown(rclass)}")
     kwargs = replace.get("kwargs", {}) or {}
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
         raise RuleError(i, "replace.kwargs", "expected a mapping of keyword arguments")
@@ -411,7 +411,7 @@ def _parse_rule(i: int, raw: Any, compile_name: Callable[[int, Any], regex.Patte
     for key, default in (("recursive", True), ("optional", False)):
         v = raw.get(key, default)
         if not isinstance(v, bool):
-            raise RuleError(i, key, f"expected true or false, got {_shown(v)}")
+            raise RuleError(i, key, f"expected true or false, got {shown(v)}")
         flags[key] = v
     return Rule(i, pattern, match_class, None if rclass == "default" else rclass, dict(kwargs), **flags,
                 match_kernel=match_kernel, replace_kernel=replace_kernel)
@@ -423,11 +423,11 @@ def _kernel_name(i: int, key: str, name, site: str | None = None) -> str | None:
         return None
     if not isinstance(name, str) or name not in kernel_table.KERNELS:
         close = suggest(name, kernel_table.KERNELS) if isinstance(name, str) and len(name) <= 60 else ""
-        raise RuleError(i, key, f"{_shown(name)} is not a declared kernel{close}; "
+        raise RuleError(i, key, f"{shown(name)} is not a declared kernel{close}; "
                         f"declared: {', '.join(kernel_table.KERNELS)}")
     kernel = kernel_table.KERNELS[name]
     if kernel.layer is None or (site is not None and kernel.site != site):
-        raise RuleError(i, key, f"kernel {_shown(name)} installs at a {kernel.site!r} site, not by replacing a module")
+        raise RuleError(i, key, f"kernel {shown(name)} installs at a {kernel.site!r} site, not by replacing a module")
     return name
 
 
@@ -517,7 +517,7 @@ def _check_kwargs(kwargs: dict, build: Callable[..., nn.Module]) -> None:
 def _said(error: BaseException) -> str:
     """``str(error)``, bounded. Only when its arguments are strings: a KeyError's (or any exception's with other
     arguments) str is their repr, and the argument may be a rule file's value."""
-    text = str(error) if all(isinstance(a, str) for a in error.args) else _shown(error.args)
+    text = str(error) if all(isinstance(a, str) for a in error.args) else shown(error.args)
     return text if len(text) <= 500 else text[:500] + "..."
 
 
