@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import types
 
-from .hooks import SEMANTIC_PREFIX, SpecError
+from .hooks import LIST_NAMES, SEMANTIC_PREFIX, SpecError
 from .patches import PatchLog
 
 _lock = threading.RLock()
@@ -85,8 +86,13 @@ INJECTORS = (spec_core_func, spec_semantic_func, spec_standard_func, spec_math_f
 
 
 def has_injections(spec) -> bool:
-    from .hooks import LIST_NAMES
-    return spec is not None and any(getattr(spec, n, None) for n in LIST_NAMES)
+    """Whether ``spec`` fills an injector list; asked on every interpreted launch, so a module that
+    names none is answered from its namespace (a failed ``getattr`` on a module costs microseconds)."""
+    if spec is None:
+        return False
+    if isinstance(spec, types.ModuleType) and "__getattr__" not in vars(spec) and LIST_NAMES.isdisjoint(vars(spec)):
+        return False
+    return any(getattr(spec, n, None) for n in LIST_NAMES)
 
 
 def restore() -> None:
