@@ -27,7 +27,7 @@ setup(
         "pyyaml",
         "regex",  # match.name in YAML rules: re-compatible, with a search timeout
     ],
-    extras_require={"test": ["pytest", "lit", "transformers>=4.57", "kernels>=0.17"]},
+    extras_require={"test": ["pytest", "pytest-xdist", "lit", "transformers>=4.57", "kernels>=0.17"]},
     entry_points={
         "console_scripts": ["tritonspec=tritonspec.cli:main"],
         "tritonspec.specs": [f"{v} = tritonspec_backends.{v}.backend.spec" for v in _VENDORS],
