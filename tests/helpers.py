@@ -11,6 +11,7 @@ are imported inside the helpers that need them. Subprocess scripts that check wh
 import contextlib
 import os
 import random
+import threading
 import types
 
 import triton
@@ -91,6 +92,27 @@ def py_random(seed=None):
 
 
 # -- autograd ---------------------------------------------------------------------------------------
+
+def run_together(work, args, timeout=600) -> None:
+    """``work(arg)`` for every arg, each in a thread of its own, all starting at once; their errors re-raised."""
+    start = threading.Barrier(len(args), timeout=120)
+    errors = []
+
+    def run(arg):
+        try:
+            start.wait()
+            work(arg)
+        except BaseException as e:  # noqa: BLE001  (re-raised below, in the test's thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(arg, )) for arg in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    assert not any(t.is_alive() for t in threads), f"threads still running after {timeout} s"
+    assert not errors, errors
+
 
 def leaf(t):
     """A copy of ``t`` that is a leaf requiring grad: gradients land on it, not on ``t``'s graph."""

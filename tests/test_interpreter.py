@@ -5,12 +5,12 @@ those patches; the layer gives them to the grid's scope, each attribute once, an
 per grid. Counting what a grid patches and looks up (not timing it) keeps a per-helper-call cost from
 coming back: ``bench/interpreter_overhead.py`` times it.
 """
+import contextlib
 import os
-import threading
 import types
 
 import pytest
-from helpers import make_spec
+from helpers import make_spec, run_together
 import torch
 import triton
 import triton.language as tl
@@ -150,29 +150,16 @@ def test_threads_each_get_their_backends_libdevice(gen, registry):
     x = torch.randn(16, generator=gen)
     rest = torch.where(x > 0, x, torch.exp(x) - 1)
     expected = {"swapped_libdevice": torch.exp(x) + rest, None: torch.tanh(x) + rest}
-    start = threading.Barrier(2, timeout=120)
-    results, errors = [], []
+    results = []
 
     def work(backend):
-        try:
-            start.wait()
-            for _ in range(3):
-                out = torch.full((16, ), float("nan"))
-                if backend is None:
-                    _tanh_kernel[(1, )](x, out, N=16)
-                else:
-                    with tritonspec.use_backend(backend):
-                        _tanh_kernel[(1, )](x, out, N=16)
-                results.append((backend, out))
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        for _ in range(3):
+            out = torch.full((16, ), float("nan"))
+            with tritonspec.use_backend(backend) if backend else contextlib.nullcontext():
+                _tanh_kernel[(1, )](x, out, N=16)
+            results.append((backend, out))
 
-    threads = [threading.Thread(target=work, args=(b, )) for b in expected]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
-    assert not errors, errors
+    run_together(work, list(expected))
     assert len(results) == 6
     for backend, out in results:
         torch.testing.assert_close(out, expected[backend], rtol=1e-6, atol=1e-6, msg=str(backend))

@@ -1,5 +1,6 @@
 """Spec selection per thread and async task, hook contracts, and backend identity read from declarations."""
 import asyncio
+import contextlib
 import os
 import pathlib
 import subprocess
@@ -7,7 +8,7 @@ import sys
 import threading
 
 import pytest
-from helpers import compile_for, make_spec
+from helpers import compile_for, make_spec, run_together
 import torch
 import triton
 import triton.language as tl
@@ -98,39 +99,21 @@ def test_concurrent_compiles_and_interpreted_runs_use_each_threads_spec(registry
     kernel = triton.jit(_exp_kernel)
     x = torch.rand(32) + 0.5
     expected = {"thread_a": ("mul", x * x), "thread_b": ("add", x + x), None: ("exp", torch.exp(x))}
-    start = threading.Barrier(3, timeout=120)
-    results, errors = [], []
+    results = []
 
     def work(name):
-        try:
-            start.wait()
-            for _ in range(4):
-                with tritonspec.use_backend(name) if name else _nothing():
-                    ttir = _ttir()
-                    y = torch.full((32,), float("nan"))
-                    kernel[(1,)](x, y, BLOCK=32)
-                results.append((name, _op(ttir), y))
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        for _ in range(4):
+            with tritonspec.use_backend(name) if name else contextlib.nullcontext():
+                ttir = _ttir()
+                y = torch.full((32,), float("nan"))
+                kernel[(1,)](x, y, BLOCK=32)
+            results.append((name, _op(ttir), y))
 
-    threads = [threading.Thread(target=work, args=(n,)) for n in ("thread_a", "thread_b", None)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
-    assert not errors, errors
+    run_together(work, ["thread_a", "thread_b", None])
     assert len(results) == 12
     for name, op, y in results:
         assert op == expected[name][0], name
         torch.testing.assert_close(y, expected[name][1], rtol=1e-6, atol=1e-6)
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def test_async_tasks_keep_their_own_selection(registry):
