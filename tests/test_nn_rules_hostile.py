@@ -1,9 +1,9 @@
 """Hostile rule files end quickly with RuleError: billion-laughs aliases, regexes that compile to gigabytes or match
 for minutes, kwargs that would only fail at the first forward.
 
-Each case runs in a fresh interpreter under an address-space cap, and its clock starts once torch and tritonspec.nn
-are imported (a few seconds on a loaded CI machine, and not what is being tested), so a regression fails here instead
-of hanging or swapping CI.
+Each test runs its cases in a fresh interpreter under an address-space cap, and each case has WALL_S from the line
+that starts it: imports and setup (seconds on a loaded CI machine) are not what is tested. A regression fails here
+instead of hanging or swapping CI.
 """
 import json
 import os
@@ -19,7 +19,7 @@ from tritonspec.nn import rules
 # Importing torch + tritonspec.nn peaks at about 0.7 GiB of address space on CPU (VmPeak); 3 GiB leaves room for
 # any honest rule file and none for the gigabytes the hostile ones took.
 ADDRESS_SPACE = 3 * 2**30
-WALL_S = 10  # from the end of the imports to the end of the process
+WALL_S = 10  # for each case: from its "start" line to the next case's, or to the end of the process
 IMPORT_S = 300
 
 _PRELUDE = r'''
@@ -87,30 +87,33 @@ def _cap_address_space():
 
 def _run_hostile(body: str, tmp_path) -> dict:
     """Runs ``_PRELUDE + body`` in a child; returns {label: (index, key, message, model_unchanged)} of its
-    RuleErrors. Fails if the child does not end within WALL_S of its imports, or ends any other way."""
+    RuleErrors. Fails if a case (from its "start" line to the next, or to the end) takes over WALL_S, or the child
+    ends any other way."""
     script, err_path = tmp_path / "hostile.py", tmp_path / "stderr.txt"
     script.write_text(_PRELUDE + textwrap.dedent(body))
     with open(err_path, "w") as err:
         child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=err, bufsize=0,
                                  preexec_fn=_cap_address_space)
-    out, ready, ended = b"", False, False
+    out, ended, started = b"", False, []
     deadline = time.monotonic() + IMPORT_S
     try:
         while not ended and select.select([child.stdout], [], [], max(deadline - time.monotonic(), 0))[0]:
             chunk = os.read(child.stdout.fileno(), 1 << 16)
             ended, out = not chunk, out + chunk
-            if not ready and b'["ready"]\n' in out:  # the clock starts once the imports are done
-                ready, deadline = True, time.monotonic() + WALL_S
+            lines = out.split(b"\n")[:-1]  # the complete ones
+            cases = [json.loads(x)[1] for x in lines if x.startswith(b'["start"')]
+            if len(cases) > len(started):  # a case began: its clock starts
+                started, deadline = cases, time.monotonic() + WALL_S
     finally:
         if not ended:
             child.kill()
         child.wait()
         child.stdout.close()
     results = [json.loads(x) for x in out.decode().splitlines()]
-    started = [r[1] for r in results if r[0] == "start"]
-    assert ended, (f"still running {WALL_S}s after its imports, in case {started[-1]!r}" if ready
-                   else f"imports took over {IMPORT_S}s")
-    assert child.returncode == 0 and ready, f"child failed (rc {child.returncode}): {err_path.read_text()[-3000:]}"
+    assert ended, (f"case {started[-1]!r} still running {WALL_S}s after it began" if started
+                   else f"imports and setup took over {IMPORT_S}s")
+    assert child.returncode == 0 and ["ready"] in results, \
+        f"child failed (rc {child.returncode}): {err_path.read_text()[-3000:]}"
     accepted = [r[1] for r in results if r[0] == "accepted"]
     assert not accepted, f"accepted without a RuleError: {accepted}"
     return {r[1]: tuple(r[2:]) for r in results if r[0] == "RuleError"}
