@@ -38,7 +38,7 @@ import tritonspec
 from tritonspec.ops.attention import attention
 from tritonspec_backends.nvidia.backend import spec as nvidia_spec
 from tritonspec_backends.nvidia.backend.spec.configs import TABLES, h100_attention_config
-from tritonspec_backends.nvidia.backend.spec import attention_sm90 as hopper
+from tritonspec_backends.nvidia.backend.spec.attention_sm90 import launchers as launchers_sm90
 
 SHAPES = [(4, 32, 4096, 128), (2, 16, 8192, 128), (1, 16, 16384, 128), (8, 32, 2048, 64)]
 CASES = [(shape, causal) for shape in SHAPES for causal in (True, False)]
@@ -109,7 +109,7 @@ def use_configs(override: dict | None = None, tables: dict | None = None, hopper
     mod.backend_info = nvidia_spec.backend_info  # it stands in for the nvidia spec: same targets and devices
     mod.__all__ = ["kernel_config", "backend_info"]
     if hopper_kernels:  # as the shipped spec: Hopper's own forward and backward kernels where they apply
-        mod.attention_forward, mod.attention_backward = hopper.attention_forward, hopper.attention_backward
+        mod.attention_forward, mod.attention_backward = launchers_sm90.attention_forward, launchers_sm90.attention_backward
         mod.__all__ += ["attention_forward", "attention_backward"]
     tritonspec.register_spec("nvidia", mod)  # re-registering also clears launch_config's memo
 
@@ -266,7 +266,7 @@ def sweep(out_dir: str):
             rows.append(dict(case=label, mode="bwd", cfg=override, ms=ms, tflops=tf, err=err))
             print(f"{label:28s} bwd {tf:6.1f} TF/s err={err:.1e} {override}", flush=True)
             score[("bwd", dp, causal, i)] = score.get(("bwd", dp, causal, i), 0.0) + (tf if err < 3e-2 else -1e9)
-        del q, k, v, do, ref_out, ref_grads
+        q = k = v = do = ref_out = ref_grads = None  # free this shape's tensors before the next
         torch.cuda.empty_cache()
 
     tables = {"attention_fwd": {}, "attention_bwd_dkdv": {}, "attention_bwd_dq": {}}
@@ -278,7 +278,8 @@ def sweep(out_dir: str):
             kv, dq = BWD[dp][b]
             tables["attention_bwd_dkdv"][(dp, causal)] = {"DQ_ATOMIC": False, "DQ_TMA_REDUCE": False, **kv}
             # with atomic dQ the dQ kernel never runs; keep the current entry so the table stays complete
-            tables["attention_bwd_dq"][(dp, causal)] = dq if dq is not None else TABLES["attention_bwd_dq"][(dp, causal)]
+            current = TABLES["attention_bwd_dq"][(dp, causal)]
+            tables["attention_bwd_dq"][(dp, causal)] = dq if dq is not None else current
     with open(os.path.join(out_dir, "sweep.json"), "w") as fh:
         json.dump(dict(env=env(), rows=rows, score={str(k): v for k, v in score.items()}), fh, indent=1, default=str)
     with open(os.path.join(out_dir, "table.json"), "w") as fh:
@@ -335,15 +336,15 @@ def compare(out_dir: str, tables: dict | None, rounds: int = 3, gqa: bool = Fals
                 if name in outs:
                     fn = make(causal)
                     out = fn(q, k, v)
-                    row[name]["gpu_only_ms"] = (
-                        gpu_only_ms(lambda: fn(q, k, v))[0],  # noqa: B023
-                        gpu_only_ms(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))[0])  # noqa: B023
+                    fwd = lambda: fn(q, k, v)  # noqa: B023, E731
+                    bwd = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)  # noqa: B023, E731
+                    row[name]["gpu_only_ms"] = (gpu_only_ms(fwd)[0], gpu_only_ms(bwd)[0])
         try:
             row["ours_kernels_ms"] = kernel_breakdown(ours_fn(causal), q, k, v, do)
         except Exception as e:  # profiling is diagnostic only
             row["ours_kernels_ms"] = f"{type(e).__name__}: {e}"
         results.append(row)
-        del q, k, v, do, outs
+        q = k = v = do = outs = None  # free this shape's tensors before the next
         torch.cuda.empty_cache()
     info = env()
     with open(os.path.join(out_dir, "compare_gqa.json" if gqa else "compare.json"), "w") as f:
@@ -354,16 +355,17 @@ def compare(out_dir: str, tables: dict | None, rounds: int = 3, gqa: bool = Fals
 
 
 def table(results):
-    lines = [f"| shape (b x {'hq x hkv' if len(results[0]['shape']) == 5 else 'h'} x s x d) | causal | ours fwd | FLASH fwd | cuDNN fwd | ours bwd | FLASH bwd | cuDNN bwd |"
-             " fwd vs cuDNN | bwd vs cuDNN |", "|---|---|---|---|---|---|---|---|---|---|"]
+    heads = "hq x hkv" if len(results[0]["shape"]) == 5 else "h"
+    lines = [f"| shape (b x {heads} x s x d) | causal | ours fwd | FLASH fwd | cuDNN fwd | ours bwd | FLASH bwd |"
+             " cuDNN bwd | fwd vs cuDNN | bwd vs cuDNN |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         g = lambda p, m: r.get(p, {}).get(f"{m}_tflops")  # noqa: E731
         f = lambda x: "n/a" if x is None else f"{x:.0f}"  # noqa: E731
         ratio = lambda a, b: "n/a" if a is None or b is None else f"{a / b:.0%}"  # noqa: E731
         lines.append(f"| {'x'.join(map(str, r['shape']))} | {r['causal']} | {f(g('ours', 'fwd'))} | "
                      f"{f(g('flash', 'fwd'))} | {f(g('cudnn', 'fwd'))} | {f(g('ours', 'bwd'))} | "
-                     f"{f(g('flash', 'bwd'))} | {f(g('cudnn', 'bwd'))} | {ratio(g('ours', 'fwd'), g('cudnn', 'fwd'))} | "
-                     f"{ratio(g('ours', 'bwd'), g('cudnn', 'bwd'))} |")
+                     f"{f(g('flash', 'bwd'))} | {f(g('cudnn', 'bwd'))} | "
+                     f"{ratio(g('ours', 'fwd'), g('cudnn', 'fwd'))} | {ratio(g('ours', 'bwd'), g('cudnn', 'bwd'))} |")
     if any("gpu_only_ms" in r.get("ours", {}) for r in results):
         lines += ["", "GPU-only (host ahead of the GPU, L2 flushed; ms):", "",
                   "| shape | ours fwd | cuDNN fwd | ours bwd | cuDNN bwd | fwd vs cuDNN | bwd vs cuDNN |",
@@ -371,8 +373,8 @@ def table(results):
         for r in results:
             o, c = r.get("ours", {}).get("gpu_only_ms"), r.get("cudnn", {}).get("gpu_only_ms")
             if o and c:
-                lines.append(f"| {'x'.join(map(str, r['shape']))} | {o[0]:.3f} | {c[0]:.3f} | {o[1]:.3f} | {c[1]:.3f} | "
-                             f"{c[0] / o[0]:.0%} | {c[1] / o[1]:.0%} |")
+                lines.append(f"| {'x'.join(map(str, r['shape']))} | {o[0]:.3f} | {c[0]:.3f} | {o[1]:.3f} | "
+                             f"{c[1]:.3f} | {c[0] / o[0]:.0%} | {c[1] / o[1]:.0%} |")
     return "\n".join(lines)
 
 
@@ -447,7 +449,7 @@ def gap(out_dir: str, shapes=((4, 16, 4, 2048, 128), (4, 32, 8, 2048, 64))):
                         stats = pstats.Stats(prof, stream=fh)
                         stats.sort_stats("tottime").print_stats(30)
                         stats.sort_stats("cumulative").print_stats(40)
-        del q, k, v, do, out
+        q = k = v = do = out = None  # free this shape's tensors before the next
     print(env())
     print("| case | provider | pass | do_bench ms | GPU-only ms | host ms/call |\n|---|---|---|---|---|---|")
     for r in rows:

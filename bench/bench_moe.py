@@ -257,7 +257,8 @@ def main(argv=None):
     ap.add_argument("--tokens", help="comma-separated token counts for every case (default: each case's own)")
     ap.add_argument("--block", action="store_true", help="also the whole Qwen3-MoE block, as shipped vs kernelized")
     ap.add_argument("--cases", default=None,
-                    help="comma-separated case names (default: all; none: no experts rows): " + ", ".join(c[0] for c in CASES))
+                    help="comma-separated case names (default: all; none: no experts rows): "
+                    + ", ".join(c[0] for c in CASES))
     args = ap.parse_args(argv)
     register_experts()
     sweep_table = sweep() if args.sweep else ""
@@ -323,9 +324,11 @@ def main(argv=None):
             "out err | dx err | against |\n|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
-        ratio = r["ms"] / speed[(r["case"], r["T"], r["mode"])] if (r["case"], r["T"], r["mode"]) in speed else float("nan")
-        lines.append(f"| {r['case']} | {r['T']} | {r['impl']} | {r['mode']} | {r['ms']:.3f} ({r['p20']:.3f}-{r['p80']:.3f}) "
-                     f"| {r['tflops']:.0f} | {ratio:.2f}x | {r['peak']:.0f} | {r['err']:.1e} | {r['derr']:.1e} | {r['ref']} |")
+        key = (r["case"], r["T"], r["mode"])
+        ratio = r["ms"] / speed[key] if key in speed else float("nan")
+        lines.append(f"| {r['case']} | {r['T']} | {r['impl']} | {r['mode']} | {r['ms']:.3f} "
+                     f"({r['p20']:.3f}-{r['p80']:.3f}) | {r['tflops']:.0f} | {ratio:.2f}x | {r['peak']:.0f} "
+                     f"| {r['err']:.1e} | {r['derr']:.1e} | {r['ref']} |")
     table = "\n".join(lines) + (f"\n\nWhole MoE block:\n\n{block_table}" if block_table else "") + (
         f"\n\nLaunch-config sweep (ours):\n\n{sweep_table}" if sweep_table else "")
     print(table)

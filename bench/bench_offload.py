@@ -60,7 +60,7 @@ import transformers  # noqa: E402
 from tritonspec.nn.offload import offload_experts, parse_bytes  # noqa: E402
 from tritonspec.nn.offload.cache import belady, simulate  # noqa: E402
 from tritonspec.nn.offload.host_compute import run_experts, torch_threads  # noqa: E402
-from tritonspec.nn.targets import is_fused_experts  # noqa: E402
+from tritonspec.nn.detectors import is_fused_experts  # noqa: E402
 
 DEV = torch.device("cpu" if SMOKE else "cuda")
 DT = torch.float32 if SMOKE else torch.bfloat16

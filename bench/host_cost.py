@@ -93,7 +93,8 @@ def main():
     y, _, rstd = rms_mod.rms_norm_forward(x0, w0, 1e-6)
     cl = _library._cached_launchers[id(rms_mod._rms_norm_fwd_kernel)]
     compiled = next(iter(cl.compiled.values()))[0]
-    args = (x0, x0.stride(0), x0, x0.stride(0), y, y.stride(0), y, y.stride(0), w0, rstd, 4, 4096, 1e-6)
+    # pointers, sizes, strides, eps: the kernel's parameters in order
+    args = (x0, x0, y, y, w0, rstd, 4, 4096, x0.stride(0), x0.stride(0), y.stride(0), y.stride(0), 1e-6)
     config = rms_mod.RMSNormForward
     cfg = launch_config(config, x0.device, lambda: None, N=4096, dtype=str(x0.dtype))
     grid = (_library.cdiv(4, cfg.BLOCK_M), 1, 1)
@@ -217,7 +218,7 @@ def llama_shapes():
     src = torch.randn(1 << 29, device=DEV, dtype=BF)
     dst = torch.empty_like(src)
     copy_bw = 2 * src.numel() * 2 / (bench(lambda: dst.copy_(src), []) * 1e-3)
-    del src, dst
+    src = dst = None  # free 2 GiB before the cases
     print(f"\ncopy {copy_bw / 1e12:.2f} TB/s")
     cases = []
     for m, n in ((16384, 4096), (8192, 8192), (32768, 8192)):

@@ -111,7 +111,7 @@ for _ in range(int(sys.argv[2])):
 import cProfile, pstats
 profile = cProfile.Profile()
 profile.runcall(launch)
-active = "tritonspec.install" in sys.modules and sys.modules["tritonspec.install"].is_active()
+active = "tritonspec.specialization.install" in sys.modules and sys.modules["tritonspec.specialization.install"].is_active()
 result = {"ms": statistics.median(times) * 1e3, "calls": pstats.Stats(profile).total_calls, "active": active}
 if active:  # the same launches with the layer switched off and on in turn, in this process
     import tritonspec

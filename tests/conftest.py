@@ -44,15 +44,15 @@ def device():
 def registry():
     """Register test specs freely; the real providers and the default selection come back afterwards."""
     import tritonspec
-    from tritonspec import REGISTRY
-    saved = dict(REGISTRY._registered), dict(REGISTRY._loaded)
+    from tritonspec import PROVIDERS
+    saved = dict(PROVIDERS._registered), dict(PROVIDERS._loaded)
     default = tritonspec.default_backend()
-    yield REGISTRY
+    yield PROVIDERS
     tritonspec.set_default_backend(default)
-    for mine, kept in zip((REGISTRY._registered, REGISTRY._loaded), saved):
+    for mine, kept in zip((PROVIDERS._registered, PROVIDERS._loaded), saved):
         mine.clear()
         mine.update(kept)
-    REGISTRY._changed()
+    PROVIDERS._changed()
 
 
 @pytest.fixture
@@ -81,9 +81,9 @@ def spy(monkeypatch):
         for other in also:
             monkeypatch.setattr(importlib.import_module(other), fn_name, counted)
 
-    wrap("tritonspec.ops.rms_norm", "rms_norm", "tritonspec.nn.layers")
+    wrap("tritonspec.ops.rms_norm", "rms_norm", "tritonspec.nn.modules")
     wrap("tritonspec.ops.rms_norm", "add_rms_norm")
-    wrap("tritonspec.ops.swiglu", "swiglu", "tritonspec.nn.layers")
+    wrap("tritonspec.ops.swiglu", "swiglu", "tritonspec.nn.modules")
     wrap("tritonspec.ops.rope", "rope")
     wrap("tritonspec.ops.attention", "attention")
     wrap("tritonspec.ops.moe", "moe_experts")

@@ -5,10 +5,16 @@
 # (.venv-triton36, -37, -38) that this script creates and installs the same way. Model integration
 # (tests/test_nn_*, offloading, distributed) reaches Triton only through those kernels: once is enough.
 # Test files run in parallel, one worker per CPU, each file whole in one worker (module fixtures).
+# First the linter and the formatter (ruff.toml), as CI enforces them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+echo "== ruff (lint, format)"
+.venv/bin/ruff check --quiet .
+.venv/bin/ruff format --check --quiet .
 export TRITON_DEFAULT_FP_FUSION=1
 PYTEST=(-m pytest -q -n auto --dist loadfile)
+release=$(.venv/bin/python -c 'from importlib.metadata import version; print(version("triton"))')
+echo "== triton $release (.venv, every test)"
 .venv/bin/python "${PYTEST[@]}"
 for version in 3.6.0 3.7.1 3.8.0; do
   venv=.venv-triton$(echo "$version" | cut -d. -f1-2 | tr -d .)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import tritonspec
 from tritonspec.devices import interpreting
-from tritonspec.ops._testing import poisoned_allocations
+from numerics import poisoned_allocations
 from tritonspec.ops.attention import attention, attention_ref
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="interpreter tests: CPU tensors need TRITON_INTERPRET=1")
@@ -361,6 +361,17 @@ def test_scale_default_is_inverse_sqrt_head_dim(use_configs):
 def _library_ops():
     from tritonspec.ops.attention import ATTENTION
     return ATTENTION.forward_op, ATTENTION.backward_op
+
+
+def test_library_op_schemas():
+    """The schemas the op's annotated forward and backward give: what compiled graphs call."""
+    _library_ops()  # registers them
+    ops = torch.ops.tritonspec
+    assert str(ops.attention_fwd.default._schema) == (
+        "tritonspec::attention_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)")
+    assert str(ops.attention_bwd.default._schema) == (
+        "tritonspec::attention_bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, "
+        "float scale) -> (Tensor, Tensor, Tensor)")
 
 
 def test_library_op_path_in_eager(monkeypatch, use_configs):

@@ -20,7 +20,7 @@ from triton.language.extra import libdevice
 from triton.language.extra.cuda import libdevice as cuda_libdevice
 
 import tritonspec
-from tritonspec import REGISTRY
+from tritonspec import PROVIDERS
 from tritonspec_backends.ascend.backend import compiler as ascend_compiler
 from tritonspec_backends.ascend.backend.driver import AscendDriver
 from tritonspec_backends.iluvatar.backend import driver as iluvatar_driver
@@ -62,14 +62,14 @@ IN_TREE = sorted(p.parents[2].name for p in
 @pytest.mark.parametrize("backend", IN_TREE)
 def test_spec_providers_load_and_say_where_they_run(backend):
     """Every in-tree backend package is an entry point of this distribution and declares its identity."""
-    provider = REGISTRY.get(backend)
+    provider = PROVIDERS.get(backend)
     assert provider is not None and provider.origin == "entry point" and provider.distribution == "tritonspec"
     assert provider.module.__name__ == f"tritonspec_backends.{backend}.backend.spec"
     info = provider.info
     assert info.runs in ("real", "emulated", "compile-only") and info.note
     assert info.targets or info.devices, "a backend must be reachable by a compile target or a device type"
     for target in info.targets:
-        assert tritonspec.resolve.backend_for_target(target) == backend
+        assert tritonspec.specialization.resolve.backend_for_target(target) == backend
 
 
 def test_new_triton_backends_are_discovered_next_to_the_stock_ones():
@@ -83,7 +83,7 @@ def test_new_triton_backends_are_discovered_next_to_the_stock_ones():
 
 
 def test_nvidia_spec_changes_nothing_but_launch_configs_and_hoppers_attention_kernels():
-    provider = REGISTRY.get("nvidia")
+    provider = PROVIDERS.get("nvidia")
     assert sorted(provider.exports) == ["attention_backward", "attention_forward", "backend_info", "kernel_config"]
 
 
@@ -95,7 +95,7 @@ def test_iluvatar_driver_is_active_only_when_selected(monkeypatch):
         assert iluvatar_driver.selected()
         # active only where a CUDA GPU exists as well
         assert iluvatar_driver.IluvatarDriver.is_active() == torch.cuda.is_available()
-    tritonspec.set_default_backend("iluvatar")  # TRITONSPEC_BACKEND=iluvatar sets this at import
+    tritonspec.set_default_backend("iluvatar")  # TRITONSPEC_DEFAULT_BACKEND=iluvatar sets this at import
     try:
         assert iluvatar_driver.selected()
     finally:
@@ -177,10 +177,16 @@ def check_iluvatar_int64_atomic_ir():
     sig = {"out_ptr": "*i64", "old_ptr": "*i64", "val_ptr": "*i64", "idx_ptr": "*i32", "n": "i32", "BLOCK": "constexpr"}
     ilu = compile_for(_atomic_add_kernel, sig, {"BLOCK": 64}, target=ILUVATAR)
     stock = compile_for(_atomic_add_kernel, sig, {"BLOCK": 64}, target=CUDA)
-    rmw = lambda k: [line for line in k.asm["ttir"].splitlines() if "tt.atomic_rmw" in line]
+
+    def rmw(k):
+        return [line for line in k.asm["ttir"].splitlines() if "tt.atomic_rmw" in line]
+
     assert len(rmw(ilu)) == 2 and all("tensor<64xi32>" in line for line in rmw(ilu))
     assert len(rmw(stock)) == 1 and "tensor<64xi64>" in rmw(stock)[0]
-    atoms = lambda k: [line.split()[1] for line in k.asm["ptx"].splitlines() if " atom." in line]
+
+    def atoms(k):
+        return [line.split()[1] for line in k.asm["ptx"].splitlines() if " atom." in line]
+
     assert atoms(ilu) == ["atom.global.gpu.acq_rel.add.u32"] * 2
     assert atoms(stock) == ["atom.global.gpu.acq_rel.add.u64"]
 
@@ -256,7 +262,7 @@ def test_iluvatar_attention_configs_fit_its_limits(head_dim):
 
 
 def test_iluvatar_host_compiler(monkeypatch):
-    spec = REGISTRY.get("iluvatar").module
+    spec = PROVIDERS.get("iluvatar").module
     monkeypatch.setenv("ILUVATAR_CC", "/opt/corex/bin/clang")
     assert spec.get_cc() == "/opt/corex/bin/clang"
     monkeypatch.delenv("ILUVATAR_CC")
@@ -309,7 +315,7 @@ def check_hopper_attention_kernels_compile():
     producer warp rounded up to a warpgroup; 16 with the forward's three at d=64 without the mask),
     registers moved between partitions, async wgmma, within the SM's 227 KB of shared memory; both at
     head dims 128 and 64 (the backward with its own swizzle)."""
-    from tritonspec_backends.nvidia.backend.spec import attention_sm90 as hopper
+    from tritonspec_backends.nvidia.backend.spec.attention_sm90 import backward as backward_sm90, forward as forward_sm90, launchers as launchers_sm90, schedule as schedule_sm90
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def sig(names, descriptors, **scalars):
@@ -325,28 +331,28 @@ def check_hopper_attention_kernels_compile():
         t = torch.empty(1, 2, 256, d, dtype=dtype)
         dqa = torch.empty(1, 2, 256, d, dtype=torch.float32)
         rows = torch.empty(1, 2, 256, dtype=torch.float32)
-        fwd = tuple(hopper._descriptor(t, rows, d) for rows in (hopper.HALF_M, hopper.BLOCK_N, hopper.BLOCK_N,
-                                                                 hopper.HALF_M))
-        cases.append((hopper._attn_fwd_ws_kernel, causal, hopper.fwd_warpgroups(d, causal),
+        fwd = tuple(launchers_sm90._descriptor(t, rows, d) for rows in (schedule_sm90.HALF_M, schedule_sm90.BLOCK_N, schedule_sm90.BLOCK_N,
+                                                                 schedule_sm90.HALF_M))
+        cases.append((forward_sm90._attn_fwd_ws_kernel, causal, schedule_sm90.fwd_warpgroups(d, causal),
                       sig(("q_desc", "k_desc", "v_desc", "o_desc"), fwd, LSE="*fp32", SCHED="*i32",
                           qk_scale="fp32", SEQ_PAD="i32", WGS="constexpr", **i32)))
         if not causal and d == 64:
             continue  # the backward's d=64 tiles are the causal case's
-        bwd = hopper._bwd_descriptors(t, t, t, t, t, t, dqa, rows, rows)
+        bwd = launchers_sm90._bwd_descriptors(t, t, t, t, t, t, dqa, rows, rows)
         names = ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "dqa_desc", "lse_desc", "delta_desc")
-        cases.append((hopper._attn_bwd_ws_kernel, causal, 2,
+        cases.append((backward_sm90._attn_bwd_ws_kernel, causal, 2,
                       sig(names, bwd, HKV="i32", qk_scale="fp32", sm_scale="fp32", **i32)))
     for fn, causal, consumers, signature in cases:
-        constexprs = {"CAUSAL": causal, "STAGES": hopper.STAGES}
+        constexprs = {"CAUSAL": causal, "STAGES": schedule_sm90.STAGES}
         if "WGS" in signature:
             constexprs["WGS"] = consumers
         kernel = triton.compile(GluonASTSource(fn, signature, constexprs=constexprs), target=CUDA,
-                                options={"num_warps": 4, "maxnreg": hopper.maxnreg(consumers + 1)})
+                                options={"num_warps": 4, "maxnreg": schedule_sm90.maxnreg(consumers + 1)})
         ptx = kernel.asm["ptx"]
         assert kernel.metadata.num_warps == 4 * (consumers + 1) and kernel.metadata.shared <= 227 * 1024
         assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)  # the producer warp's budget
         assert "wgmma.mma_async" in ptx and "wgmma.wait_group.sync.aligned 1" in ptx
-        if fn is hopper._attn_bwd_ws_kernel:  # dQ leaves as bulk reduce-adds, not per-element atomics
+        if fn is backward_sm90._attn_bwd_ws_kernel:  # dQ leaves as bulk reduce-adds, not per-element atomics
             assert "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in ptx
             assert not re.search(r"\b(red|atom)\.global", ptx)
         assert kernel.asm["cubin"]
@@ -356,13 +362,13 @@ def test_hopper_descriptors():
     """The requested block of rows, the tensor's own strides (HF's transposed layout too), and the
     swizzled layout get_default_for gives, though built once per (rows, dtype)."""
     from triton.experimental.gluon import language as gl
-    from tritonspec_backends.nvidia.backend.spec import attention_sm90 as hopper
+    from tritonspec_backends.nvidia.backend.spec.attention_sm90 import launchers as launchers_sm90, schedule as schedule_sm90
     for dtype, gl_dtype in ((torch.bfloat16, gl.bfloat16), (torch.float16, gl.float16)):
         t = torch.randn(1, 300, 2, 128).to(dtype).transpose(1, 2)
-        for rows in (hopper.HALF_M, hopper.BLOCK_N):
-            desc = hopper._descriptor(t, rows)
-            assert desc.block_shape == [1, 1, rows, hopper.HEAD_DIM] and list(desc.strides) == list(t.stride())
-            assert desc.layout == gl.NVMMASharedLayout.get_default_for([1, 1, rows, hopper.HEAD_DIM], gl_dtype)
+        for rows in (schedule_sm90.HALF_M, schedule_sm90.BLOCK_N):
+            desc = launchers_sm90._descriptor(t, rows)
+            assert desc.block_shape == [1, 1, rows, schedule_sm90.HEAD_DIM] and list(desc.strides) == list(t.stride())
+            assert desc.layout == gl.NVMMASharedLayout.get_default_for([1, 1, rows, schedule_sm90.HEAD_DIM], gl_dtype)
 
 
 def _schedule_lists(schedule, ctas):
@@ -380,14 +386,14 @@ def test_hopper_forward_schedule(batch_heads, group, tiles, seq_k, ctas, kv_per_
     (whole GQA groups); causal tiles go longest first to the least loaded CTA, so at the GQA model shapes
     (one section) the busiest CTA holds at most two key blocks more than the mean (pairing tiles n-1-u and u into 1024
     equal units left it 4 over at 4x32x2048 and 1x32x8192 on 132 SMs)."""
-    from tritonspec_backends.nvidia.backend.spec import attention_sm90 as hopper
+    from tritonspec_backends.nvidia.backend.spec.attention_sm90 import schedule as schedule_sm90
     rows = 128
-    schedule = hopper.fwd_schedule(batch_heads, group, tiles, rows, seq_k, causal, ctas, kv_per_section)
+    schedule = schedule_sm90.fwd_schedule(batch_heads, group, tiles, rows, seq_k, causal, ctas, kv_per_section)
     lists = _schedule_lists(schedule, ctas)
     assert sorted(code for work in lists for code in work) == list(range(batch_heads * tiles))
     section = kv_per_section * group
     keys = [min(seq_k, (code % tiles + 1) * rows) if causal else seq_k for code in range(batch_heads * tiles)]
-    blocks = [-(-n // hopper.BLOCK_N) for n in keys]  # each tile's key blocks
+    blocks = [-(-n // schedule_sm90.BLOCK_N) for n in keys]  # each tile's key blocks
     for work in lists:
         sections = [code // tiles // section for code in work]
         assert sections == sorted(sections)
@@ -409,14 +415,14 @@ def test_hopper_backward_tiles(d):
     """The backward's tiles follow the op's padded head dim (dqa's), and each warpgroup's dQ reads half
     of it from the K tile: that slice must start on a swizzle atom, so K's (and dK's, staged in K's
     tile) swizzle spans at most half a row."""
-    from tritonspec_backends.nvidia.backend.spec import attention_sm90 as hopper
+    from tritonspec_backends.nvidia.backend.spec.attention_sm90 import launchers as launchers_sm90, schedule as schedule_sm90
     t = torch.randn(1, 2, 100, d).to(torch.bfloat16)
     pad = 64 if d == 64 else 128
     rows = torch.zeros(1, 2, 256)
-    q, k, v, do, dk, dv, dqa, lse, delta = hopper._bwd_descriptors(t, t, t, t, t, t, torch.zeros(1, 2, 100, pad),
+    q, k, v, do, dk, dv, dqa, lse, delta = launchers_sm90._bwd_descriptors(t, t, t, t, t, t, torch.zeros(1, 2, 100, pad),
                                                                    rows, rows)
     assert [x.block_shape[-1] for x in (q, k, v, do, dk, dv)] == [pad] * 6 and dqa.block_shape[-1] == pad // 2
-    block_m = hopper.BWD_BLOCK_M_D64 if d == 64 else hopper.BWD_BLOCK_M  # d=64: longer steps, same bytes
+    block_m = schedule_sm90.BWD_BLOCK_M_D64 if d == 64 else schedule_sm90.BWD_BLOCK_M  # d=64: longer steps, same bytes
     assert q.block_shape[2] == do.block_shape[2] == dqa.block_shape[2] == block_m
     assert lse.block_shape == delta.block_shape == [1, block_m]  # one q block's rows
     for tile in (k, dk):
@@ -425,12 +431,12 @@ def test_hopper_backward_tiles(d):
 
 
 def test_hopper_attention_kernels_decline_off_gpu():
-    from tritonspec_backends.nvidia.backend.spec import attention_sm90 as hopper
+    from tritonspec_backends.nvidia.backend.spec.attention_sm90 import launchers as launchers_sm90
     q = torch.randn(1, 2, 256, 128, dtype=torch.bfloat16)
     o, lse = torch.empty_like(q), torch.empty(1, 2, 256)
-    assert not hopper.eligible(q, q, 0.1, q, o)
-    assert hopper.attention_forward(q, q, q, o, lse, True, 0.1) is False
-    assert hopper.attention_backward(q, q, q, o, o.float(), o, o, lse, lse, True, 0.1) is False
+    assert not launchers_sm90.eligible(q, q, 0.1, q, o)
+    assert launchers_sm90.attention_forward(q, q, q, o, lse, True, 0.1) is False
+    assert launchers_sm90.attention_backward(q, q, q, o, o.float(), o, o, lse, lse, True, 0.1) is False
 
 
 # ------------------------------------------------------------------------------------------------

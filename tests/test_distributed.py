@@ -219,7 +219,7 @@ def _llama_worker(rank, seed):
     from tritonspec.distributed import fully_shard_model
     mesh = init_device_mesh("cpu", (WORLD,))
     ids = _batch(seed)
-    rms = _Counted("rms_norm", "tritonspec.ops.rms_norm", "tritonspec.nn.layers")
+    rms = _Counted("rms_norm", "tritonspec.ops.rms_norm", "tritonspec.nn.modules")
     for front_end in ("kernelize", "registry", "rules"):
         want = _step(_model("llama", seed, front_end, num_hidden_layers=2), ids, distributed=False)
         model = fully_shard_model(_model("llama", seed, front_end, num_hidden_layers=2), mesh)

@@ -92,8 +92,8 @@ def toy():
     LAUNCHES.clear()
     yield TOY
     kernel_table.withdraw(TOY.name)
-    from tritonspec.nn import triton_kernels
-    triton_kernels.sync()
+    from tritonspec.nn import registry_kernels
+    registry_kernels.sync()
 
 
 def _check_replaced(model, report):
@@ -114,11 +114,11 @@ def test_kernelize_picks_up_a_declared_kernel(toy):
 
 def test_the_registry_picks_up_a_declared_kernel(toy):
     from tritonspec import nn as tnn
-    from tritonspec.nn import triton_kernels
+    from tritonspec.nn import registry_kernels
     model = _model()
     found = tnn.discover_kernels(model)
-    assert triton_kernels.CpuTritonToyScaleKernel in found
-    assert triton_kernels.CpuTritonToyScaleKernel.type == "toy_scale"
+    assert registry_kernels.CpuTritonToyScaleKernel in found
+    assert registry_kernels.CpuTritonToyScaleKernel.type == "toy_scale"
     tnn.apply_available_kernels(model)
     _check_replaced(model, [c for c in tnn.report(model) if c.kernel.endswith("ToyScaleLayer.forward")])
 
@@ -131,7 +131,7 @@ def test_yaml_rules_pick_up_a_declared_kernel(toy):
 
 
 def test_check_and_vendor_tables_pick_up_a_declared_kernel(toy, registry):
-    from tritonspec import check
+    from tritonspec.specialization import check
     rows, failures = check.kernel_rows(registry.providers())
     assert ["toy_scale", "toy_scale", "module: ToyScale", "toy_scale", "default", "ok"] in rows and not failures
     # a backend may now tune it, as data checked against the table
@@ -146,7 +146,7 @@ def test_check_and_vendor_tables_pick_up_a_declared_kernel(toy, registry):
 
 def test_check_lists_the_moe_layers(registry):
     """The MoE experts and router are module-site layers like the others (no site of their own)."""
-    from tritonspec import check
+    from tritonspec.specialization import check
     rows, failures = check.kernel_rows(registry.providers())
     assert not failures
     sites = {row[0]: (row[1], row[2]) for row in rows}
@@ -157,9 +157,9 @@ def test_check_lists_the_moe_layers(registry):
 
 def test_withdrawn_and_undeclared_kernels_are_gone_everywhere():
     from tritonspec import nn as tnn
-    from tritonspec.nn import triton_kernels
+    from tritonspec.nn import registry_kernels
     assert "toy_scale" not in kernel_table.KERNELS
-    assert not hasattr(triton_kernels, "CpuTritonToyScaleKernel")
+    assert not hasattr(registry_kernels, "CpuTritonToyScaleKernel")
     with pytest.raises(tritonspec.LaunchConfigError, match="'toy_scale' is not a declared kernel"):
         ConfigTable({"toy_scale": lambda kernel, **problem: None})
     with pytest.raises(tnn.RuleError, match="rule 0: replace.kernel: 'toy_scale' is not a declared kernel"):

@@ -2,13 +2,22 @@
 
 A stand-in JIT kernel records Triton's slow path (a miss) and hands back a stand-in compiled kernel
 that records launches, so the cache key and the launch arguments are checked without a GPU.
+
+Then the key against the installed Triton's own launch path (a real JITFunction, its binder and kernel
+cache for a CUDA sm90 target, only the driver, the compiler and the launch faked): random calls of every
+argument kind Triton specializes on, seeded per run (the seed is printed; TRITONSPEC_TEST_SEED replays
+it), must launch the binary Triton itself chooses. On a CUDA machine, the same against real compiles.
 """
+import enum
 import types
 
 import pytest
 from helpers import make_spec
 import torch
 from triton import knobs
+from triton.backends.compiler import GPUTarget
+import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from tritonspec.ops import _launch_cache
 from tritonspec.ops._launch_cache import CachedLauncher
@@ -199,8 +208,8 @@ def test_a_plan_declines_what_it_may_not_reuse(launcher, monkeypatch, change):
     if change == "device":
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     elif change == "spec":  # another selection (the registry's generation is part of it)
-        from tritonspec import REGISTRY
-        monkeypatch.setattr(REGISTRY, "generation", REGISTRY.generation + 1)
+        from tritonspec import PROVIDERS
+        monkeypatch.setattr(PROVIDERS, "generation", PROVIDERS.generation + 1)
     elif change == "hook":
         monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
     assert plan(x2, y2) is False
@@ -243,3 +252,389 @@ def test_plans_are_not_used_while_cached_launches_are_off(monkeypatch):
     assert plans.get("problem") == "plan"
     monkeypatch.setattr(_library, "USE_CACHED_LAUNCH", False)
     assert plans.get("problem") is None
+
+
+# -- the cache key against Triton's own binder ------------------------------------------------------
+# A hit reuses the binary of an earlier call; that is sound only if Triton, given this call, would pick
+# that same binary. The oracle is the installed release's own JITFunction.run: its binder (native
+# specialization through the nvidia backend of a CUDA target), its cache keys and its kernel cache, with
+# only the GPU faked: the driver (device, stream, target), triton.compile (one stand-in binary per
+# compile Triton asks for, recording the signature, constexprs and attributes it was asked for) and the
+# launch (recorded). CachedLauncher drives a real JITFunction, so a miss goes through that same code.
+
+def _spec_kernel(X, a, b, Y, c=16, BLOCK: tl.constexpr = 8, FLAG: tl.constexpr = False, ACT: tl.constexpr = None):
+    pass  # never compiled: the stand-in triton.compile records what Triton asked for
+
+
+_RUNTIME = ("X", "a", "b", "Y", "c")  # _spec_kernel's runtime parameters; c has a default
+_CUDA = GPUTarget("cuda", 90, 32)
+
+
+class _CudaDriver:
+    """The three things Triton's launch path asks the active driver."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 0x5EED
+
+    def get_current_target(self):
+        return _CUDA
+
+
+class _Binary:
+    """A compiled kernel as Triton's launch path and CachedLauncher use it, built for one specialization."""
+
+    def __init__(self, src, options, launches):
+        self.built_for = dict(signature=dict(src.signature), constexprs=dict(src.constants), attrs=dict(src.attrs),
+                              options={k: v for k, v in options.items() if k in ("num_warps", "num_stages")})
+        self.function, self.packed_metadata, self._launches = object(), object(), launches
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, *args):
+        self._launches.append((self, args))
+
+    def __repr__(self):
+        return f"binary{self.built_for}"
+
+
+@pytest.fixture
+def cuda_jit(monkeypatch):
+    """Triton's real launch path for a CUDA sm90 target on this CPU; returns the list of launches."""
+    import triton.compiler
+    from triton.runtime import driver
+    launches = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(driver, "_active", _CudaDriver())  # what driver.active returns (private in 3.6 to 3.9)
+    monkeypatch.setattr(triton.compiler, "compile",
+                        lambda src, target=None, options=None, **_: _Binary(src, options, launches))
+    return launches
+
+
+# Arguments: each a (kind, value) pair. Tensors are views of one buffer at chosen byte offsets, so their
+# data_ptr()s are what the test asks for; the kinds say what the test meant, never what the key made of it.
+_BUF = torch.zeros(1 << 16, dtype=torch.uint8)
+_START = -_BUF.data_ptr() % 64
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int8)
+_DESC_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _view(offset, dtype, numel):
+    size = torch.empty((), dtype=dtype).element_size()
+    return _BUF[_START + offset:_START + offset + numel * size].view(dtype)
+
+
+def _tensor(rng):
+    dtype = rng.choice(_DTYPES)
+    size = torch.empty((), dtype=dtype).element_size()
+    if rng.random() < 0.8:
+        return "tensor", _view(16 * rng.randrange(64), dtype, 16)
+    offset = rng.choice([o for o in range(size, 16, size)]) + 16 * rng.randrange(64)
+    return "misaligned tensor", _view(offset, dtype, 16)
+
+
+def _int(rng):
+    kind = rng.choice(["1", "small", "/16", "int32", "int32 edge", "int64", "int64 /16", "uint64", "uint64 edge"])
+    sign = rng.choice((1, -1))
+    value = {"1": lambda: 1,
+             "small": lambda: rng.randrange(-15, 16),
+             "/16": lambda: 16 * sign * rng.randrange(1, 1 << 20),
+             "int32": lambda: sign * rng.randrange(17, 1 << 31),
+             "int32 edge": lambda: rng.choice([2**31 - 1, 2**31, 2**31 + 16, -2**31, -2**31 - 1, -2**31 - 16]),
+             "int64": lambda: sign * rng.randrange(1 << 31, 1 << 63),
+             "int64 /16": lambda: 16 * sign * rng.randrange(1 << 27, 1 << 59),
+             "uint64": lambda: rng.randrange(1 << 63, 1 << 64),
+             "uint64 edge": lambda: rng.choice([2**63 - 16, 2**63 - 1, 2**63, 2**63 + 16, 2**64 - 16, 2**64 - 1]),
+             }[kind]()
+    return ("int 1" if value == 1 else "int /16" if value % 16 == 0 else "int", value) if abs(value) < 2**31 \
+        else ("int past int32", value)
+
+
+def _random_descriptor(rng):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    dtype = rng.choice(_DESC_DTYPES)
+    rows, cols = rng.choice([64, 128]), 64
+    base = _view(64 * rng.randrange(16), dtype, rows * cols).view(rows, cols)
+    block = [rng.choice([8, 16, 32]), rng.choice([16, 32, 64])]
+    extra = dict(padding=rng.choice(["zero", "nan"]))  # Triton keys neither (it is the launcher's business)
+    if "round_f32_to_tf32" in TensorDescriptor.__dataclass_fields__ and dtype == torch.float32:
+        extra["round_f32_to_tf32"] = rng.random() < 0.5
+    if rng.random() < 0.7:
+        return "descriptor", TensorDescriptor(base, [rows, cols], [cols, 1], block, **extra)
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    swizzle = rng.choice([s for s in (32, 64, 128) if s <= block[-1] * base.element_size()])
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=8 * base.element_size(), rank=2)
+    return "gluon descriptor", GluonDescriptor(base, [rows, cols], [cols, 1], block, layout, padding=extra["padding"])
+
+
+class _Size(enum.IntEnum):
+    BIG = 64
+
+
+def _unknown(rng):
+    """Arguments the key does not handle (Triton takes some, with its own specialization, and rejects others)."""
+    return "unknown", rng.choice([(16, 1), (1, 3), _Size.BIG, tl.constexpr(4), torch.float16, "name"])
+
+
+def _argument(rng, like=None):
+    """A random argument, of the kind of ``like`` (an int for a bool and back) when given, else of any kind."""
+    makers = {"tensor": _tensor, "int": _int, "bool": lambda r: ("bool", r.random() < 0.5),
+              "None": lambda r: ("None", None),
+              "float": lambda r: ("float", r.choice([0.0, -0.0, 1.0, 16.0, r.uniform(-1e3, 1e3), 1e300])),
+              "descriptor": _random_descriptor}
+    family = {"misaligned tensor": "tensor", "gluon descriptor": "descriptor", "int 1": "int", "int /16": "int",
+              "int past int32": "int", "unknown": None}.get(like, like)
+    if family in ("int", "bool", "None") and rng.random() < 0.5:
+        family = rng.choice(["int", "bool", "None"])  # the scalars that compare equal in Python or not
+    if family is None or rng.random() < 0.15:
+        if rng.random() < 0.03:
+            return _unknown(rng)
+        family = rng.choice(list(makers))
+    return makers[family](rng)
+
+
+_CONSTEXPRS = {"BLOCK": [8, 16, 32, 1, True], "FLAG": [False, True, 0, 1], "ACT": [None, "relu", "gelu"]}
+_OPTIONS = {"num_warps": [4, 8], "num_stages": [2, 3]}
+
+
+def _first_call(rng):
+    return {"runtime": [_argument(rng) for _ in _RUNTIME], "named": rng.randrange(len(_RUNTIME) + 1),
+            "keywords": {}, "positional_constexprs": 0, "omit_c": False, "grid": (1,)}
+
+
+def _mutate(rng, call):
+    """The next call of a walk: the last one with one thing changed."""
+    call = dict(call, runtime=list(call["runtime"]), keywords=dict(call["keywords"]))
+    what = rng.choice(["argument"] * 6 + ["keyword", "keyword", "named", "positional_constexprs", "omit_c", "grid"])
+    if what == "argument":
+        i = rng.randrange(len(_RUNTIME))
+        call["runtime"][i] = _argument(rng, like=call["runtime"][i][0])
+    elif what == "keyword":
+        name, values = rng.choice(list(_CONSTEXPRS.items()) + list(_OPTIONS.items()))
+        if name in call["keywords"] and rng.random() < 0.3:
+            del call["keywords"][name]  # a constexpr left to its default, an option to Triton's
+        else:
+            call["keywords"][name] = rng.choice(values)
+        order = list(call["keywords"].items())
+        rng.shuffle(order)
+        call["keywords"] = dict(order)
+    elif what == "named":  # how many runtime arguments go by name (the last ones)
+        call["named"] = rng.randrange(len(_RUNTIME) + 1)
+    elif what == "positional_constexprs":
+        call["positional_constexprs"] = 0 if call["positional_constexprs"] else rng.randrange(1, 3)
+    elif what == "omit_c":
+        call["omit_c"] = not call["omit_c"]
+    else:
+        call["grid"] = rng.choice([(1,), (2, 3), (4, 1, 1)])
+    return call
+
+
+def _arguments(call):
+    """(args, kwargs) for the call: runtime arguments positionally then by name (in a shuffled-once order),
+    constexprs positionally if asked (every runtime argument is then positional), keywords."""
+    values = [v for _, v in call["runtime"]]
+    names = list(_RUNTIME)
+    if call["positional_constexprs"]:  # (every runtime argument is then passed, c too)
+        constexprs = [call["keywords"].get(n, d) for n, d in (("BLOCK", 8), ("FLAG", False))]
+        args = tuple(values) + tuple(constexprs[:call["positional_constexprs"]])
+        return args, {k: v for k, v in call["keywords"].items() if k not in ("BLOCK", "FLAG")[:len(args) - 5]}
+    if call["omit_c"]:
+        values, names = values[:-1], names[:-1]
+    split = max(0, len(values) - call["named"])
+    named = dict(zip(names[split:], values[split:]))
+    return tuple(values[:split]), {**dict(reversed(named.items())), **call["keywords"]}
+
+
+def _describe(call):
+    args, kwargs = _arguments(call)
+    kinds = {name: kind for name, (kind, _) in zip(_RUNTIME, call["runtime"])}
+    return (f"args={[_short(a) for a in args]} kwargs={ {k: _short(v) for k, v in kwargs.items()} } "
+            f"grid={call['grid']} kinds={kinds}")
+
+
+def _short(a):
+    if isinstance(a, torch.Tensor):
+        return f"tensor({a.dtype}, data_ptr % 16 = {a.data_ptr() % 16})"
+    if hasattr(a, "block_shape"):
+        return f"{type(a).__module__.split('.')[1]} descriptor({a.base.dtype}, {a.block_shape})"
+    return repr(a)
+
+
+def _outcome(launch, launches):
+    """(binary, launch arguments) of one launch, or the exception it raised."""
+    before = len(launches)
+    try:
+        launch()
+    except Exception as e:  # noqa: BLE001 - Triton rejects some arguments; both paths must then fail alike
+        return type(e)
+    assert len(launches) == before + 1
+    binary, args = launches[-1]
+    return binary, args[:6], args[9:]  # grid, stream, function, metadata; then every kernel argument
+
+
+def _same_arguments(mine, triton_s):
+    """The runtime arguments are the call's own; a constexpr (which the launcher skips) may be another value
+    that Triton's own cache takes for the same (1 for True: Triton looks its key up by ==, not by type)."""
+    n = len(_RUNTIME)
+    return len(mine) == len(triton_s) and mine[n:] == triton_s[n:] and all(
+        a is b or (type(a) is type(b) and not isinstance(a, torch.Tensor) and a == b)
+        for a, b in zip(mine[:n], triton_s[:n]))
+
+
+@pytest.mark.parametrize("dns", [False, True], ids=["specialized", "do_not_specialize"])
+def test_a_cache_hit_launches_the_binary_tritons_binder_chooses(cuda_jit, dns):
+    """For every kind of argument Triton specializes on: random walks of calls, each changing one thing of
+    the last (an argument, a constexpr or option, how arguments are passed, the grid). Each call goes
+    through CachedLauncher and then through Triton's own launch path; both must launch the same binary with
+    the same arguments, and whenever two calls have the same cache key Triton must choose one binary for
+    both. The key must be None (Triton's path) exactly where the contract says: a misaligned tensor, a
+    constexpr passed positionally, a runtime argument left to its default while others go by keyword, an
+    argument of another type."""
+    from helpers import py_random
+    rng = py_random()
+    options = dict(do_not_specialize=["a"], do_not_specialize_on_alignment=["X"]) if dns else {}
+    kernel = JITFunction(_spec_kernel, **options)
+    cl = CachedLauncher(kernel)
+    by_key, hits = {}, {}
+    for _ in range(40):
+        call = _first_call(rng)
+        for _ in range(60):
+            call = _mutate(rng, call)
+            args, kwargs = _arguments(call)
+            pos, kw = cl._positional(args, kwargs) if kwargs else (args, kwargs)
+            key = None if pos is None else cl._key(pos, kw, torch.cuda.current_device())
+            omitted = call["omit_c"] and not call["positional_constexprs"]
+            kinds = {kind for kind, _ in call["runtime"][:4 if omitted else 5]}
+            # a runtime argument left to its default takes Triton's path when keywords are passed; with
+            # none, the call is keyed like any other (the default is fixed) and checked below like any other
+            must_take_tritons_path = bool(call["positional_constexprs"] or (omitted and kwargs)
+                                          or kinds & {"misaligned tensor", "unknown"})
+            assert (key is None) == must_take_tritons_path, _describe(call)
+            hit = key is not None and key in cl.compiled
+            mine = _outcome(lambda: cl[call["grid"]](*args, **kwargs), cuda_jit)
+            triton_s = _outcome(lambda: kernel[call["grid"]](*args, **kwargs), cuda_jit)
+            if isinstance(triton_s, type):
+                assert mine is triton_s and not hit, _describe(call)
+                continue
+            assert mine[0] is triton_s[0], (
+                f"the cache launched {mine[0]} where Triton chooses {triton_s[0]} for {_describe(call)}; "
+                f"the key was first made by {by_key.get(key, (None, 'no call'))[1]}")
+            assert mine[1] == triton_s[1] and _same_arguments(mine[2], triton_s[2]), _describe(call)
+            if key is not None:
+                first = by_key.setdefault(key, (triton_s[0], _describe(call)))
+                assert first[0] is triton_s[0], f"{_describe(call)} and {first[1]}: one key, two binaries"
+            if hit:
+                for kind in kinds | {f"{k}={v!r}" for k, v in kwargs.items() if k in _CONSTEXPRS}:
+                    hits[kind] = hits.get(kind, 0) + 1
+    # not vacuous: every kind of argument was reused from the cache, for keyword constexprs too
+    kinds = {"tensor", "int 1", "int /16", "int", "int past int32", "None", "bool", "float", "descriptor",
+             "gluon descriptor", "BLOCK=32", "FLAG=True", "ACT='relu'"}
+    assert kinds <= set(hits), sorted(kinds - set(hits))
+
+
+def test_a_callable_grid_and_a_runtime_parameter_after_a_constexpr_take_tritons_path(cuda_jit):
+    kernel = JITFunction(_spec_kernel)
+    cl = CachedLauncher(kernel)
+    x = _view(0, torch.float32, 16)
+    for _ in range(2):
+        cl[lambda meta: (1,)](x, 16, 32, x, 16, BLOCK=16)
+    assert cl.compiled == {} and len(cuda_jit) == 2
+
+    def late_runtime(X, BLOCK: tl.constexpr, n):
+        pass
+    late = CachedLauncher(JITFunction(late_runtime))
+    assert late._positional((x,), dict(BLOCK=16, n=16)) == (None, None)
+    for _ in range(2):
+        late[(1,)](x, BLOCK=16, n=16)
+    assert late.compiled == {} and len(cuda_jit) == 4
+
+
+_EDGES = [0, False, 1, True, None, -1, 15, 16, -16, 17, 48, 2**31 - 1, 2**31, -2**31, -2**31 - 1, -2**31 - 16,
+          2**31 + 16, 2**63 - 16, 2**63 - 1, 2**63, 2**63 + 16, 2**64 - 16, 2**64 - 1, -2**63, 0.0, -0.0, 1.0, 16.0]
+
+
+def test_scalars_at_the_edges_share_a_key_only_where_triton_shares_a_binary(cuda_jit):
+    """Every pair of edge scalars (bool against 0 and 1, each int32/int64/uint64 boundary), in each runtime
+    parameter: one key only where Triton's launch path picks one binary."""
+    kernel = JITFunction(_spec_kernel)
+    cl = CachedLauncher(kernel)
+    x = _view(0, torch.float32, 16)
+    for slot in range(len(_RUNTIME)):
+        seen = {}
+        for value in _EDGES:
+            args = [x, 16, 32, x, 16]
+            args[slot] = value
+            binary = _outcome(lambda: kernel[(1,)](*args), cuda_jit)[0]
+            first, first_binary = seen.setdefault(cl._key(tuple(args), {}, 0), (value, binary))
+            assert first_binary is binary, (f"{_RUNTIME[slot]}={value!r} has the key of {_RUNTIME[slot]}={first!r}, "
+                                            f"but Triton builds {binary} for it and {first_binary} for the other")
+
+
+# -- on a GPU: the binary a hit launches is the CompiledKernel Triton's own launch returns ---------------
+
+def _gpu_kernel(Out, X, a, b, flag, scale, Y, desc, BLOCK: tl.constexpr, TWICE: tl.constexpr = False):
+    offs = tl.arange(0, BLOCK)
+    v = tl.load(X + offs).to(tl.float32) * scale + (a % 1000) + (b % 1000) + flag
+    if Y is not None:
+        v += tl.load(Y + offs).to(tl.float32)
+    if desc is not None:
+        v += tl.sum(tl.sum(desc.load([0, 0]).to(tl.float32), axis=1), axis=0)
+    if TWICE:
+        v = v * 2
+    tl.store(Out + offs, v)
+
+
+def _gpu_reference(X, a, b, flag, scale, Y, desc, BLOCK, TWICE=False):
+    v = X[:BLOCK].double() * scale + (a % 1000) + (b % 1000) + flag
+    if Y is not None:
+        v += Y[:BLOCK].double()
+    if desc is not None:
+        v += desc.base[:desc.block_shape[0], :desc.block_shape[1]].double().sum()
+    return (v * 2 if TWICE else v).float()
+
+
+@pytest.mark.gpu
+def test_a_hit_launches_the_compiled_kernel_triton_chooses_on_gpu():
+    """Each argument kind varied in turn from a base call: CachedLauncher's cached CompiledKernel for the
+    call is the very object ``kernel[grid]`` returns for it, and the kernel computes with the call's values."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    dev = "cuda"
+    kernel = JITFunction(_gpu_kernel)
+    cl = CachedLauncher(kernel)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    buf = torch.randn(4096, device=dev, generator=gen)
+    x, y, out = buf[:128], buf[256:384], torch.empty(128, device=dev)
+    tile = torch.randn(64, 64, device=dev, generator=gen)
+    base = dict(X=x, a=16, b=32, flag=True, scale=0.5, Y=y, desc=None)
+    variants = [dict(a=48), dict(a=1), dict(a=17), dict(a=2**31 + 16), dict(b=0), dict(b=2**63 + 16), dict(flag=False),
+                dict(flag=1), dict(flag=0), dict(scale=2.0), dict(Y=None), dict(X=x.half()), dict(X=buf[4:132]),
+                dict(X=buf[1:129]), dict(Y=buf[512:640])]
+    if torch.cuda.get_device_capability()[0] >= 9:  # host TMA descriptors
+        variants += [dict(desc=TensorDescriptor.from_tensor(tile, [16, 32])),
+                     dict(desc=TensorDescriptor.from_tensor(tile[16:], [16, 32])),
+                     dict(desc=TensorDescriptor.from_tensor(tile, [32, 32])),
+                     dict(desc=TensorDescriptor.from_tensor(tile.half(), [16, 32]))]
+    calls = [({**base, **v}, kw) for v in [{}] + variants for kw in (dict(BLOCK=32), dict(BLOCK=64, TWICE=True))]
+    binaries = set()
+    for named, kw in calls:
+        values = list(named.values())
+        # runtime arguments positionally, and the last three by name; constexprs by keyword
+        args, kwargs = (out, *values[:4]), {**dict(zip(["scale", "Y", "desc"], values[4:])), **kw}
+        for _ in range(2):  # a miss (through Triton) or, for the same key, a hit; then a hit
+            out.fill_(float("nan"))
+            cl[(1,)](*args, **kwargs)
+            expected = _gpu_reference(**named, **kw)
+            torch.testing.assert_close(out[:kw["BLOCK"]], expected, rtol=1e-5, atol=1e-3)
+        pos, kw2 = cl._positional(args, kwargs)
+        key = cl._key(pos, kw2, torch.cuda.current_device())
+        described = ({k: _short(v) for k, v in named.items()}, kw)
+        assert (key is None) == (named["X"].data_ptr() % 16 != 0), described
+        compiled = kernel[(1,)](*args, **kwargs)
+        if key is not None:
+            assert cl.compiled[key][0] is compiled, described
+        binaries.add(compiled.hash)
+    assert len(binaries) > 10  # the variants reached distinct binaries, not one

@@ -11,7 +11,7 @@ from helpers import leaf
 import torch
 
 from tritonspec.ops import _library
-from tritonspec.ops._testing import assert_close, poisoned_allocations
+from numerics import assert_close, poisoned_allocations
 from tritonspec.ops.moe import MOE_EXPERTS, moe_experts, moe_experts_ref
 
 LAYOUTS = ["concatenated", "interleaved_transposed"]
@@ -26,7 +26,7 @@ def _weights(E, H, I, layout, dtype, device, gen, bias=False):
     return gu, dn, gb, db
 
 
-def _routing(T, E, k, device, gen, dtype=torch.int64):
+def _router_output(T, E, k, device, gen, dtype=torch.int64):
     ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]) if T else torch.empty(0, k)
     w = torch.rand(T, k, generator=gen).softmax(-1)
     return ids.to(device=device, dtype=dtype), w.to(device)
@@ -36,7 +36,7 @@ def _problem(T, H, I, E, k, layout, kind, dtype, device, gen, ids_dtype=torch.in
     opts = dict(KINDS[kind])
     bias = opts.pop("bias", False)
     x = torch.randn(T, H, generator=gen).to(device=device, dtype=dtype)
-    ids, w = _routing(T, E, k, device, gen, ids_dtype)
+    ids, w = _router_output(T, E, k, device, gen, ids_dtype)
     gu, dn, gb, db = _weights(E, H, I, layout, dtype, device, gen, bias)
     return (x, ids, w, gu, dn), dict(gate_up_bias=gb, down_bias=db, layout=layout, **opts)
 
@@ -159,16 +159,15 @@ def test_out_of_range_ids_contribute_nothing(device, gen):
 
 @pytest.mark.parametrize("slice_pairs", [None, 16], ids=["one-slice", "many-slices"])
 @pytest.mark.parametrize("T, E, k, block_m", [(1, 8, 2, 16), (37, 6, 3, 4), (300, 4, 2, 16)])
-def test_routing_metadata_is_a_stable_padded_sort_by_expert(T, E, k, block_m, slice_pairs, device, gen, monkeypatch):
-    """The routing metadata against its definition, written in plain Python: each expert's pairs in token
+def test_sort_by_expert_is_a_stable_padded_sort(T, E, k, block_m, slice_pairs, device, gen, monkeypatch):
+    """The expert sort against its definition, written in plain Python: each expert's pairs in token
     order from its first row, rows padded to block_m with -1, each block's expert, each pair's row; with
     the pairs scanned in one slice per expert, or in many (token order must hold across slices)."""
-    from tritonspec.ops import moe
-    from tritonspec.ops.moe import _routing as routing
+    from tritonspec.ops import moe_sort
     if slice_pairs is not None:
-        monkeypatch.setattr(moe, "_SLICE_PAIRS", slice_pairs)
+        monkeypatch.setattr(moe_sort, "_SLICE_PAIRS", slice_pairs)
     ids = torch.randint(-1, E + 2, (T, k), generator=gen)  # with dropped ids on both sides
-    row_pair, block_expert, pair_pos, expert_start, expert_rows = (t.cpu().tolist() for t in routing(
+    row_pair, block_expert, pair_pos, expert_start, expert_rows = (t.cpu().tolist() for t in moe_sort.sort_by_expert(
         ids.to(device), E, block_m))
     flat = ids.reshape(-1).tolist()
     want_rows, want_pos, want_blocks, starts, counts = [], [-1] * len(flat), [], [], []
@@ -220,7 +219,7 @@ def test_library_op_path_in_eager(monkeypatch, device, gen):
 
 
 def test_torch_compile_fullgraph(device, gen):
-    """No graph break: routing metadata has static shapes and the kernels run as custom ops."""
+    """No graph break: the expert sort has static shapes and the kernels run as custom ops."""
     args, kw = _problem(6, 32, 16, 4, 2, "concatenated", "silu", _dtypes(device)[0], device, gen)
     x, ids, w, gu, dn = args
     xl, wl, gul, dnl = leaf(x), leaf(w), leaf(gu), leaf(dn)

@@ -14,7 +14,7 @@ from helpers import TINY, apply_front_end, build_model, token_ids
 import torch
 
 import tritonspec.nn as tnn
-from tritonspec.nn.targets import is_causal_lm_head
+from tritonspec.nn.detectors import is_causal_lm_head
 
 transformers = pytest.importorskip("transformers")
 

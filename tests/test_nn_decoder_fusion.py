@@ -19,7 +19,7 @@ from torch import nn
 
 import tritonspec.nn as tnn
 from tritonspec.nn import engine
-from tritonspec.nn.targets import is_llama_decoder_layer
+from tritonspec.nn.detectors import is_llama_decoder_layer
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402

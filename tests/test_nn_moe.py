@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import tritonspec.nn as tnn
 from tritonspec.nn.experts import EXPERTS_NAME
 from tritonspec.nn.hub.layers import MoEExperts, MoERouter
-from tritonspec.nn.targets import is_fused_experts, is_topk_router, router_kind
+from tritonspec.nn.detectors import is_fused_experts, is_topk_router, router_kind
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.integrations.moe")
@@ -337,7 +337,7 @@ def test_gpt_oss_keeps_its_attention_and_rotary():
     from transformers.models.gpt_oss import modeling_gpt_oss
     from transformers.models.llama import modeling_llama
 
-    from tritonspec.nn.targets import is_rotate_half_rope
+    from tritonspec.nn.detectors import is_rotate_half_rope
     rotary = modeling_gpt_oss.apply_rotary_pos_emb
     assert not is_rotate_half_rope(rotary) and is_rotate_half_rope(modeling_llama.apply_rotary_pos_emb)
     model = _model("gpt_oss", torch.float32)

@@ -9,12 +9,12 @@ from torch import nn
 import tritonspec.nn as tnn
 from tritonspec.nn import (KERNEL_REGISTRY, AutoRegisterKernelMeta, DeviceType, KernelRegistry, KernelType,
                            MetaKernel, apply_available_kernels, apply_kernel, discover_kernels)
-from tritonspec.nn import registry as reg
+from tritonspec.nn import registry_kernels
 
 
 @pytest.fixture(autouse=True)
 def clean_registry():
-    reg._ensure_kernels_loaded()
+    registry_kernels.sync()
     saved = {k: dict(v) for k, v in KERNEL_REGISTRY._registry.items()}
     yield
     KERNEL_REGISTRY._registry.clear()
@@ -60,7 +60,7 @@ def test_register_get_and_overwrite_warns(caplog):
     KERNEL_REGISTRY.register(KernelType.MOE, DeviceType.MPS, _experts_grouped)
     assert KERNEL_REGISTRY.get_kernel(KernelType.MOE, DeviceType.MPS) is _experts_grouped
     assert KERNEL_REGISTRY.get_kernel(KernelType.MOE, DeviceType.XPU) is None
-    with caplog.at_level(logging.WARNING, logger="tritonspec.nn.registry"):
+    with caplog.at_level(logging.WARNING, logger="tritonspec.nn.kernel_registry"):
         KERNEL_REGISTRY.register(KernelType.MOE, DeviceType.MPS, _norm_fast)
     assert "Overwriting kernel for MOE on MPS" in caplog.text
     assert KERNEL_REGISTRY.get_kernel(KernelType.MOE, DeviceType.MPS) is _norm_fast
@@ -155,8 +155,8 @@ def test_discover_skips_non_metakernel_entries():
 
 
 def test_discover_uses_model_device_then_runtime():
-    assert reg.current_device_type(nn.Linear(2, 2)) == DeviceType.CPU
-    assert reg.current_device_type(nn.Linear(2, 2, device="meta")) == reg.current_device_type(None)
+    assert registry_kernels.current_device_type(nn.Linear(2, 2)) == DeviceType.CPU
+    assert registry_kernels.current_device_type(nn.Linear(2, 2, device="meta")) == registry_kernels.current_device_type(None)
 
 
 def test_failed_apply_is_undone():
@@ -184,10 +184,10 @@ def test_builtin_kernels_registered_for_cuda_and_cpu():
             k = KERNEL_REGISTRY.get_kernel(kt, dev)
             assert issubclass(k, MetaKernel) and k.type == kt and k.device == dev
     assert KERNEL_REGISTRY.get_kernel(KernelType.MOE, DeviceType.MPS) is None  # Triton does not run there
-    from tritonspec.nn import triton_kernels
-    assert KERNEL_REGISTRY.get_kernel(KernelType.MOE, DeviceType.CUDA) is triton_kernels.CudaTritonMoEExpertsKernel
-    assert KERNEL_REGISTRY.get_kernel(KernelType.MOE_ROUTER, DeviceType.CPU) is triton_kernels.CpuTritonMoERouterKernel
-    decoder = triton_kernels.CpuTritonDecoderLayerKernel
+    from tritonspec.nn import registry_kernels
+    assert KERNEL_REGISTRY.get_kernel(KernelType.MOE, DeviceType.CUDA) is registry_kernels.CudaTritonMoEExpertsKernel
+    assert KERNEL_REGISTRY.get_kernel(KernelType.MOE_ROUTER, DeviceType.CPU) is registry_kernels.CpuTritonMoERouterKernel
+    decoder = registry_kernels.CpuTritonDecoderLayerKernel
     assert KERNEL_REGISTRY.get_kernel(KernelType.ADD_RMSNORM, DeviceType.CPU) is decoder
 
 

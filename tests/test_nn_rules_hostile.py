@@ -26,7 +26,7 @@ _PRELUDE = r'''
 import json, math, sys
 import torch
 from torch import nn
-import tritonspec.nn.layers  # a rule's replacement class, imported before the clock starts (it imports triton)
+import tritonspec.nn.modules  # a rule's replacement class, imported before the clock starts (it imports triton)
 from tritonspec.nn import RuleError, apply_rules
 
 

@@ -4,7 +4,7 @@ from helpers import leaf, model_config
 import torch
 
 from tritonspec.ops import _library, rope
-from tritonspec.ops._testing import assert_close, poisoned_allocations
+from numerics import assert_close, poisoned_allocations
 from tritonspec.ops.rope import ROPE, rope_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -18,7 +18,7 @@ from helpers import compile_for
 import triton.language as tl
 
 import tritonspec
-from tritonspec import check, fingerprint
+from tritonspec.specialization import check, fingerprint
 
 EXP = "from triton.language import core\n"
 SPEC_TAIL = "math_ext_base_func_list = ['exp']\n__all__ = ['math_ext_base_func_list']\n"
@@ -81,7 +81,7 @@ for case in {cases!r}:
     tritonspec.register_spec(case, importlib.import_module("spec_" + case))
     with tritonspec.use_backend(case):
         k = compile_exp()
-    d = tritonspec.REGISTRY.get(case).digest
+    d = tritonspec.PROVIDERS.get(case).digest
     out[case] = {{"ttir": k.asm["ttir"], "hash": k.hash, "fingerprint": d.value, "cacheable": d.cacheable,
                  "reason": d.reason}}
 print("RESULT " + json.dumps(out))
@@ -287,7 +287,7 @@ def test_check_says_which_spec_is_not_cached_and_why(registry):
 
 
 def test_our_own_backends_stay_cacheable():
-    providers = tritonspec.REGISTRY.providers()
+    providers = tritonspec.PROVIDERS.providers()
     assert {"cpu", "nvidia", "amd", "ascend", "iluvatar"} <= set(providers)
     for name, provider in providers.items():
         assert provider.digest.cacheable, (name, provider.digest.reason)

@@ -16,8 +16,10 @@ from triton.language.extra import libdevice
 from triton.runtime.jit import JITFunction
 
 import tritonspec
-from tritonspec import REGISTRY, SpecError, SpecHookError, check, install, resolve
-from tritonspec.inject import restore as restore_injections
+from tritonspec import PROVIDERS, SpecError, SpecHookError
+from tritonspec.specialization import check, install, resolve
+from tritonspec.specialization.points import jit_caches
+from tritonspec.specialization.inject import restore as restore_injections
 
 
 # -- kernels (plain functions: wrapped as compiled JITFunctions or interpreted via triton.jit) --
@@ -300,8 +302,8 @@ def test_jit_in_memory_caches_follow_the_selection(registry):
     """A JITFunction's device caches are kept per selection (stock Triton keys them by device only)."""
     tritonspec.register_spec("sel", make_spec("sel_spec"))
     fn = JITFunction(_copy)
-    assert isinstance(fn.device_caches, install.SelectionCaches)
-    caches = install.SelectionCaches(object)  # the factory Triton passes is create_binder (needs a GPU)
+    assert isinstance(fn.device_caches, jit_caches.SelectionCaches)
+    caches = jit_caches.SelectionCaches(object)  # the factory Triton passes is create_binder (needs a GPU)
     outside = caches["dev0"]
     assert caches["dev0"] is outside and list(caches) == ["dev0"]
     with tritonspec.use_backend("sel"):
@@ -473,13 +475,12 @@ def test_check_command_passes_and_claims_only_what_it_did():
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "all checks passed" in proc.stdout
-    for name, provider in REGISTRY.providers().items():  # every provider, with where it runs and its distribution
+    for name, provider in PROVIDERS.providers().items():  # every provider, with where it runs and its distribution
         assert any(line.split()[:6] == [name, provider.info.runs, "entry", "point", "of", "tritonspec"]
                    for line in proc.stdout.splitlines() if line.strip()), name
     # no binary is claimed that was not built; the reason is named
-    ascend = [line for line in proc.stdout.splitlines() if line.startswith("ascend ") and "scale_add" in line]
-    assert ascend and all("ok (source,ttir); npubin: not built (bishengir-compile not on PATH)" in line
-                          for line in ascend), ascend
+    samples = {row[0]: row for row in check.parse_tables(proc.stdout)["Sample kernels"]}
+    assert samples["ascend"][2] == "ok (source,ttir); npubin: not built (bishengir-compile not on PATH)", samples
     # a hook compiled kernels cannot honour says so
     arange = [line for line in proc.stdout.splitlines() if line.startswith("arange_disable_check_power_of_two")]
     assert arange and "interpreter only" in arange[0]

@@ -87,7 +87,7 @@ def probe(root, allow: str | None) -> dict:
     marker.unlink(missing_ok=True)
     env = {"PYTHONPATH": str(root / "site"), "EVIL_MARKER": str(marker), "TRITON_INTERPRET": "1"}
     if allow is not None:
-        env["TRITONSPEC_BACKENDS"] = allow
+        env["TRITONSPEC_ALLOWED_BACKENDS"] = allow
     proc = run_python([str(root / "probe.py")], env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
@@ -101,7 +101,7 @@ def test_a_second_provider_for_a_name_is_an_error_naming_both_distributions(evil
     out = probe(evil_site, "cpu,nvidia")
     assert "backend 'cpu' has 2 spec providers" in out["result"], out
     assert "evil==1.0" in out["result"] and "tritonspec==0.1.0" in out["result"], out
-    assert "TRITONSPEC_BACKENDS=cpu=<distribution>" in out["result"]
+    assert "TRITONSPEC_ALLOWED_BACKENDS=cpu=<distribution>" in out["result"]
     assert not out["evil imported"], "a conflicting provider must not be imported"
     out = probe(evil_site, None)  # no allow-list at all: the same error, never a silent winner
     assert "backend 'cpu' has 2 spec providers" in out["result"] and not out["evil imported"]
@@ -140,16 +140,16 @@ def test_register_spec_cannot_take_a_pinned_name(tmp_path):
                 print("ACCEPTED", module.__name__)
             except tritonspec.SpecError as e:
                 print("REFUSED", e)
-        print("PROVIDER", tritonspec.REGISTRY.get("cpu").origin)
+        print("PROVIDER", tritonspec.PROVIDERS.get("cpu").origin)
         tritonspec.register_spec("scratch", lookalike)  # an allowed name that is not pinned
-        print("OK", tritonspec.REGISTRY.get("scratch").origin)
+        print("OK", tritonspec.PROVIDERS.get("scratch").origin)
     """)
-    proc = run_python(["-c", code], {"TRITONSPEC_BACKENDS": "cpu=tritonspec,scratch"})
+    proc = run_python(["-c", code], {"TRITONSPEC_ALLOWED_BACKENDS": "cpu=tritonspec,scratch"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     refused = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED")]
     assert len(refused) == 2 and "ACCEPTED" not in proc.stdout, proc.stdout
     for line, module in zip(refused, ("tritonspec_backends.cpu.backend.evil", "tritonspec_backends.cpu.backend.spec")):
-        assert ("register_spec: backend 'cpu' is pinned to distribution tritonspec by TRITONSPEC_BACKENDS="
+        assert ("register_spec: backend 'cpu' is pinned to distribution tritonspec by TRITONSPEC_ALLOWED_BACKENDS="
                 "'cpu=tritonspec,scratch': its spec comes from that distribution's tritonspec.specs entry point "
                 f"only, not from module {module} registered at run time") in line, line
     assert "PROVIDER entry point" in proc.stdout and "OK register_spec" in proc.stdout
@@ -171,9 +171,9 @@ def test_a_package_calling_itself_tritonspec_is_refused_under_the_pin(tmp_path):
 PINNED = """
 import json, os, sys
 import tritonspec
-from tritonspec import REGISTRY
+from tritonspec import PROVIDERS
 try:
-    provider = REGISTRY.get(sys.argv[1])
+    provider = PROVIDERS.get(sys.argv[1])
     result = {"module": provider.module.__name__, "file": provider.module.__file__,
               "distribution": provider.distribution}
 except tritonspec.SpecError as e:
@@ -184,10 +184,10 @@ print("PINNED " + json.dumps(result))
 
 
 def pinned(root, backend, allow, cwd=None) -> dict:
-    """What ``REGISTRY.get(backend)`` gives in a fresh process under ``TRITONSPEC_BACKENDS=allow``."""
+    """What ``PROVIDERS.get(backend)`` gives in a fresh process under ``TRITONSPEC_ALLOWED_BACKENDS=allow``."""
     marker = root / "marker"
     marker.unlink(missing_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(root / "site"), EVIL_MARKER=str(marker), TRITONSPEC_BACKENDS=allow)
+    env = dict(os.environ, PYTHONPATH=str(root / "site"), EVIL_MARKER=str(marker), TRITONSPEC_ALLOWED_BACKENDS=allow)
     proc = subprocess.run([sys.executable, "-c", PINNED, backend], env=env, capture_output=True, text=True,
                           timeout=300, cwd=cwd or root)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("PINNED ")]
@@ -201,7 +201,7 @@ def test_a_second_distribution_of_the_pinned_name_is_refused_even_with_its_own_r
                       folder="innocent-1.0.dist-info")
     out = pinned(tmp_path, "toyx", "toyx=tritonspec,cpu")
     assert out["refused"].startswith("backend 'toyx': refusing the provider evilmod of tritonspec==1.0 pinned by "
-                                     "TRITONSPEC_BACKENDS: 2 different installed distributions are named "
+                                     "TRITONSPEC_ALLOWED_BACKENDS: 2 different installed distributions are named "
                                      "'tritonspec' (at "), out
     assert "innocent-1.0.dist-info: toyx = evilmod" in out["refused"] and "the pin cannot tell" in out["refused"]
     assert not out["evil imported"]
@@ -214,7 +214,7 @@ def test_a_pinned_provider_must_be_a_file_of_its_distribution(tmp_path):
     out = pinned(tmp_path, "cpu", "cpu=evil")
     evil_file = os.path.realpath(tmp_path / "site" / "evilmod.py")
     assert out["refused"] == ("backend 'cpu': refusing the provider evilmod of evil==1.0 pinned by "
-                              f"TRITONSPEC_BACKENDS: {evil_file} (imported for evilmod) is not a file of distribution "
+                              f"TRITONSPEC_ALLOWED_BACKENDS: {evil_file} (imported for evilmod) is not a file of distribution "
                               "evil==1.0: neither in its RECORD nor in its editable source"), out
     assert not out["evil imported"]
 
@@ -234,7 +234,7 @@ def test_the_editable_install_passes_its_own_pin(tmp_path, from_repo):
 
 @pytest.mark.parametrize("raw", ["cpu=", "=tritonspec"])
 def test_a_malformed_allow_list_is_an_error(raw):
-    from tritonspec.registry import AllowList
+    from tritonspec.specialization.providers import AllowList
     from tritonspec import SpecError
     with pytest.raises(SpecError, match="must be 'name' or 'name=distribution'"):
         AllowList.parse(raw)
@@ -258,7 +258,7 @@ tritonspec.register_spec("dup", spec)
 with tritonspec.use_backend("dup"):
     k = compile_exp()
 print("RESULT " + json.dumps({{"ttir": k.asm["ttir"], "hash": k.hash,
-                              "fingerprint": tritonspec.REGISTRY.get("dup").fingerprint}}))
+                              "fingerprint": tritonspec.PROVIDERS.get("dup").fingerprint}}))
 """
 
 MUL = ("from triton.language import core\n@core.builtin\ndef exp(x, _semantic=None):\n"
@@ -304,7 +304,7 @@ import toyspec
 tritonspec.register_spec("toy", toyspec)
 with tritonspec.use_backend("toy"):
     k = compile_exp()
-print("RESULT " + json.dumps({{"ttir": k.asm["ttir"], "fingerprint": tritonspec.REGISTRY.get("toy").fingerprint}}))
+print("RESULT " + json.dumps({{"ttir": k.asm["ttir"], "fingerprint": tritonspec.PROVIDERS.get("toy").fingerprint}}))
 """
 
 
@@ -326,7 +326,7 @@ def test_a_spec_function_in_a_helper_file_is_part_of_the_fingerprint(tmp_path):
 def test_the_fingerprint_follows_helpers_closures_and_defaults():
     import threading
     import types
-    from tritonspec import fingerprint
+    from tritonspec.specialization import fingerprint
 
     def spec_with(**exposed):
         module = types.ModuleType("fp_spec")
@@ -354,7 +354,7 @@ import triton, tritonspec
 sys.path.insert(0, {testdir!r})
 from test_spec_providers import compile_exp
 k = compile_exp()
-print("RESULT " + json.dumps({{"spec": tritonspec.REGISTRY.get("nvidia").module.__name__,
+print("RESULT " + json.dumps({{"spec": tritonspec.PROVIDERS.get("nvidia").module.__name__,
                               "heavy": sorted(m for m in ("torch", "tritonspec.ops", "numpy") if m in sys.modules)}}))
 """
 
@@ -426,7 +426,7 @@ def test_a_broken_provider_does_not_take_the_others_down(tmp_path):
     fake_distribution(site, "broken", {"tritonspec.specs": {"brokengpu": "brokenmod"}},
                       {"brokenmod": "raise ImportError('no SDK here')\n"})
     code = ZERO_COST.format(testdir=os.path.dirname(__file__)).replace(
-        'print("RESULT "', 'import tritonspec\ntry:\n    tritonspec.REGISTRY.get("brokengpu")\n'
+        'print("RESULT "', 'import tritonspec\ntry:\n    tritonspec.PROVIDERS.get("brokengpu")\n'
         'except ImportError as e:\n    print("NAMED", e)\nprint("RESULT "')
     proc = run_python(["-c", code], {"PYTHONPATH": str(site), "TRITON_INTERPRET": "0",
                                      "TRITON_CACHE_DIR": str(tmp_path / "cache")})

@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 import tritonspec
-from tritonspec import SpecContractError, SpecError, resolve
+from tritonspec import SpecContractError, SpecError
+from tritonspec.specialization import resolve
 from tritonspec.kernel_table import RMSNormForward
 
 
@@ -153,8 +154,8 @@ def test_process_default_applies_to_every_thread_below_use_backend(registry):
 
 
 def test_the_environment_sets_the_process_default():
-    code = "import tritonspec; print(tritonspec.default_backend(), tritonspec.resolve.explicit_backend())"
-    env = dict(os.environ, TRITONSPEC_BACKEND="iluvatar")
+    code = "import tritonspec; print(tritonspec.default_backend(), tritonspec.specialization.resolve.explicit_backend())"
+    env = dict(os.environ, TRITONSPEC_DEFAULT_BACKEND="iluvatar")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.stdout.split() == ["iluvatar", "iluvatar"], proc.stderr[-2000:]
 
@@ -285,8 +286,9 @@ def test_no_backend_is_spelled_in_the_core():
     # "cpu" is also torch's device type for the interpreter, which the core may name.
     vendors = [p.parents[2].name for p in (root / "third_party").glob("*/backend/spec/__init__.py")
                if p.parents[2].name != "cpu"]
-    for path in ("python/tritonspec/resolve.py", "python/tritonspec/check.py", "python/tritonspec/launch.py",
-                 "python/tritonspec/registry.py", "setup.py"):
+    for path in ("python/tritonspec/specialization/resolve.py", "python/tritonspec/specialization/check.py",
+                 "python/tritonspec/launch.py",
+                 "python/tritonspec/specialization/providers.py", "setup.py"):
         source = (root / path).read_text()
         for name in vendors + ["npu", "Ascend910B3", "gfx942"]:
             assert f'"{name}"' not in source and f"'{name}'" not in source, (path, name)

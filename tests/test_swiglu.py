@@ -4,7 +4,7 @@ from helpers import leaf, model_config
 import torch
 
 from tritonspec.ops import _library, swiglu
-from tritonspec.ops._testing import assert_close, poisoned_allocations
+from numerics import assert_close, poisoned_allocations
 from tritonspec.ops.swiglu import SWIGLU, swiglu_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -94,7 +94,7 @@ def test_opcheck(device):
 
 def test_layer_is_a_drop_in_for_llama_mlp(device):
     modeling = pytest.importorskip("transformers.models.llama.modeling_llama")
-    from tritonspec.nn.layers import SwiGLUMLP
+    from tritonspec.nn.modules import SwiGLUMLP
     cfg = model_config("llama", hidden_size=32, intermediate_size=72, hidden_act="silu")
     hf = modeling.LlamaMLP(cfg).to(device)
     ours = SwiGLUMLP(32, 72).to(device)

@@ -8,7 +8,7 @@ The venv is made by this test's Python without pip and sees the test's own site-
 triton, pip, setuptools, the editable tritonspec) through a ``.pth`` file, so nothing is
 downloaded or reinstalled. The plugin is built from a copy in tmp_path, so the source tree gets no
 build/ or *.egg-info. Every check runs in a subprocess of the new venv's Python: Triton discovers
-backends once per process, and TRITON_INTERPRET / TRITONSPEC_BACKENDS must be set before import.
+backends once per process, and TRITON_INTERPRET / TRITONSPEC_ALLOWED_BACKENDS must be set before import.
 """
 import importlib.util
 import os
@@ -55,7 +55,7 @@ import triton.language as tl
 import kernels
 import toyvendor
 import tritonspec
-from tritonspec import REGISTRY
+from tritonspec import PROVIDERS
 
 repo, venv = Path(sys.argv[1]), Path(sys.argv[2])
 # The new venv sees the outer one: the editable tritonspec, the plugin from the new venv only.
@@ -63,7 +63,7 @@ assert Path(tritonspec.__file__).resolve().is_relative_to(repo / "python"), trit
 assert Path(toyvendor.__file__).resolve().is_relative_to(venv.resolve()), toyvendor.__file__
 assert Path(sys.prefix).resolve() == venv.resolve(), sys.prefix
 
-provider = REGISTRY.get("toyvendor")
+provider = PROVIDERS.get("toyvendor")
 assert provider is not None and provider.distribution == "tritonspec-toyvendor", provider
 assert provider.source == "entry point of tritonspec-toyvendor" and provider.info.runs == "emulated"
 assert provider.hooks == ["atomic_disable_bf16", "kernel_config"], provider.hooks
@@ -116,7 +116,7 @@ assert err is None or ("is not supported by backend" not in err and "toyvendor" 
 print("interpreted checks passed")
 '''
 
-# (c) then (d), compiled offline (no TRITON_INTERPRET); starts with TRITONSPEC_BACKENDS=nvidia,cpu.
+# (c) then (d), compiled offline (no TRITON_INTERPRET); starts with TRITONSPEC_ALLOWED_BACKENDS=nvidia,cpu.
 COMPILED = '''
 import os
 import sys
@@ -130,8 +130,8 @@ from triton.runtime.jit import JITFunction
 
 import kernels
 import tritonspec
-from tritonspec import REGISTRY, SpecError
-from tritonspec.resolve import explicit_backend
+from tritonspec import PROVIDERS, SpecError
+from tritonspec.specialization.resolve import explicit_backend
 
 TOY, CUDA = GPUTarget("toyvendor", 90, 32), GPUTarget("cuda", 90, 32)
 CLAMP = (kernels.clamp01, {"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 256})
@@ -166,10 +166,10 @@ def not_selectable():
 
 def allow(value):
     if value is None:
-        os.environ.pop("TRITONSPEC_BACKENDS", None)
+        os.environ.pop("TRITONSPEC_ALLOWED_BACKENDS", None)
     else:
-        os.environ["TRITONSPEC_BACKENDS"] = value
-    REGISTRY.refresh()
+        os.environ["TRITONSPEC_ALLOWED_BACKENDS"] = value
+    PROVIDERS.refresh()
 
 
 # The Triton backend: found by discovery, its driver inactive unless selected.
@@ -177,22 +177,22 @@ assert backends["toyvendor"].compiler.__name__ == "ToyVendorBackend", backends["
 assert backends["toyvendor"].driver.__name__ == "ToyVendorDriver", backends["toyvendor"]
 assert not backends["toyvendor"].driver.is_active()
 assert make_backend(TOY).hash().startswith("toyvendor-")
-assert [c.distribution for c in REGISTRY.entry_points()["toyvendor"]] == ["tritonspec-toyvendor"]
+assert [c.distribution for c in PROVIDERS.entry_points()["toyvendor"]] == ["tritonspec-toyvendor"]
 
 # (c) not in the allow-list: the spec module is never imported, whatever resolves or compiles.
-assert os.environ["TRITONSPEC_BACKENDS"] == "nvidia,cpu"
+assert os.environ["TRITONSPEC_ALLOWED_BACKENDS"] == "nvidia,cpu"
 assert "toyvendor.spec" not in sys.modules
 compile(ATOMIC, TOY)  # the toyvendor target compiles stock: no bf16 policy
 assert "has no attribute 'toy_clamp01'" in error(CLAMP, TOY)
-assert tritonspec.current_backend("toyvendor") == "toyvendor" and REGISTRY.get("toyvendor") is None
+assert tritonspec.current_backend("toyvendor") == "toyvendor" and PROVIDERS.get("toyvendor") is None
 assert "backend 'toyvendor' (entry point of tritonspec-toyvendor==0.1.0) is not allowed by " \
-    "TRITONSPEC_BACKENDS='nvidia,cpu'" in not_selectable(), not_selectable()
-REGISTRY.providers()
+    "TRITONSPEC_ALLOWED_BACKENDS='nvidia,cpu'" in not_selectable(), not_selectable()
+PROVIDERS.providers()
 allow("toyvendor=another-vendor,nvidia,cpu")  # pinned to another distribution: still not allowed
-assert REGISTRY.get("toyvendor") is None and not_selectable()
+assert PROVIDERS.get("toyvendor") is None and not_selectable()
 assert "toyvendor.spec" not in sys.modules
 allow("toyvendor=tritonspec-toyvendor,nvidia,cpu")  # pinned to this one: allowed
-provider = REGISTRY.get("toyvendor")
+provider = PROVIDERS.get("toyvendor")
 assert provider is not None and provider.distribution == "tritonspec-toyvendor", provider
 with tritonspec.use_backend("toyvendor"):
     assert tritonspec.value("atomic_disable_bf16") is True
@@ -291,25 +291,21 @@ def plugin_venv(tmp_path_factory):
     assert not leftovers, f"installing wrote into the source tree: {leftovers}"
 
 
-def _section(stdout: str, title: str) -> list[list[str]]:
-    """The rows of one of ``tritonspec check``'s tables, split into columns (2+ spaces apart)."""
-    import re
-    lines = stdout.split("\n" + title + "\n", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
-    return [re.split(r"\s{2,}", line.strip()) for line in lines]
-
-
 def test_check_lists_and_compiles_the_plugin(plugin_venv):
     """(a) ``tritonspec check`` in the new venv: the provider, its hooks, its samples for toyvendor:90:32."""
     python, root = plugin_venv
-    out = _run([python, "-m", "tritonspec.cli", "check"], _env(False), cwd=root).stdout
+    out = _run([python, "-m", "tritonspec.cli", "check", "--verbose"], _env(False), cwd=root).stdout
+    from tritonspec.specialization.check import parse_tables
+    tables = parse_tables(out)
     assert "all checks passed" in out, out
-    providers = {row[0]: row for row in _section(out, "Spec providers")}
+    providers = {row[0]: row for row in tables["Spec providers"]}
     assert providers["toyvendor"][1:3] == ["emulated", f"entry point of {DIST}"], providers["toyvendor"]
-    assert "core_ext_spec_func_list[toy_clamp01]" in providers["toyvendor"][3], providers["toyvendor"]
-    hooks = {row[0]: row for row in _section(out, "Hook points")}
+    functions = {(row[0], row[1]): row[2] for row in tables["Spec functions"]}
+    assert functions[("toyvendor", "core_ext_spec_func_list")] == "toy_clamp01", functions
+    hooks = {row[0]: row for row in tables["Hook points"]}
     for hook in ("atomic_disable_bf16", "kernel_config"):
         assert "toyvendor" in hooks[hook][-1], hooks[hook]
-    samples = [row for row in _section(out, "Sample kernels") if row[0] == "toyvendor"]
+    samples = [row for row in tables["Sample kernels"] if row[0] == "toyvendor"]
     assert samples and all(row[1] == "toyvendor:90:32" and row[3].startswith("ok (") for row in samples), samples
     assert all("ptx" in row[3] and "cubin" in row[3] for row in samples), samples
 
@@ -324,7 +320,7 @@ def test_interpreted_under_selection(plugin_venv):
 def test_allow_list_and_offline_compile(plugin_venv):
     """(c) an allow-list without toyvendor never imports its spec; (d) compiles for its target use it."""
     python, root = plugin_venv
-    out = _run([python, "compiled.py"], _env(False, TRITONSPEC_BACKENDS="nvidia,cpu"), cwd=root).stdout
+    out = _run([python, "compiled.py"], _env(False, TRITONSPEC_ALLOWED_BACKENDS="nvidia,cpu"), cwd=root).stdout
     assert "compiled checks passed" in out
 
 
@@ -342,11 +338,11 @@ def test_disabled_layer_is_not_imported(plugin_venv):
 PINNED = """
 import json, os, sys
 import tritonspec
-from tritonspec import REGISTRY
+from tritonspec import PROVIDERS
 out = {"tritonspec": tritonspec.__file__}
 for backend in sys.argv[1:]:
     try:
-        provider = REGISTRY.get(backend)
+        provider = PROVIDERS.get(backend)
         out[backend] = {"file": provider.module.__file__, "distribution": provider.distribution,
                         "cacheable": provider.digest.cacheable}
     except tritonspec.SpecError as e:
@@ -386,7 +382,7 @@ __all__ = ["math_ext_base_func_list"]
 
 def _pinned(python: Path, root: Path, allow: str, *backends) -> dict:
     import json
-    proc = _run([python, "pinned.py", *backends], _env(False, TRITONSPEC_BACKENDS=allow), cwd=root)
+    proc = _run([python, "pinned.py", *backends], _env(False, TRITONSPEC_ALLOWED_BACKENDS=allow), cwd=root)
     return json.loads([line for line in proc.stdout.splitlines() if line.startswith("PINNED ")][-1][7:])
 
 
@@ -397,6 +393,7 @@ def test_a_wheel_install_of_tritonspec_passes_its_own_pin(tmp_path_factory):
     for part in ("python", "third_party"):
         shutil.copytree(REPO / part, src / part, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     shutil.copy(REPO / "setup.py", src / "setup.py")
+    shutil.copy(REPO / "README.md", src / "README.md")  # the long description
     python, site_dir = _fresh_venv(root)
     _pip_install(python, src, root)
     (root / "pinned.py").write_text(PINNED)
@@ -425,6 +422,6 @@ def test_a_wheel_calling_itself_tritonspec_is_refused_under_the_pin(tmp_path_fac
     assert "backend 'cpu' has 2 spec providers: tritonspec==9.9 (evilmod) and tritonspec==0.1.0" in \
         out["cpu"]["refused"], out
     assert out["toyx"]["refused"].startswith("backend 'toyx': refusing the provider evilmod of tritonspec==9.9 pinned "
-                                             "by TRITONSPEC_BACKENDS: 2 different installed distributions are named "
+                                             "by TRITONSPEC_ALLOWED_BACKENDS: 2 different installed distributions are named "
                                              "'tritonspec'"), out
     assert not out["evil imported"], out

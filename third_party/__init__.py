@@ -2,21 +2,28 @@
 
 Triton's backend discovery imports the Triton backends declared here (iluvatar, ascend) through
 its ``triton.backends`` entry points, and those imports activate tritonspec. With
-``TRITONSPEC_DISABLE`` true (``1``, ``true``, ``yes``, ``on``, ``y``, any case: what Triton's boolean knobs
-take) the layer must leave Triton exactly stock, yet discovery imports these
-packages anyway: ``leave_triton_stock`` then takes them back out as soon as discovery is over
+``TRITONSPEC_DISABLE`` true (``tritonspec.settings``) the layer must leave Triton exactly stock, yet
+discovery imports these packages anyway: ``leave_triton_stock`` then takes them back out as soon as discovery is over
 (their entries in ``triton.backends.backends``, those of out-of-tree vendors of this layer too, and
-every ``tritonspec*`` module).
+the ``tritonspec*`` modules discovery imported).
 """
 import os
 import sys
 
-# Read as triton.knobs.env_bool reads Triton's switches; tritonspec._disabled() applies the same rule.
+# The one reading of a setting outside tritonspec.settings: whether to import tritonspec at all is
+# decided before importing it (an out-of-tree vendor's backend must load with no tritonspec module).
+# Same rule as settings.DISABLE (tests/test_spec_providers.py checks the two agree on every spelling).
 DISABLED = os.environ.get("TRITONSPEC_DISABLE", "").lower() in ("1", "true", "yes", "on", "y")
 
 
 class _AfterDiscovery:
-    """A meta-path finder that acts on the first import after ``triton.backends`` has finished."""
+    """A meta-path finder that acts on the first import after ``triton.backends`` has finished.
+
+    The tritonspec modules a user imported before Triton (``tritonspec check`` does, with the layer
+    disabled) stay: only what discovery brought in goes."""
+
+    def __init__(self):
+        self.kept = {m for m in sys.modules if m.split(".")[0] == "tritonspec"}
 
     def find_spec(self, fullname, path=None, target=None):
         backends = sys.modules.get("triton.backends")
@@ -29,7 +36,7 @@ class _AfterDiscovery:
         for name, backend in list(backends.backends.items()):
             if backend.compiler.__module__.split(".")[0] in vendors:
                 del backends.backends[name]
-        for name in [m for m in sys.modules if m.split(".")[0] in ("tritonspec", __name__)]:
+        for name in [m for m in sys.modules if m.split(".")[0] in ("tritonspec", __name__) and m not in self.kept]:
             del sys.modules[name]
         return None
 

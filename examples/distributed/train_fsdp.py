@@ -1,11 +1,14 @@
 """Train a kernelized Hugging Face model with FSDP2, optionally with expert parallelism, under torchrun.
 
-    torchrun --nproc_per_node=2 examples/distributed/train_fsdp.py --model qwen3-moe --ep 2
-    torchrun --nproc_per_node=2 examples/distributed/train_fsdp.py --model llama --device cpu   # gloo
+    python -m torch.distributed.run --nproc_per_node=2 examples/distributed/train_fsdp.py --model qwen3-moe --ep 2
+    python -m torch.distributed.run --nproc_per_node=2 examples/distributed/train_fsdp.py --model llama --device cpu
 
-The model is a small one with random weights built from its config (nothing is downloaded); swap in
-``from_pretrained`` for a real one. Ranks form a (dp, ep) DeviceMesh: the experts are split over ``ep``, every
-other parameter is sharded by FSDP2 over all ranks, and each rank trains on its own batches.
+(``python -m torch.distributed.run`` is ``torchrun``, which is on PATH only in an activated venv.) The model is a
+small one with random weights built from its config (nothing is downloaded); swap in ``from_pretrained`` for a
+real one. On CPU (gloo, Triton's interpreter) it is shrunk further unless you ask for no more than the
+interpreter handles quickly. Ranks form a (dp, ep) DeviceMesh: the experts are split over ``ep``, every other
+parameter is sharded by FSDP2 over all ranks, and each rank trains on its own batches. Rank 0 prints the mesh,
+what was kernelized and the loss of each step.
 """
 import argparse
 import os
@@ -37,9 +40,11 @@ def main():
     args = parse()
     import torch
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    shrunk = device == "cpu" and args.seq * args.batch * args.hidden > 4096
     if device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU through its interpreter
-        if args.seq * args.batch * args.hidden > 4096:
+        # Triton kernels run on CPU through its interpreter, chosen before triton is first imported (below)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        if shrunk:
             args.seq, args.batch, args.hidden = 8, 2, 32  # keep the interpreter quick
     import torch.distributed as dist
     import transformers
@@ -78,6 +83,8 @@ def main():
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
     fully_shard_model(model, mesh, mp_policy=mp_policy)
+    if rank == 0:
+        _describe(args, device, shrunk, mesh, tnn.report(model))
     step_fn = torch.compile(model) if args.compile else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
@@ -94,6 +101,17 @@ def main():
         if rank == 0:
             print(f"step {step}: loss {loss.item() / world:.4f} ({time.perf_counter() - start:.2f} s)", flush=True)
     dist.destroy_process_group()
+
+
+def _describe(args, device, shrunk, mesh, report):
+    """Rank 0: the run's shape, its mesh and what tritonspec replaced (counted by kernel)."""
+    size = f"hidden {args.hidden}, {args.layers} layers, batch {args.batch} x seq {args.seq} per rank"
+    print(f"{args.model} on {device}: {size}" + (" (shrunk for the CPU interpreter)" if shrunk else ""))
+    print(f"mesh: {mesh}")
+    how = args.front_end + (", expert_parallel" if args.ep > 1 else "")
+    print(f"tritonspec.nn.report(model) ({how}): {len(report)} changes")
+    for kernel, n in sorted(report.counts().items()):
+        print(f"  {n:3d} x {kernel}")
 
 
 if __name__ == "__main__":

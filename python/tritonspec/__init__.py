@@ -4,19 +4,20 @@ Importing tritonspec (or any ``import triton`` once it is installed) installs th
 ``TRITONSPEC_DISABLE`` is set to what Triton's boolean knobs take for true (``1``, ``true``, ``yes``,
 ``on``, ``y``, any case). Nothing here creates a device driver.
 """
-from .hooks import HOOKS, Hook, Kind, SpecContractError, SpecError, get_hook
-from .identity import BackendInfo
+from . import deprecated, settings
+from .specialization.hooks import HOOKS, Hook, Kind, SpecContractError, SpecError, get_hook
+from .specialization.backend_info import BackendInfo
 from .kernel_table import LaunchConfig, LaunchConfigError
 from .launch import ConfigTable, launch_config
-from .registry import REGISTRY, register_spec
-from .resolve import (SpecHookError, backend_for_device, current_backend, default_backend, lookup,
+from .specialization.providers import PROVIDERS, register_spec
+from .specialization.resolve import (SpecHookError, backend_for_device, current_backend, default_backend, lookup,
                       set_default_backend, spec, spec_func, use_backend, value)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "HOOKS", "Hook", "Kind", "SpecContractError", "SpecError", "SpecHookError", "get_hook", "BackendInfo",
-    "LaunchConfig", "LaunchConfigError", "ConfigTable", "launch_config", "REGISTRY", "register_spec",
+    "LaunchConfig", "LaunchConfigError", "ConfigTable", "launch_config", "PROVIDERS", "register_spec",
     "backend_for_device", "current_backend", "default_backend", "lookup", "set_default_backend", "spec", "spec_func", "use_backend", "value",
     "activate", "deactivate",
 ]
@@ -24,29 +25,21 @@ __all__ = [
 
 def activate():
     """Install the hook points into the imported (or later imported) stock Triton; idempotent."""
-    from .install import activate as _activate
+    from .specialization.install import activate as _activate
     _activate()
 
 
 def deactivate():
     """Remove every hook point and injection, restoring Triton's original objects."""
-    from .install import deactivate as _deactivate
+    from .specialization.install import deactivate as _deactivate
     _deactivate()
 
 
-def _disabled() -> bool:
-    """``TRITONSPEC_DISABLE`` read as Triton reads its boolean knobs (``triton.knobs.env_bool``); the same
-    rule as ``tritonspec_backends.DISABLED``. A value that is neither true nor false is a warning, not a guess."""
-    import os
-    raw = os.environ.get("TRITONSPEC_DISABLE", "")
-    if raw.lower() in ("1", "true", "yes", "on", "y"):
-        return True
-    if raw.lower() not in ("", "0", "false", "no", "off", "n"):
-        import warnings
-        warnings.warn(f"TRITONSPEC_DISABLE={raw!r} is neither true (1, true, yes, on, y) nor false (0, false, no, off, "
-                      "n, empty): tritonspec stays enabled", RuntimeWarning, stacklevel=2)
-    return False
+def __getattr__(name):
+    from .deprecated import renamed_attribute
+    return renamed_attribute(__name__, name)
 
 
-if not _disabled():
+deprecated.install_module_aliases()
+if not settings.DISABLE.get():
     activate()

@@ -10,7 +10,7 @@ all read this table: adding a kernel is one entry here plus its own code.
 
 Registry kernel classes are generated from the entries, one per (kernel, device type), named
 ``<Device>Triton<Layer>Kernel`` after the entry's layer (``CudaTritonRMSNormKernel``, ...) and bound
-in :mod:`tritonspec.nn.triton_kernels` under that name.
+in :mod:`tritonspec.nn.registry_kernels` under that name.
 
 Nothing here imports torch: the table is read when Triton is imported (vendors' launch-config
 tables are checked against it), so objects that live in heavier modules are named by
@@ -23,7 +23,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
-from .hooks import SpecError, suggest
+from .specialization.hooks import SpecError, suggest
 
 # -- launch configs -------------------------------------------------------------------------------
 
@@ -309,7 +309,7 @@ def _load(ref):
 
 
 _HUB = "tritonspec.nn.hub.layers"
-_TARGETS = "tritonspec.nn.targets"
+_DETECTORS = "tritonspec.nn.detectors"
 
 KERNELS: dict[str, Kernel] = {}
 
@@ -373,20 +373,20 @@ def get(name: str) -> Kernel:
 
 declare(Kernel(
     "rmsnorm", "tritonspec.ops.rms_norm", ("rms_norm",), "module",
-    Layer("RMSNorm", f"{_HUB}:RMSNorm", detect=f"{_TARGETS}:is_rms_norm"),
+    Layer("RMSNorm", f"{_HUB}:RMSNorm", detect=f"{_DETECTORS}:is_rms_norm"),
     (RMSNormForward, RMSNormBackward)))
 # The residual add after attention fused into the post-attention RMSNorm of a decoder layer. Its Triton kernels
 # are rmsnorm's (the residual is a constexpr branch of them), so their launch configs are declared there.
 declare(Kernel(
     "add_rmsnorm", "tritonspec.ops.rms_norm", ("add_rms_norm",), "module",
-    Layer("DecoderLayer", f"{_HUB}:DecoderLayer", detect=f"{_TARGETS}:is_llama_decoder_layer")))
+    Layer("DecoderLayer", f"{_HUB}:DecoderLayer", detect=f"{_DETECTORS}:is_llama_decoder_layer")))
 declare(Kernel(
     "swiglu", "tritonspec.ops.swiglu", ("swiglu",), "module",
-    Layer("SwiGLUMLP", f"{_HUB}:SwiGLUMLP", detect=f"{_TARGETS}:is_swiglu_mlp"),
+    Layer("SwiGLUMLP", f"{_HUB}:SwiGLUMLP", detect=f"{_DETECTORS}:is_swiglu_mlp"),
     (SwiGLUForward, SwiGLUBackward)))
 declare(Kernel(
     "rope", "tritonspec.ops.rope", ("rope",), "function",
-    Layer("RotaryPosEmb", f"{_HUB}:RotaryPosEmb", tags=("rotary_pos_emb",), detect=f"{_TARGETS}:is_rotate_half_rope",
+    Layer("RotaryPosEmb", f"{_HUB}:RotaryPosEmb", tags=("rotary_pos_emb",), detect=f"{_DETECTORS}:is_rotate_half_rope",
           function="apply_rotary_pos_emb"),
     (RoPE,)))
 declare(Kernel(
@@ -394,17 +394,17 @@ declare(Kernel(
     (AttentionForward, AttentionBackwardKV, AttentionBackwardQ, AttentionPreprocess)))
 declare(Kernel(
     "linear_cross_entropy", "tritonspec.ops.linear_cross_entropy", ("linear_cross_entropy",), "module",
-    Layer("CausalLMLoss", f"{_HUB}:CausalLMLoss", detect=f"{_TARGETS}:is_causal_lm_head"),
+    Layer("CausalLMLoss", f"{_HUB}:CausalLMLoss", detect=f"{_DETECTORS}:is_causal_lm_head"),
     (LinearCrossEntropy,)))
 # The same fused head + loss behind the MoE causal LMs' forward signature (``output_router_logits``): a hub
 # layer mirrors one signature, so the MoE models get a layer of their own; the op and its config are above.
 declare(Kernel(
     "moe_linear_cross_entropy", "tritonspec.ops.linear_cross_entropy", (), "module",
-    Layer("MoeCausalLMLoss", f"{_HUB}:MoeCausalLMLoss", detect=f"{_TARGETS}:is_moe_causal_lm_head")))
+    Layer("MoeCausalLMLoss", f"{_HUB}:MoeCausalLMLoss", detect=f"{_DETECTORS}:is_moe_causal_lm_head")))
 declare(Kernel(
     "moe", "tritonspec.ops.moe", ("moe_experts",), "module",
-    Layer("MoEExperts", f"{_HUB}:MoEExperts", detect=f"{_TARGETS}:is_fused_experts"),
+    Layer("MoEExperts", f"{_HUB}:MoEExperts", detect=f"{_DETECTORS}:is_fused_experts"),
     (MoEUp, MoERows, MoEWeightGrad, MoECombine)))
 declare(Kernel(
     "moe_router", "tritonspec.ops.moe_routing", ("moe_route",), "module",
-    Layer("MoERouter", f"{_HUB}:MoERouter", detect=f"{_TARGETS}:is_topk_router")))
+    Layer("MoERouter", f"{_HUB}:MoERouter", detect=f"{_DETECTORS}:is_topk_router")))

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .hooks import suggest
+from .specialization.hooks import suggest
 from .kernel_table import LaunchConfig, LaunchConfigError, config_types
-from .registry import REGISTRY
-from .resolve import backend_for_device, lookup
+from .specialization.providers import PROVIDERS
+from .specialization.resolve import backend_for_device, lookup
 
 _cache: dict = {}
-REGISTRY.on_change(_cache.clear)
+PROVIDERS.on_change(_cache.clear)
 
 
 def _with_index(device):

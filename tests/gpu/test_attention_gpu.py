@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import tritonspec
 from tritonspec.ops.attention import attention, attention_ref
-from tritonspec_backends.nvidia.backend.spec import attention_sm90
+from tritonspec_backends.nvidia.backend.spec.attention_sm90 import backward as backward_sm90, forward as forward_sm90, launchers as launchers_sm90
 from tritonspec_backends.nvidia.backend.spec.configs import h100_attention_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -30,8 +30,8 @@ def _spec(fn, hopper=False):
 
     exports = {"kernel_config": kernel_config}
     if hopper:  # as the nvidia spec ships: Hopper's own forward and dK/dV kernels where they apply
-        exports.update(attention_forward=attention_sm90.attention_forward,
-                       attention_backward=attention_sm90.attention_backward)
+        exports.update(attention_forward=launchers_sm90.attention_forward,
+                       attention_backward=launchers_sm90.attention_backward)
     return make_spec("attention_gpu_test_spec", **exports)
 
 
@@ -194,24 +194,24 @@ def test_fp32_is_rejected_on_gpu():
 
 
 class _LaunchSpy:
-    """Counts the Hopper module's kernel launches (through its ``launch``) and passes them through.
+    """Counts the Hopper kernels' launches (through ``launchers.launch``) and passes them through.
     Starts with no launch plans, so a problem an earlier test ran launches through ``launch`` again."""
 
     def __init__(self, monkeypatch):
-        self.launch, self.counts = attention_sm90.launch, collections.Counter()
-        monkeypatch.setattr(attention_sm90, "launch", self)
-        attention_sm90._FWD_PLANS.clear()
-        attention_sm90._BWD_PLANS.clear()
+        self.launch, self.counts = launchers_sm90.launch, collections.Counter()
+        monkeypatch.setattr(launchers_sm90, "launch", self)
+        launchers_sm90._FWD_PLANS.clear()
+        launchers_sm90._BWD_PLANS.clear()
 
-    def __call__(self, kernel, *args, **kwargs):
+    def __call__(self, kernel, grid, **kwargs):
         self.counts[kernel] += 1
-        if kernel is attention_sm90._attn_fwd_ws_kernel:
-            self.fwd_warpgroups = args[2]["WGS"]  # (grid, arguments, constexprs and options)
-        return self.launch(kernel, *args, **kwargs)
+        if kernel is forward_sm90._attn_fwd_ws_kernel:
+            self.fwd_warpgroups = kwargs["WGS"]  # the kernel's arguments come by name
+        return self.launch(kernel, grid, **kwargs)
 
     def launches(self):
         """(forward, backward) launches so far."""
-        return self.counts[attention_sm90._attn_fwd_ws_kernel], self.counts[attention_sm90._attn_bwd_ws_kernel]
+        return self.counts[forward_sm90._attn_fwd_ws_kernel], self.counts[backward_sm90._attn_bwd_ws_kernel]
 
 
 def _assert_as_close_as_sdpa(ours, q, k, v, do, causal):
@@ -256,7 +256,7 @@ def test_hopper_forward_in_head_sections(monkeypatch):
     if not _is_sm90():
         pytest.skip("Hopper's own kernels run on sm90 only")
     spy = _LaunchSpy(monkeypatch)
-    monkeypatch.setattr(attention_sm90, "_l2_bytes", lambda device: 0)
+    monkeypatch.setattr(launchers_sm90, "_l2_bytes", lambda device: 0)
     g = torch.Generator(device="cuda").manual_seed(3)
     q, do = (torch.randn(2, 8, 3000, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(2, 2, 3000, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
@@ -282,7 +282,7 @@ def test_a_captured_forward_outlives_the_launch_plans():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = attention(q, k, v, causal=True)
-    attention_sm90._FWD_PLANS.clear()
+    launchers_sm90._FWD_PLANS.clear()
     with torch.cuda.stream(side):  # the warm-up's stream: its freed blocks go to calls on it
         junk = [torch.full((n, ), 2 ** 30, dtype=torch.int32, device="cuda") for n in range(64, 4096, 64)]
     torch.cuda.current_stream().wait_stream(side)

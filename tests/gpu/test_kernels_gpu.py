@@ -8,7 +8,7 @@ from helpers import leaf
 import torch
 
 from tritonspec.ops import _library, add_rms_norm, rms_norm, rope, swiglu
-from tritonspec.ops._testing import RTOL, assert_close, poisoned_allocations
+from numerics import RTOL, assert_close, poisoned_allocations
 from tritonspec.ops.rms_norm import MAX_FUSED_N, add_rms_norm_ref, rms_norm_ref
 from tritonspec.ops.rope import ROPE, rope_ref
 from tritonspec.ops.swiglu import SWIGLU, swiglu_ref
@@ -152,7 +152,8 @@ def test_opcheck_triton_ops():
     g, u = (leaf(torch.randn(64, 256, device=DEV)) for _ in range(2))
     torch.library.opcheck(SWIGLU.forward_op, (g, u))
     q, k = leaf(torch.randn(2, 4, 16, 64, device=DEV)), leaf(torch.randn(2, 2, 16, 64, device=DEV))
-    torch.library.opcheck(ROPE.forward_op, (q, k, torch.randn(2, 16, 64, device=DEV), torch.randn(2, 16, 64, device=DEV)))
+    cos, sin = torch.randn(2, 16, 64, device=DEV), torch.randn(2, 16, 64, device=DEV)
+    torch.library.opcheck(ROPE.forward_op, (q, k, cos, sin))
 
 
 def test_cpu_tensor_without_interpreter_is_rejected():

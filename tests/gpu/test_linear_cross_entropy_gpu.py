@@ -6,7 +6,7 @@ Run with TRITONSPEC_TEST_DEVICE=cuda; tests/test_linear_cross_entropy.py covers 
 import pytest
 import torch
 
-from tritonspec.ops._testing import poisoned_allocations
+from numerics import poisoned_allocations
 from tritonspec.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
 
 pytestmark = pytest.mark.gpu

@@ -27,7 +27,7 @@ if not os.access(_filecheck, os.X_OK):
 config.substitutions.append(("%python", sys.executable))
 config.substitutions.append(("FileCheck", _filecheck))
 
-for var in ("PATH", "HOME", "TMPDIR", "TRITONSPEC_BACKENDS", "TRITON_CACHE_DIR"):
+for var in ("PATH", "HOME", "TMPDIR", "TRITONSPEC_ALLOWED_BACKENDS", "TRITON_CACHE_DIR"):
     if var in os.environ:
         config.environment[var] = os.environ[var]
 config.environment["TRITON_DEFAULT_FP_FUSION"] = "1"

@@ -13,9 +13,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.language.extra import libdevice
 
-import tritonspec.install
+import tritonspec.specialization.install
 
-assert tritonspec.install.is_active() == (os.environ.get("TRITONSPEC_DISABLE") != "1")
+assert tritonspec.specialization.install.is_active() == (os.environ.get("TRITONSPEC_DISABLE") != "1")
 
 
 @triton.jit

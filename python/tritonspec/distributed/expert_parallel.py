@@ -153,7 +153,7 @@ def expert_parallel(model: nn.Module, mesh, mesh_dim: str | None = None) -> list
     Compose with FSDP2 through :func:`tritonspec.distributed.fully_shard_model`.
     """
     from ..nn import engine
-    from ..nn.targets import is_fused_experts
+    from ..nn.detectors import is_fused_experts
     ep_mesh = mesh if mesh_dim is None else mesh[mesh_dim]
     if ep_mesh.ndim != 1:
         raise ValueError(f"expert_parallel: name the expert dimension of the {ep_mesh.ndim}-D mesh "

@@ -5,21 +5,22 @@
 - YAML rules (KTransformers style): ``apply_rules(model, "rules.yaml")``.
 
 Whichever you use, ``report(model)`` lists what was replaced and ``revert(model)`` restores the
-original forwards. ``attn_implementation="tritonspec"`` selects the Triton attention once
-``register_attention()`` ran (the FLASH_ATTENTION registry kernel does it for you). MoE experts and routers are
-layers like the others (``MoEExperts``, ``MoERouter``: the MOE and MOE_ROUTER registry kernels); transformers'
-own switch, ``experts_implementation="tritonspec"`` after ``register_experts()``, runs the same experts.
+original forwards. transformers' own switches work once this package is imported:
+``attn_implementation="tritonspec"`` selects the Triton attention and ``experts_implementation="tritonspec"`` the
+Triton MoE experts. MoE experts and routers are also layers like the others (``MoEExperts``, ``MoERouter``: the
+MOE and MOE_ROUTER registry kernels).
 
-``RMSNorm`` and ``SwiGLUMLP`` (stateful modules, :mod:`tritonspec.nn.layers`) are loaded on first use. MoE models
-larger than the GPU: :func:`tritonspec.nn.offload.offload_experts` (experts in host memory or on disk, a GPU cache).
+``RMSNorm`` and ``SwiGLUMLP`` (stateful modules, :mod:`tritonspec.nn.modules`) are loaded on first use. MoE models
+larger than the GPU: :func:`offload_experts` (experts in host memory or on disk, a GPU cache; :mod:`.offload`).
 """
 from .attention import ATTENTION_NAME, register_attention, tritonspec_attention_forward, use_tritonspec_attention
 from .experts import EXPERTS_NAME, register_experts, tritonspec_experts_forward
 from .engine import Change, Report, report, revert
 from .kernelizer import (CUDAProperties, Device, Mode, ROCMProperties, kernelize, register_kernel_mapping,
                         replace_kernel_forward_from_hub, use_kernel_forward_from_hub, use_kernel_mapping)
-from .registry import (KERNEL_REGISTRY, AutoRegisterKernelMeta, DeviceType, KernelRegistry, KernelType, MetaKernel,
-                       apply_available_kernels, apply_kernel, discover_kernels)
+from .kernel_registry import (KERNEL_REGISTRY, AutoRegisterKernelMeta, DeviceType, KernelRegistry, KernelType,
+                              MetaKernel)
+from .registry_kernels import apply_available_kernels, apply_kernel, discover_kernels
 from .repository import HubUnavailableError, LayerRepository, LocalLayerRepository, TritonspecRepository
 from .rules import Rule, RuleError, apply_rules, load_rules, register_module_converter
 
@@ -39,11 +40,11 @@ __all__ = [
     "ATTENTION_NAME", "register_attention", "tritonspec_attention_forward", "use_tritonspec_attention",
     # experts
     "EXPERTS_NAME", "register_experts", "tritonspec_experts_forward",
-    # layers (tritonspec.nn.layers, loaded lazily)
-    "RMSNorm", "SwiGLUMLP",
+    # stateful modules (tritonspec.nn.modules) and offloaded experts (tritonspec.nn.offload), loaded on first use
+    "RMSNorm", "SwiGLUMLP", "offload_experts",
 ]
 
-_LAZY = {"RMSNorm": "layers", "SwiGLUMLP": "layers"}
+_LAZY = {"RMSNorm": "modules", "SwiGLUMLP": "modules", "offload_experts": "offload"}
 
 
 def __getattr__(name):
@@ -55,3 +56,20 @@ def __getattr__(name):
 
 def __dir__():
     return sorted(set(globals()) | set(_LAZY))
+
+
+def _register_with_transformers() -> None:
+    """``attn_implementation="tritonspec"`` and ``experts_implementation="tritonspec"`` work once tritonspec.nn
+    is imported. Without transformers (``pip install tritonspec[hf]``) there is nothing to register with; an
+    older transformers without an experts interface gets the attention only."""
+    try:
+        register_attention()
+    except ImportError:
+        return
+    try:
+        register_experts()
+    except ImportError:
+        pass
+
+
+_register_with_transformers()

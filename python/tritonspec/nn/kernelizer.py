@@ -29,7 +29,7 @@ from .. import kernel_table
 from ..devices import check_device_type, triton_device_types
 from . import engine
 from .repository import TritonspecRepository, validate_layer
-from .targets import function_sites, infer_layer_name, tagged_name
+from .detectors import function_sites, infer_layer_name, tagged_name
 
 logger = logging.getLogger("tritonspec.nn.kernelize")
 

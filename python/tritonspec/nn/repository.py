@@ -14,7 +14,6 @@ import hashlib
 import importlib.util
 import inspect
 import json
-import os
 import platform
 import re
 import sys
@@ -25,7 +24,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .. import kernel_table
+from .. import kernel_table, settings
 from ..devices import triton_runs
 
 _ALLOWED_MEMBERS = {"has_backward", "can_torch_compile"}
@@ -233,7 +232,7 @@ class LocalLayerRepository:
 
 
 def _local_overrides() -> dict[str, Path]:
-    raw = os.environ.get("TRITONSPEC_LOCAL_KERNELS", "")
+    raw = settings.LOCAL_KERNELS.get() or ""
     out = {}
     for item in filter(None, raw.split(":")):
         repo_id, sep, path = item.partition("=")

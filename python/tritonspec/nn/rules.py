@@ -57,10 +57,10 @@ import regex
 from torch import nn
 
 from .. import kernel_table
-from ..hooks import suggest
+from ..specialization.hooks import suggest
 from . import engine
 from .repository import validate_layer
-from .targets import infer_layer_name, tagged_name
+from .detectors import infer_layer_name, tagged_name
 
 try:  # re's parser, to read a pattern's structure before the regex package compiles (and expands) it
     from re import _parser as _re_parser  # Python 3.11+
@@ -523,7 +523,7 @@ def _said(error: BaseException) -> str:
 
 def _load_builtin_converters() -> None:
     try:
-        from . import layers as own
+        from . import modules as own
     except ImportError:
         return
     for cls_name, build in (("RMSNorm", _rms_norm_from), ("SwiGLUMLP", _swiglu_from)):

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from ._device import check_launchable
+from ..devices import check_launchable
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _DTYPE_NAMES = "float16, bfloat16 or float32"

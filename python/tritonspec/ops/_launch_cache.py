@@ -1,19 +1,24 @@
 """Eager launches that skip Triton's per-call binding once a kernel is compiled.
 
-``JITFunction.run`` binds every argument, computes its specialization and builds a cache key on
-each launch; for a memory-bound Llama-size op that host time is what the GPU waits on. Here the
-key is built from the same facts Triton specializes on, in one pass over the positional
-arguments: a tensor's dtype (and, for all tensors together, 16-byte alignment), an int's residue
-mod 16, whether it is 1, whether it needs 64 bits, a float's type, a host TMA descriptor's dtype,
-block shape and layout; plus the keyword arguments (constexprs and launch options), the device and
-the spec selection. Any other argument takes Triton's path. A hit calls the compiled kernel's launcher
-directly with the remembered trailing arguments (through ``CompiledKernel[grid]`` when a launch
-hook such as a profiler's is set); a miss, or any misaligned tensor, takes Triton's path.
+``JITFunction.run`` binds every argument, computes its specialization and builds a cache key on each
+launch; for a memory-bound Llama-size op that host time is what the GPU waits on. Here the key is built
+from the same facts Triton specializes on, in one pass over the positional arguments: a tensor's dtype
+(and, for all tensors together, 16-byte alignment), an int's residue mod 16, whether it is 1, whether it
+needs int64 or uint64, a float's type, a host TMA descriptor's dtype, block shape and layout; plus the
+keyword arguments (constexprs and launch options), the device and the spec selection. Any other argument
+takes Triton's path. A hit calls the compiled kernel's launcher directly with the remembered trailing
+arguments (through ``CompiledKernel[grid]`` when a launch hook such as a profiler's is set); a miss, or
+any misaligned tensor, takes Triton's path.
 
-Call sites pass runtime arguments positionally and constexprs/options by keyword, always in the
-same order (the keyword order is part of the key); a constexpr passed positionally, or a callable
-grid, takes Triton's path. ``LaunchPlan`` goes one step further for an op's hot path: it fixes
-every argument but the tensors and host TMA descriptors, so a repeated call builds no key at all.
+Call sites pass runtime arguments positionally or by name (named ones are put in parameter order first)
+and constexprs/options by keyword, always in the same order (the keyword order is part of the key); a
+constexpr passed positionally, a runtime argument left to its default while others are passed by name,
+or a callable grid, takes Triton's path. Triton settings changed after the first launch
+(``knobs.runtime.debug``, instrumentation) are not seen by cached launches: set them first, or
+``TRITONSPEC_CACHED_LAUNCH=0``. ``tests/test_launch_cache.py`` checks against each supported Triton
+release's own binder that a hit launches the binary Triton would have chosen. ``LaunchPlan`` goes one
+step further for an op's hot path: it fixes every argument but the tensors and host TMA descriptors, so
+a repeated call builds no key at all.
 """
 from __future__ import annotations
 
@@ -23,10 +28,11 @@ import torch
 from triton import knobs
 from triton.runtime import driver
 
-from ..resolve import selection_key
+from ..specialization.resolve import selection_key
 
 _Tensor = torch.Tensor
-_INT32_MAX = 2 ** 31 - 1
+_INT32_MAX, _INT32_MIN = 2 ** 31 - 1, -2 ** 31
+_INT64_MAX = 2 ** 63 - 1
 
 
 def _hooked(hook) -> bool:
@@ -44,6 +50,9 @@ class CachedLauncher:
         # Positional ints are keyed by what Triton specializes on, which is right for runtime
         # arguments only: a call passing a constexpr positionally takes Triton's path.
         self.n_runtime = next((i for i, p in enumerate(kernel.params) if p.is_constexpr), len(self.names))
+        self.runtime_names = tuple(self.names[:self.n_runtime])
+        # a runtime parameter after a constexpr one cannot be keyed positionally: Triton's path
+        self.cacheable = all(p.is_constexpr for p in kernel.params[self.n_runtime:])
         self.defaults = [p.default for p in inspect.signature(kernel.fn).parameters.values()]
         # key -> (CompiledKernel, the arguments after the positional ones in parameter order,
         #         its launcher, function handle, packed metadata, the driver's stream getter)
@@ -51,6 +60,20 @@ class CachedLauncher:
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
+
+    def _positional(self, args, kwargs):
+        """``(args, kwargs)`` with the runtime arguments passed by name moved into ``args``, in parameter
+        order; ``(None, None)`` when that cannot be done (one left to its default, or not cacheable)."""
+        n = len(args)
+        if not self.cacheable:
+            return None, None
+        if n >= self.n_runtime:
+            return args, kwargs
+        named = self.runtime_names[n:]
+        if not all(name in kwargs for name in named):
+            return None, None
+        kwargs = dict(kwargs)
+        return (*args, *map(kwargs.pop, named)), kwargs
 
     def _key(self, args, kwargs, device):
         """The cache key for a call, or None when it must take Triton's path."""
@@ -63,10 +86,10 @@ class CachedLauncher:
                 key.append(a.dtype)
                 addresses |= a.data_ptr()
             elif type(a) is int:
-                # Triton specializes on ==1 and %16==0 and widens past int32; this key is finer.
-                key.append(a if -16 < a < 16 else (a & 15, a > _INT32_MAX or a < -_INT32_MAX))
+                # Triton specializes on ==1 and %16==0 and widens past int32 (to u64 past int64); this key is finer.
+                key.append(a if -16 < a < 16 else (a & 15, a > _INT32_MAX or a < _INT32_MIN, a > _INT64_MAX))
             elif a is None or type(a) is bool:
-                key.append(a)
+                key.append((a,))  # not a itself: True == 1 and False == 0, but Triton types a bool u1
             elif type(a) is float:
                 key.append(float)
             else:
@@ -80,10 +103,14 @@ class CachedLauncher:
             return None
         return tuple(key)
 
-    def _launch(self, grid, args, kwargs):
+    def _launch(self, grid, call_args, call_kwargs):
         if callable(grid):
-            return self.kernel[grid](*args, **kwargs)
+            return self.kernel[grid](*call_args, **call_kwargs)
+        args, kwargs = call_args, call_kwargs
         device = torch.cuda.current_device()
+        args, kwargs = self._positional(args, kwargs) if kwargs else (args, kwargs)
+        if args is None:
+            return self.kernel[grid](*call_args, **call_kwargs)
         key = self._key(args, kwargs, device)
         hit = None if key is None else self.compiled.get(key)
         if hit is None:
@@ -107,6 +134,9 @@ class CachedLauncher:
         if callable(grid):
             return None
         device = torch.cuda.current_device()
+        args, kwargs = self._positional(args, kwargs) if kwargs else (args, kwargs)
+        if args is None:
+            return None
         key = self._key(args, kwargs, device)
         hit = None if key is None else self.compiled.get(key)
         if hit is None:

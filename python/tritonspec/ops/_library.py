@@ -15,14 +15,14 @@ An op declares its forward, its backward and their fake (meta) versions once; fr
 from __future__ import annotations
 
 import inspect
-import os
 from typing import Callable, Optional
 
 import torch
 
+from .. import settings
 from ..devices import interpreting
-from ..registry import REGISTRY
-from ..resolve import selected, selection
+from ..specialization.providers import PROVIDERS
+from ..specialization.resolve import selected, selection
 from ._launch_cache import CachedLauncher
 
 NAMESPACE = "tritonspec"
@@ -31,37 +31,40 @@ NAMESPACE = "tritonspec"
 USE_TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton") and not interpreting()
 
 # Eager CUDA launches reuse the compiled kernel without Triton's per-call binding (_launch_cache).
-USE_CACHED_LAUNCH = os.environ.get("TRITONSPEC_CACHED_LAUNCH", "1") == "1"
+USE_CACHED_LAUNCH = settings.CACHED_LAUNCH.get()
 _cached_launchers: dict = {}
 
 # Tests set this to run eager calls through the registered ops as torch.compile would.
 FORCE_LIBRARY_OP = False
 
 
-_SCHEMA_TYPES = {"Tensor": torch.Tensor, "Tensor?": Optional[torch.Tensor], "float": float, "bool": bool, "int": int,
-                 "str": str}
+def _schema_of(fn: Callable, what: str) -> inspect.Signature:
+    """``fn``'s annotated signature without its keyword-only parameters (``traced``, ``in_place``): the
+    op's schema, as torch.library infers it from a function (quack's ``torch_library_op`` does the same)."""
+    sig = inspect.signature(fn, eval_str=True)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    for p in params:
+        if p.annotation is inspect.Parameter.empty or p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            raise TypeError(f"{what}: parameter {p.name!r} needs a type annotation and must be positional")
+    if sig.return_annotation is inspect.Signature.empty:
+        raise TypeError(f"{what}: needs a return annotation (Tensor or tuple[Tensor, ...])")
+    return sig.replace(parameters=params)
 
 
-def _with_signature(fn: Callable, schema: str) -> Callable:
-    """``fn(*args)`` with the annotated signature ``schema`` describes: torch.library infers an op's
-    schema from its function (triton_op always does), so the schema is written once, as a string."""
-    args, returns = (part.strip() for part in schema.split("->"))
-    params = []
-    for arg in filter(None, (a.strip() for a in args.strip("()").split(","))):
-        kind, name = arg.split()
-        params.append(inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=_SCHEMA_TYPES[kind]))
-    if returns.startswith("("):
-        ret = tuple.__class_getitem__(tuple(_SCHEMA_TYPES[r.strip()] for r in returns.strip("()").split(",")))
-    else:
-        ret = _SCHEMA_TYPES[returns]
-    fn.__signature__ = inspect.Signature(params, return_annotation=ret)
-    return fn
+def _takes_same(fn: Callable, schema: inspect.Signature, what: str) -> None:
+    names = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    if names != list(schema.parameters):
+        raise TypeError(f"{what}: takes ({', '.join(names)}), expected ({', '.join(schema.parameters)})")
 
 
-def library_op(name: str, schema: str, impl: Callable, fake: Callable, *, opaque: bool = False):
-    """``tritonspec::<name>`` with ``schema``: a triton_op (compiled Triton) or an opaque custom_op."""
+def _optional(annotation) -> bool:
+    return annotation == Optional[torch.Tensor]
+
+
+def library_op(name: str, impl: Callable, fake: Callable, signature: inspect.Signature, *, opaque: bool = False):
+    """``tritonspec::<name>`` with ``signature``: a triton_op (compiled Triton) or an opaque custom_op."""
     qualname = f"{NAMESPACE}::{name}"
-    impl = _with_signature(impl, schema)
+    impl.__signature__ = signature
     if USE_TRITON_OP and not opaque:
         op = torch.library.triton_op(qualname, impl, mutates_args=())
     else:
@@ -70,58 +73,56 @@ def library_op(name: str, schema: str, impl: Callable, fake: Callable, *, opaque
     return op
 
 
+def _as_tuple(outputs) -> tuple:
+    return outputs if isinstance(outputs, tuple) else (outputs,)
+
+
 class Op:
     """One op, declared once: the eager autograd path and the torch.library ops are derived from it.
 
+    The schemas are the annotated signatures of ``forward`` and ``backward``, written once, in Python
+    (their keyword-only parameters are not part of them).
+
     Args:
         name: the ops are ``tritonspec::<name>_fwd`` and ``tritonspec::<name>_bwd``.
-        schema / backward_schema: torch.library schemas of the two (inputs; then grads, saved, statics).
-        forward: ``(*inputs, traced) -> outputs`` (a tuple of tensors: the visible ones first, then
-            what only the backward needs, e.g. RMSNorm's rstd).
-        fake, backward_fake: the same computations on fake tensors (shapes and dtypes only); forward
-            and fake return tuples even where the schema returns one Tensor.
-        save: ``(inputs, outputs) -> tensors`` the backward needs; ``saves`` says how many.
+        forward: ``(*inputs, *, traced) -> Tensor | tuple[Tensor, ...]``: the visible outputs first, then
+            what only the backward needs (e.g. RMSNorm's rstd). ``Optional[Tensor]`` marks an input that
+            may be None (it then gets no gradient).
+        fake: the same computation on fake tensors (shapes and dtypes only), taking forward's inputs.
+        save: ``(inputs, outputs) -> tensors`` the backward needs.
         statics: positions of the non-tensor inputs the backward needs too (e.g. causal, scale).
-        backward: ``(grads, saved, statics, *, in_place, traced) -> tensors``. A grad is None for an
-            unused output on the eager path; ``in_place`` is the caller's ``in_place_backward``.
+        backward: ``(*grads, *saved, *statics, *, in_place, traced) -> tuple[Tensor, ...]``, one grad per
+            visible output (None for an unused one on the eager path: annotate it ``Optional[Tensor]``);
+            ``in_place`` is the caller's ``in_place_backward``.
+        backward_fake: the same on fake tensors, taking backward's positional parameters.
         grads: for each input, the index of its gradient among the backward's tensors (None: none).
-            An optional tensor input (``Tensor?``) that is None gets None whatever the backward returns.
         visible: how many leading outputs the caller gets.
         opaque: a custom_op even where kernels are compiled (host TMA descriptors, which
             torch.library's Triton kernel tracing does not take).
     """
 
-    def __init__(self, name: str, *, schema: str, forward: Callable, fake: Callable, save: Callable, saves: int,
-                 backward_schema: str, backward: Callable, backward_fake: Callable, grads: tuple,
-                 statics: tuple = (), visible: int = 1, opaque: bool = False):
+    def __init__(self, name: str, *, forward: Callable, fake: Callable, save: Callable, backward: Callable,
+                 backward_fake: Callable, grads: tuple, statics: tuple = (), visible: int = 1, opaque: bool = False):
+        signature = _schema_of(forward, f"Op {name!r}: forward")
+        backward_signature = _schema_of(backward, f"Op {name!r}: backward")
+        _takes_same(fake, signature, f"Op {name!r}: fake")
+        _takes_same(backward_fake, backward_signature, f"Op {name!r}: backward_fake")
         n_grads, n_statics = visible, len(statics)
-        # A schema returning one Tensor (not a tuple) gets forward's single output.
-        single = not schema.split("->")[1].strip().startswith("(")
+        single = getattr(signature.return_annotation, "__origin__", None) is not tuple
         self.name, self.visible, self.single = name, visible, single
+        # Optional tensor inputs get no gradient when they are None.
+        optional = frozenset(i for i, p in enumerate(signature.parameters.values()) if _optional(p.annotation))
 
         def forward_impl(*inputs):
-            outputs = forward(*inputs, traced=True)
-            return outputs[0] if single else outputs
-
-        def fake_impl(*inputs):
-            outputs = fake(*inputs)
-            return outputs[0] if single else outputs
+            return forward(*inputs, traced=True)
 
         def backward_impl(*args):
-            return backward(args[:n_grads], args[n_grads:n_grads + saves], args[n_grads + saves:],
-                            in_place=False, traced=True)
+            return backward(*args, in_place=False, traced=True)
 
-        def backward_fake_impl(*args):
-            return backward_fake(args[:n_grads], args[n_grads:n_grads + saves], args[n_grads + saves:])
-
-        self.forward_op = library_op(f"{name}_fwd", schema, forward_impl, fake_impl, opaque=opaque)
-        self.backward_op = library_op(f"{name}_bwd", backward_schema, backward_impl, backward_fake_impl,
+        self.forward_op = library_op(f"{name}_fwd", forward_impl, fake, signature, opaque=opaque)
+        self.backward_op = library_op(f"{name}_bwd", backward_impl, backward_fake, backward_signature,
                                       opaque=opaque)
         backward_op = self.backward_op
-
-        # Optional tensor inputs (Tensor? in the schema) get no gradient when they are None.
-        optional = frozenset(i for i, arg in enumerate(schema.split("->")[0].strip("( )").split(","))
-                             if arg.strip().startswith("Tensor?"))
 
         def absent(inputs):
             return frozenset(p for p in optional if inputs[p] is None)
@@ -132,7 +133,7 @@ class Op:
         # The backward runs where autograd runs it (a device thread for CUDA tensors), under the spec
         # selection the forward saw.
         def setup_context(ctx, inputs, output):
-            ctx.save_for_backward(*save(inputs, (output,) if single else output))
+            ctx.save_for_backward(*save(inputs, _as_tuple(output)))
             ctx.statics = tuple(inputs[i] for i in statics)
             ctx.selection = selection()
             ctx.absent = absent(inputs)
@@ -145,7 +146,7 @@ class Op:
         self.forward_op.register_autograd(op_backward, setup_context=setup_context)
 
         def function_forward(ctx, in_place, *inputs):
-            outputs = forward(*inputs, traced=False)
+            outputs = _as_tuple(forward(*inputs, traced=False))
             ctx.save_for_backward(*save(inputs, outputs))
             ctx.statics = tuple(inputs[i] for i in statics) if n_statics else ()
             ctx.in_place = in_place
@@ -156,7 +157,8 @@ class Op:
 
         def function_backward(ctx, *output_grads):
             with selected(ctx.selection):
-                results = backward(output_grads, ctx.saved_tensors, ctx.statics, in_place=ctx.in_place, traced=False)
+                results = backward(*output_grads, *ctx.saved_tensors, *ctx.statics, in_place=ctx.in_place,
+                                   traced=False)
             return (None, *input_grads(ctx.absent, results))
 
         # Named after the op (RmsNormFunction, ...: autograd names its nodes RmsNormFunctionBackward).
@@ -196,7 +198,7 @@ class PlanCache(dict):
 
     def __init__(self):
         super().__init__()
-        REGISTRY.on_change(self.clear)
+        PROVIDERS.on_change(self.clear)
 
     def __setitem__(self, key, plan):
         if len(self) >= self.LIMIT and key not in self:
@@ -208,9 +210,13 @@ class PlanCache(dict):
         return super().get(key, default) if USE_CACHED_LAUNCH else default
 
 
-def launch(kernel, grid, args: tuple, kwargs: dict, *, traced: bool = False, plan: bool = False):
+def launch(kernel, grid, *args, traced: bool = False, plan: bool = False, **kwargs):
     """``launcher(kernel, traced)[grid](*args, **kwargs)``; with ``plan=True`` (eager calls) also
-    returns the LaunchPlan that relaunches this compiled call, or None where there is none."""
+    returns the LaunchPlan that relaunches this compiled call, or None where there is none.
+
+    Pass the kernel's arguments by name, grouped as its parameters are (pointers, sizes, strides,
+    meta-parameters), so each value reads against its parameter.
+    """
     runner = launcher(kernel, traced)
     runner[grid](*args, **kwargs)
     if plan and isinstance(runner, CachedLauncher):

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ..kernel_table import AttentionBackwardKV, AttentionBackwardQ, AttentionForward, AttentionPreprocess
 from ..launch import launch_config
-from ..resolve import backend_for_device, lookup
+from ..specialization.resolve import backend_for_device, lookup
 from ._checks import check_same_device, check_same_dtype, check_tensor
 from ._library import Op, cdiv, launch, next_pow2
 
@@ -51,8 +51,8 @@ MAX_HEAD_DIM = 256
 # tile loads/stores: one TMA descriptor path, one plain pointer path, chosen by a constexpr
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _tile_load(X, b, h, row0, sb, sh, ss, n_rows, BLOCK: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-               TMA: tl.constexpr, CHECK_ROWS: tl.constexpr):
+def _tile_load(X, b, h, row0, stride_b, stride_h, stride_s, n_rows, BLOCK: tl.constexpr, D: tl.constexpr,
+               DP: tl.constexpr, TMA: tl.constexpr, CHECK_ROWS: tl.constexpr):
     """A [BLOCK, DP] tile of rows row0.. of head (b, h); rows >= n_rows and columns >= D read as 0."""
     if TMA:
         # 4-D descriptor over (batch, heads, seq, head_dim): the hardware zero-fills out of bounds.
@@ -60,8 +60,8 @@ def _tile_load(X, b, h, row0, sb, sh, ss, n_rows, BLOCK: tl.constexpr, D: tl.con
     else:
         rows = row0 + tl.arange(0, BLOCK)
         cols = tl.arange(0, DP)
-        base = X + b.to(tl.int64) * sb + h.to(tl.int64) * sh
-        ptrs = base + rows.to(tl.int64)[:, None] * ss + cols[None, :]
+        base = X + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+        ptrs = base + rows.to(tl.int64)[:, None] * stride_s + cols[None, :]
         if CHECK_ROWS:
             if D == DP:
                 t = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
@@ -76,16 +76,16 @@ def _tile_load(X, b, h, row0, sb, sh, ss, n_rows, BLOCK: tl.constexpr, D: tl.con
 
 
 @triton.jit
-def _tile_store(X, val, b, h, row0, sb, sh, ss, n_rows, BLOCK: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                TMA: tl.constexpr):
+def _tile_store(X, val, b, h, row0, stride_b, stride_h, stride_s, n_rows, BLOCK: tl.constexpr, D: tl.constexpr,
+                DP: tl.constexpr, TMA: tl.constexpr):
     """Store a [BLOCK, DP] tile; rows >= n_rows and columns >= D are dropped."""
     if TMA:
         X.store([b, h, row0, 0], val.to(X.dtype).reshape([1, 1, BLOCK, DP]))
     else:
         rows = row0 + tl.arange(0, BLOCK)
         cols = tl.arange(0, DP)
-        base = X + b.to(tl.int64) * sb + h.to(tl.int64) * sh
-        ptrs = base + rows.to(tl.int64)[:, None] * ss + cols[None, :]
+        base = X + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+        ptrs = base + rows.to(tl.int64)[:, None] * stride_s + cols[None, :]
         tl.store(ptrs, val.to(X.dtype.element_ty), mask=(rows[:, None] < n_rows) & (cols[None, :] < D))
 
 
@@ -93,7 +93,8 @@ def _tile_store(X, val, b, h, row0, sb, sh, ss, n_rows, BLOCK: tl.constexpr, D: 
 # forward
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, K, V, b, hk, skb, skh, sks, svb, svh, svs, lo, hi, offs_m, SEQ_K, qk_scale,
+def _fwd_inner(acc, l_i, m_i, q, K, V, b, hk, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+               lo, hi, offs_m, SEQ_K, qk_scale,
                D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                MASKED: tl.constexpr, SCALE_POS: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
     """Online softmax over key blocks [lo, hi). MASKED blocks apply the causal / seq_k bounds mask;
@@ -101,7 +102,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, b, hk, skb, skh, sks, svb, svh, svs, lo, 
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = _tile_load(K, b, hk, start_n, skb, skh, sks, SEQ_K, BLOCK_N, D, DP, TMA, MASKED)
+        k = _tile_load(K, b, hk, start_n, stride_kb, stride_kh, stride_ks, SEQ_K, BLOCK_N, D, DP, TMA, MASKED)
         qk = tl.dot(q, tl.trans(k))
         if MASKED:
             cols = start_n + offs_n
@@ -123,7 +124,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, b, hk, skb, skh, sks, svb, svh, svs, lo, 
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = _tile_load(V, b, hk, start_n, svb, svh, svs, SEQ_K, BLOCK_N, D, DP, TMA, MASKED)
+        v = _tile_load(V, b, hk, start_n, stride_vb, stride_vh, stride_vs, SEQ_K, BLOCK_N, D, DP, TMA, MASKED)
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
     return acc, l_i, m_i
@@ -158,32 +159,90 @@ def _q_block(HQ, GROUP, SEQ_Q, SEQ_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, O, LSE,
-                     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
-                     HQ, GROUP, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale,
-                     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     CAUSAL: tl.constexpr, SCALE_POS: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+def _attn_fwd_kernel(
+    # Pointers (TMA descriptors where TMA): q, k, v, o (batch, heads, seq, head_dim); lse (batch, heads_q, SEQ_PAD)
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    # Sizes
+    HQ,  # q heads
+    GROUP,  # q heads per kv head
+    SEQ_Q,
+    SEQ_K,
+    SEQ_PAD,  # the per-row state's (lse, delta) row length: seq_q padded to a multiple of MAX_BLOCK_M
+    # Strides (batch, head, seq) of each 4-D tensor; head_dim is contiguous
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    # Scales
+    qk_scale,  # softmax scale * log2(e)
+    # Meta-parameters
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SCALE_POS: tl.constexpr,
+    TMA: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
+):
+    """One q block of one q head: O = softmax(Q K^T * scale) V over its key range, and its rows' lse."""
     b, h, hk, bh, start_m, offs_m, mid, hi = _q_block(HQ, GROUP, SEQ_Q, SEQ_K, BLOCK_M, BLOCK_N, CAUSAL)
-    q = _tile_load(Q, b, h, start_m, sqb, sqh, sqs, SEQ_Q, BLOCK_M, D, DP, TMA, True)
+    q = _tile_load(Q, b, h, start_m, stride_qb, stride_qh, stride_qs, SEQ_Q, BLOCK_M, D, DP, TMA, True)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DP], tl.float32)
     # Every row sees key 0, so the first block a row processes has a finite max: no NaN guard needed.
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, b, hk, skb, skh, sks, svb, svh, svs, 0, mid, offs_m, SEQ_K,
-                               qk_scale, D, DP, BLOCK_N, CAUSAL, False, SCALE_POS, TMA, WARP_SPEC)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, b, hk, skb, skh, sks, svb, svh, svs, mid, hi, offs_m, SEQ_K,
-                               qk_scale, D, DP, BLOCK_N, CAUSAL, True, SCALE_POS, TMA, False)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, b, hk, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+                               stride_vs, 0, mid, offs_m, SEQ_K, qk_scale, D, DP, BLOCK_N, CAUSAL, False, SCALE_POS,
+                               TMA, WARP_SPEC)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, b, hk, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+                               stride_vs, mid, hi, offs_m, SEQ_K, qk_scale, D, DP, BLOCK_N, CAUSAL, True, SCALE_POS,
+                               TMA, False)
     lse = m_i + tl.math.log2(l_i)  # base-2 logsumexp of qk * scale * log2(e)
     tl.store(LSE + bh.to(tl.int64) * SEQ_PAD + offs_m, lse, mask=offs_m < SEQ_Q)
-    _tile_store(O, acc / l_i[:, None], b, h, start_m, sob, soh, sos, SEQ_Q, BLOCK_M, D, DP, TMA)
+    _tile_store(O, acc / l_i[:, None], b, h, start_m, stride_ob, stride_oh, stride_os, SEQ_Q, BLOCK_M, D, DP, TMA)
 
 
 # ----------------------------------------------------------------------------------------------
 # backward
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_bwd_pre_kernel(O, DO, DELTA, DQA, sob, soh, sos, sdb, sdh, sds, HQ, SEQ_Q, SEQ_PAD,
-                         D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_DQA: tl.constexpr):
+def _attn_bwd_pre_kernel(
+    # Pointers: o, do (batch, heads, seq, head_dim); delta (batch, heads, SEQ_PAD); dqa, the fp32 dQ accumulator
+    # (batch, heads, seq, DP), zeroed here where ZERO_DQA (else unused)
+    O,
+    DO,
+    DELTA,
+    DQA,
+    # Sizes
+    HQ,
+    SEQ_Q,
+    SEQ_PAD,  # the per-row state's (lse, delta) row length: seq_q padded to a multiple of MAX_BLOCK_M
+    # Strides (batch, head, seq)
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_dob,
+    stride_doh,
+    stride_dos,
+    # Meta-parameters
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    ZERO_DQA: tl.constexpr,
+):
     """delta = rowsum(dO * O) in fp32; also zeroes the fp32 dQ accumulator when dQ uses atomics."""
     pid_m = tl.program_id(1)
     bh = tl.program_id(0)
@@ -191,8 +250,10 @@ def _attn_bwd_pre_kernel(O, DO, DELTA, DQA, sob, soh, sos, sdb, sdh, sds, HQ, SE
     h = bh % HQ
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    o = _tile_load(O, b, h, start_m, sob, soh, sos, SEQ_Q, BLOCK_M, D, DP, False, True).to(tl.float32)
-    do = _tile_load(DO, b, h, start_m, sdb, sdh, sds, SEQ_Q, BLOCK_M, D, DP, False, True).to(tl.float32)
+    o = _tile_load(O, b, h, start_m, stride_ob, stride_oh, stride_os, SEQ_Q, BLOCK_M, D, DP, False,
+                   True).to(tl.float32)
+    do = _tile_load(DO, b, h, start_m, stride_dob, stride_doh, stride_dos, SEQ_Q, BLOCK_M, D, DP, False,
+                    True).to(tl.float32)
     tl.store(DELTA + bh.to(tl.int64) * SEQ_PAD + offs_m, tl.sum(o * do, 1), mask=offs_m < SEQ_Q)
     if ZERO_DQA:
         row = bh.to(tl.int64) * SEQ_Q + offs_m
@@ -202,8 +263,8 @@ def _attn_bwd_pre_kernel(O, DO, DELTA, DQA, sob, soh, sos, sdb, sdh, sds, HQ, SE
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, b, h, bh, sqb, sqh, sqs, sdb, sdh, sds, lo, hi, offs_n,
-                SEQ_Q, SEQ_PAD, qk_scale, sm_scale,
+def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, b, h, bh, stride_qb, stride_qh, stride_qs, stride_dob,
+                stride_doh, stride_dos, lo, hi, offs_n, SEQ_Q, SEQ_PAD, qk_scale, sm_scale,
                 D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
                 TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr, DQ_TMA_REDUCE: tl.constexpr):
     """Accumulate dK, dV of one key block over the q blocks [lo, hi) of q head (b, h); CAUSAL masks
@@ -215,13 +276,13 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, b, h, bh, sqb, sqh, sqs, s
     for start_m in tl.range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _tile_load(Q, b, h, start_m, sqb, sqh, sqs, SEQ_Q, BLOCK_M, D, DP, TMA, True)
+        q = _tile_load(Q, b, h, start_m, stride_qb, stride_qh, stride_qs, SEQ_Q, BLOCK_M, D, DP, TMA, True)
         lse = tl.load(LSE + bh.to(tl.int64) * SEQ_PAD + offs_m)
         qkT = tl.dot(k, tl.trans(q))
         pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
         if CAUSAL:
             pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
-        do = _tile_load(DO, b, h, start_m, sdb, sdh, sds, SEQ_Q, BLOCK_M, D, DP, TMA, True)
+        do = _tile_load(DO, b, h, start_m, stride_dob, stride_doh, stride_dos, SEQ_Q, BLOCK_M, D, DP, TMA, True)
         dv = tl.dot(pT.to(do.dtype), do, dv)
         delta = tl.load(DELTA + bh.to(tl.int64) * SEQ_PAD + offs_m)
         dpT = tl.dot(v, tl.trans(do))
@@ -240,13 +301,58 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, b, h, bh, sqb, sqh, sqs, s
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DQA,
-                          sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds,
-                          skgb, skgh, skgs, svgb, svgh, svgs,
-                          HQ, HKV, GROUP, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, sm_scale,
-                          D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          CAUSAL: tl.constexpr, TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-                          DQ_TMA_REDUCE: tl.constexpr):
+def _attn_bwd_dkdv_kernel(
+    # Pointers (TMA descriptors where TMA): q, k, v, do, dk, dv (batch, heads, seq, head_dim); lse, delta
+    # (batch, heads_q, SEQ_PAD); dqa, the fp32 dQ accumulator (batch, heads_q, seq_q, DP), added into where
+    # DQ_ATOMIC (a descriptor where DQ_TMA_REDUCE)
+    Q,
+    K,
+    V,
+    DO,
+    DK,
+    DV,
+    LSE,
+    DELTA,
+    DQA,
+    # Sizes
+    HQ,  # q heads
+    HKV,  # kv heads
+    GROUP,  # q heads per kv head
+    SEQ_Q,
+    SEQ_K,
+    SEQ_PAD,  # the per-row state's (lse, delta) row length: seq_q padded to a multiple of MAX_BLOCK_M
+    # Strides (batch, head, seq) of each 4-D tensor; head_dim is contiguous
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_dob,
+    stride_doh,
+    stride_dos,
+    stride_dkb,
+    stride_dkh,
+    stride_dks,
+    stride_dvb,
+    stride_dvh,
+    stride_dvs,
+    # Scales
+    qk_scale,  # softmax scale * log2(e)
+    sm_scale,  # softmax scale
+    # Meta-parameters
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    TMA: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
+    DQ_TMA_REDUCE: tl.constexpr,
+):
     """One key block of one kv head; loops over the GROUP q heads that share it (GQA), so dK/dV are
     reduced in registers without atomics.
 
@@ -260,8 +366,8 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DQA,
     hk = bhk % HKV
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k = _tile_load(K, b, hk, start_n, skb, skh, sks, SEQ_K, BLOCK_N, D, DP, TMA, True)
-    v = _tile_load(V, b, hk, start_n, svb, svh, svs, SEQ_K, BLOCK_N, D, DP, TMA, True)
+    k = _tile_load(K, b, hk, start_n, stride_kb, stride_kh, stride_ks, SEQ_K, BLOCK_N, D, DP, TMA, True)
+    v = _tile_load(V, b, hk, start_n, stride_vb, stride_vh, stride_vs, SEQ_K, BLOCK_N, D, DP, TMA, True)
     dk = tl.zeros([BLOCK_N, DP], tl.float32)
     dv = tl.zeros([BLOCK_N, DP], tl.float32)
     # causal: rows < start_n see none of these keys
@@ -269,22 +375,24 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DQA,
     for g in range(GROUP):
         h = hk * GROUP + g
         bh = b * HQ + h
-        dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, b, h, bh, sqb, sqh, sqs, sdb, sdh, sds, lo,
-                             SEQ_Q, offs_n, SEQ_Q, SEQ_PAD, qk_scale, sm_scale, D, DP, BLOCK_M, CAUSAL, TMA,
-                             DQ_ATOMIC, DQ_TMA_REDUCE)
-    _tile_store(DK, dk * sm_scale, b, hk, start_n, skgb, skgh, skgs, SEQ_K, BLOCK_N, D, DP, TMA)
-    _tile_store(DV, dv, b, hk, start_n, svgb, svgh, svgs, SEQ_K, BLOCK_N, D, DP, TMA)
+        dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, b, h, bh, stride_qb, stride_qh, stride_qs,
+                             stride_dob, stride_doh, stride_dos, lo, SEQ_Q, offs_n, SEQ_Q, SEQ_PAD, qk_scale,
+                             sm_scale, D, DP, BLOCK_M, CAUSAL, TMA, DQ_ATOMIC, DQ_TMA_REDUCE)
+    _tile_store(DK, dk * sm_scale, b, hk, start_n, stride_dkb, stride_dkh, stride_dks, SEQ_K, BLOCK_N, D, DP, TMA)
+    _tile_store(DV, dv, b, hk, start_n, stride_dvb, stride_dvh, stride_dvs, SEQ_K, BLOCK_N, D, DP, TMA)
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse, delta, K, V, b, hk, skb, skh, sks, svb, svh, svs, lo, hi, offs_m, SEQ_K, qk_scale,
+def _dq_inner(dq, q, do, lse, delta, K, V, b, hk, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+              lo, hi, offs_m, SEQ_K, qk_scale,
               D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
               MASKED: tl.constexpr, TMA: tl.constexpr):
+    """Accumulate dQ of one q block over the key blocks [lo, hi); MASKED as in ``_fwd_inner``."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = _tile_load(K, b, hk, start_n, skb, skh, sks, SEQ_K, BLOCK_N, D, DP, TMA, MASKED)
-        v = _tile_load(V, b, hk, start_n, svb, svh, svs, SEQ_K, BLOCK_N, D, DP, TMA, MASKED)
+        k = _tile_load(K, b, hk, start_n, stride_kb, stride_kh, stride_ks, SEQ_K, BLOCK_N, D, DP, TMA, MASKED)
+        v = _tile_load(V, b, hk, start_n, stride_vb, stride_vh, stride_vs, SEQ_K, BLOCK_N, D, DP, TMA, MASKED)
         qk = tl.dot(q, tl.trans(k))
         p = tl.math.exp2(qk * qk_scale - lse[:, None])
         if MASKED:
@@ -300,27 +408,80 @@ def _dq_inner(dq, q, do, lse, delta, K, V, b, hk, skb, skh, sks, svb, svh, svs, 
 
 
 @triton.jit
-def _attn_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA,
-                        sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, sqgb, sqgh, sqgs,
-                        HQ, GROUP, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, sm_scale,
-                        D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        CAUSAL: tl.constexpr, TMA: tl.constexpr):
+def _attn_bwd_dq_kernel(
+    # Pointers (TMA descriptors where TMA): q, k, v, do, dq (batch, heads, seq, head_dim); lse, delta
+    # (batch, heads_q, SEQ_PAD)
+    Q,
+    K,
+    V,
+    DO,
+    DQ,
+    LSE,
+    DELTA,
+    # Sizes
+    HQ,  # q heads
+    GROUP,  # q heads per kv head
+    SEQ_Q,
+    SEQ_K,
+    SEQ_PAD,  # the per-row state's (lse, delta) row length: seq_q padded to a multiple of MAX_BLOCK_M
+    # Strides (batch, head, seq) of each 4-D tensor; head_dim is contiguous
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_dob,
+    stride_doh,
+    stride_dos,
+    stride_dqb,
+    stride_dqh,
+    stride_dqs,
+    # Scales
+    qk_scale,  # softmax scale * log2(e)
+    sm_scale,  # softmax scale
+    # Meta-parameters
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """One q block of one q head: dQ over its key range (the portable backward's second pass)."""
     b, h, hk, bh, start_m, offs_m, mid, hi = _q_block(HQ, GROUP, SEQ_Q, SEQ_K, BLOCK_M, BLOCK_N, CAUSAL)
-    q = _tile_load(Q, b, h, start_m, sqb, sqh, sqs, SEQ_Q, BLOCK_M, D, DP, TMA, True)
-    do = _tile_load(DO, b, h, start_m, sdb, sdh, sds, SEQ_Q, BLOCK_M, D, DP, TMA, True)
+    q = _tile_load(Q, b, h, start_m, stride_qb, stride_qh, stride_qs, SEQ_Q, BLOCK_M, D, DP, TMA, True)
+    do = _tile_load(DO, b, h, start_m, stride_dob, stride_doh, stride_dos, SEQ_Q, BLOCK_M, D, DP, TMA, True)
     lse = tl.load(LSE + bh.to(tl.int64) * SEQ_PAD + offs_m)
     delta = tl.load(DELTA + bh.to(tl.int64) * SEQ_PAD + offs_m)
     dq = tl.zeros([BLOCK_M, DP], tl.float32)
-    dq = _dq_inner(dq, q, do, lse, delta, K, V, b, hk, skb, skh, sks, svb, svh, svs, 0, mid, offs_m, SEQ_K, qk_scale,
-                   D, DP, BLOCK_N, CAUSAL, False, TMA)
-    dq = _dq_inner(dq, q, do, lse, delta, K, V, b, hk, skb, skh, sks, svb, svh, svs, mid, hi, offs_m, SEQ_K, qk_scale,
-                   D, DP, BLOCK_N, CAUSAL, True, TMA)
-    _tile_store(DQ, dq * sm_scale, b, h, start_m, sqgb, sqgh, sqgs, SEQ_Q, BLOCK_M, D, DP, TMA)
+    dq = _dq_inner(dq, q, do, lse, delta, K, V, b, hk, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+                   stride_vs, 0, mid, offs_m, SEQ_K, qk_scale, D, DP, BLOCK_N, CAUSAL, False, TMA)
+    dq = _dq_inner(dq, q, do, lse, delta, K, V, b, hk, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+                   stride_vs, mid, hi, offs_m, SEQ_K, qk_scale, D, DP, BLOCK_N, CAUSAL, True, TMA)
+    _tile_store(DQ, dq * sm_scale, b, h, start_m, stride_dqb, stride_dqh, stride_dqs, SEQ_Q, BLOCK_M, D, DP, TMA)
 
 
 @triton.jit
-def _attn_bwd_dq_convert_kernel(DQA, DQ, sqgb, sqgh, sqgs, HQ, SEQ_Q, D: tl.constexpr, DP: tl.constexpr,
-                                BLOCK_M: tl.constexpr):
+def _attn_bwd_dq_convert_kernel(
+    # Pointers: dqa, the fp32 dQ accumulator (batch, heads, seq, DP); dq (batch, heads, seq, head_dim)
+    DQA,
+    DQ,
+    # Sizes
+    HQ,
+    SEQ_Q,
+    # Strides (batch, head, seq) of dq
+    stride_dqb,
+    stride_dqh,
+    stride_dqs,
+    # Meta-parameters
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     """fp32 atomic dQ accumulator -> dQ in the input dtype."""
     pid_m = tl.program_id(1)
     bh = tl.program_id(0)
@@ -329,7 +490,7 @@ def _attn_bwd_dq_convert_kernel(DQA, DQ, sqgb, sqgh, sqgs, HQ, SEQ_Q, D: tl.cons
     cols = tl.arange(0, DP)
     row = bh.to(tl.int64) * SEQ_Q + offs_m
     acc = tl.load(DQA + row[:, None] * DP + cols[None, :], mask=offs_m[:, None] < SEQ_Q, other=0.0)
-    _tile_store(DQ, acc, bh // HQ, bh % HQ, start_m, sqgb, sqgh, sqgs, SEQ_Q, BLOCK_M, D, DP, False)
+    _tile_store(DQ, acc, bh // HQ, bh % HQ, start_m, stride_dqb, stride_dqh, stride_dqs, SEQ_Q, BLOCK_M, D, DP, False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -402,10 +563,6 @@ def _desc(t: torch.Tensor, rows: int, dp: int):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, dp])
 
 
-def _strides(t: torch.Tensor):
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
 # Per-row fp32 state (lse, delta) is stored with rows padded to a multiple of MAX_BLOCK_M (the largest
 # tile the kernel table's attention configs allow), so the backward reads whole tiles of it without
 # masks; padded rows hold the value that makes a row contribute nothing (lse = +inf: probability 0;
@@ -448,14 +605,25 @@ def attention_forward(q, k, v, causal: bool, scale: float):
     BM, BN = cfg.BLOCK_M, cfg.BLOCK_N
     tma = cfg.TMA and tma_ok(q, k, v, o)
     if tma:
-        Qa, Ka, Va, Oa = _desc(q, BM, DP), _desc(k, BN, DP), _desc(v, BN, DP), _desc(o, BM, DP)
+        q_arg, k_arg, v_arg, o_arg = _desc(q, BM, DP), _desc(k, BN, DP), _desc(v, BN, DP), _desc(o, BM, DP)
     else:
-        Qa, Ka, Va, Oa = q, k, v, o
-    launch(_attn_fwd_kernel, (B * HQ * cdiv(SQ, BM), ),
-           (Qa, Ka, Va, Oa, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-            HQ, HQ // HKV, SQ, SK, lse.shape[-1], scale * LOG2E),
-           dict(D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), SCALE_POS=scale > 0, TMA=tma,
-                WARP_SPEC=cfg.WARP_SPECIALIZE, **cfg.options))
+        q_arg, k_arg, v_arg, o_arg = q, k, v, o
+    launch(
+        _attn_fwd_kernel, (B * HQ * cdiv(SQ, BM), ),
+        # Pointers
+        Q=q_arg, K=k_arg, V=v_arg, O=o_arg, LSE=lse,
+        # Sizes
+        HQ=HQ, GROUP=HQ // HKV, SEQ_Q=SQ, SEQ_K=SK, SEQ_PAD=lse.shape[-1],
+        # Strides
+        stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qs=q.stride(2),
+        stride_kb=k.stride(0), stride_kh=k.stride(1), stride_ks=k.stride(2),
+        stride_vb=v.stride(0), stride_vh=v.stride(1), stride_vs=v.stride(2),
+        stride_ob=o.stride(0), stride_oh=o.stride(1), stride_os=o.stride(2),
+        # Scales
+        qk_scale=scale * LOG2E,
+        # Meta-parameters
+        D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), SCALE_POS=scale > 0, TMA=tma,
+        WARP_SPEC=cfg.WARP_SPECIALIZE, **cfg.options)
     return o, lse
 
 
@@ -482,13 +650,29 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     delta = _padded_rows(B, HQ, SQ, 0.0, q.device)
     dqa = torch.empty((B, HQ, SQ, DP), device=q.device, dtype=torch.float32) if accumulate else delta
     pre_bm = cfg_pre.BLOCK_M
-    launch(_attn_bwd_pre_kernel, (B * HQ, cdiv(SQ, pre_bm)),
-           (o, do, delta, dqa, *_strides(o), *_strides(do), HQ, SQ, lse.shape[-1]),
-           dict(D=D, DP=DP, BLOCK_M=pre_bm, ZERO_DQA=accumulate, **cfg_pre.options))
+    launch(
+        _attn_bwd_pre_kernel, (B * HQ, cdiv(SQ, pre_bm)),
+        # Pointers
+        O=o, DO=do, DELTA=delta, DQA=dqa,
+        # Sizes
+        HQ=HQ, SEQ_Q=SQ, SEQ_PAD=lse.shape[-1],
+        # Strides
+        stride_ob=o.stride(0), stride_oh=o.stride(1), stride_os=o.stride(2),
+        stride_dob=do.stride(0), stride_doh=do.stride(1), stride_dos=do.stride(2),
+        # Meta-parameters
+        D=D, DP=DP, BLOCK_M=pre_bm, ZERO_DQA=accumulate, **cfg_pre.options)
 
     def dq_from_accumulator():
-        launch(_attn_bwd_dq_convert_kernel, (B * HQ, cdiv(SQ, pre_bm)), (dqa, dq, *_strides(dq), HQ, SQ),
-               dict(D=D, DP=DP, BLOCK_M=pre_bm, **cfg_pre.options))
+        launch(
+            _attn_bwd_dq_convert_kernel, (B * HQ, cdiv(SQ, pre_bm)),
+            # Pointers
+            DQA=dqa, DQ=dq,
+            # Sizes
+            HQ=HQ, SEQ_Q=SQ,
+            # Strides
+            stride_dqb=dq.stride(0), stride_dqh=dq.stride(1), stride_dqs=dq.stride(2),
+            # Meta-parameters
+            D=D, DP=DP, BLOCK_M=pre_bm, **cfg_pre.options)
         return dq, dk, dv
 
     if own is not None and own(q, k, v, do, dqa, dk, dv, lse, delta, bool(causal), scale):
@@ -500,16 +684,29 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     tma = cfg_kv.TMA and tma_ok(q, k, v, do, dk, dv)
     tma_reduce = atomic and tma and cfg_kv.DQ_TMA_REDUCE
     if tma:
-        args = (_desc(q, BM, DP), _desc(k, BN, DP), _desc(v, BN, DP), _desc(do, BM, DP), _desc(dk, BN, DP),
-                _desc(dv, BN, DP))
+        q_arg, k_arg, v_arg, do_arg = _desc(q, BM, DP), _desc(k, BN, DP), _desc(v, BN, DP), _desc(do, BM, DP)
+        dk_arg, dv_arg = _desc(dk, BN, DP), _desc(dv, BN, DP)
     else:
-        args = (q, k, v, do, dk, dv)
-    dqa_arg = _desc(dqa, BM, DP) if tma_reduce else dqa
-    launch(_attn_bwd_dkdv_kernel, (B * HKV * cdiv(SK, BN), ),
-           (*args, lse, delta, dqa_arg, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
-            *_strides(dv), HQ, HKV, HQ // HKV, SQ, SK, lse.shape[-1], qk_scale, scale),
-           dict(D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), TMA=tma, DQ_ATOMIC=atomic,
-                DQ_TMA_REDUCE=tma_reduce, **cfg_kv.options))
+        q_arg, k_arg, v_arg, do_arg, dk_arg, dv_arg = q, k, v, do, dk, dv
+    launch(
+        _attn_bwd_dkdv_kernel, (B * HKV * cdiv(SK, BN), ),
+        # Pointers
+        Q=q_arg, K=k_arg, V=v_arg, DO=do_arg, DK=dk_arg, DV=dv_arg, LSE=lse, DELTA=delta,
+        DQA=_desc(dqa, BM, DP) if tma_reduce else dqa,
+        # Sizes
+        HQ=HQ, HKV=HKV, GROUP=HQ // HKV, SEQ_Q=SQ, SEQ_K=SK, SEQ_PAD=lse.shape[-1],
+        # Strides
+        stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qs=q.stride(2),
+        stride_kb=k.stride(0), stride_kh=k.stride(1), stride_ks=k.stride(2),
+        stride_vb=v.stride(0), stride_vh=v.stride(1), stride_vs=v.stride(2),
+        stride_dob=do.stride(0), stride_doh=do.stride(1), stride_dos=do.stride(2),
+        stride_dkb=dk.stride(0), stride_dkh=dk.stride(1), stride_dks=dk.stride(2),
+        stride_dvb=dv.stride(0), stride_dvh=dv.stride(1), stride_dvs=dv.stride(2),
+        # Scales
+        qk_scale=qk_scale, sm_scale=scale,
+        # Meta-parameters
+        D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), TMA=tma, DQ_ATOMIC=atomic,
+        DQ_TMA_REDUCE=tma_reduce, **cfg_kv.options)
 
     if atomic:
         return dq_from_accumulator()
@@ -518,34 +715,63 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     BM, BN = cfg_q.BLOCK_M, cfg_q.BLOCK_N
     tma = cfg_q.TMA and tma_ok(q, k, v, do, dq)
     if tma:
-        args = (_desc(q, BM, DP), _desc(k, BN, DP), _desc(v, BN, DP), _desc(do, BM, DP), _desc(dq, BM, DP))
+        q_arg, k_arg, v_arg, do_arg = _desc(q, BM, DP), _desc(k, BN, DP), _desc(v, BN, DP), _desc(do, BM, DP)
+        dq_arg = _desc(dq, BM, DP)
     else:
-        args = (q, k, v, do, dq)
-    launch(_attn_bwd_dq_kernel, (B * HQ * cdiv(SQ, BM), ),
-           (*args, lse, delta, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-            HQ, HQ // HKV, SQ, SK, lse.shape[-1], qk_scale, scale),
-           dict(D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), TMA=tma, **cfg_q.options))
+        q_arg, k_arg, v_arg, do_arg, dq_arg = q, k, v, do, dq
+    launch(
+        _attn_bwd_dq_kernel, (B * HQ * cdiv(SQ, BM), ),
+        # Pointers
+        Q=q_arg, K=k_arg, V=v_arg, DO=do_arg, DQ=dq_arg, LSE=lse, DELTA=delta,
+        # Sizes
+        HQ=HQ, GROUP=HQ // HKV, SEQ_Q=SQ, SEQ_K=SK, SEQ_PAD=lse.shape[-1],
+        # Strides
+        stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qs=q.stride(2),
+        stride_kb=k.stride(0), stride_kh=k.stride(1), stride_ks=k.stride(2),
+        stride_vb=v.stride(0), stride_vh=v.stride(1), stride_vs=v.stride(2),
+        stride_dob=do.stride(0), stride_doh=do.stride(1), stride_dos=do.stride(2),
+        stride_dqb=dq.stride(0), stride_dqh=dq.stride(1), stride_dqs=dq.stride(2),
+        # Scales
+        qk_scale=qk_scale, sm_scale=scale,
+        # Meta-parameters
+        D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), TMA=tma, **cfg_q.options)
     return dq, dk, dv
 
 
 # The op. Opaque custom ops under torch.compile, not triton_op: the sm90 launches pass host
 # TensorDescriptors, which torch.library's Triton kernel tracing does not take. Inductor calls them
-# as they are, with no graph break.
-def _backward_fake(grads, saved, statics):
-    return tuple(torch.empty_like(t) for t in saved[:3])
+# as they are, with no graph break. The forward returns (out, lse), of which the caller sees out;
+# the backward saves q, k, v, out and lse, and takes causal and scale again.
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, *,
+               traced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return attention_forward(q, k, v, causal, scale)
 
 
-ATTENTION = Op(
-    "attention",
-    schema="(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)",
-    forward=lambda q, k, v, causal, scale, *, traced: attention_forward(q, k, v, causal, scale),
-    fake=lambda q, k, v, causal, scale: (_out_like(q), q.new_empty(
-        (q.shape[0], q.shape[1], _padded_len(q.shape[2])), dtype=torch.float32)),
-    save=lambda inputs, outputs: (*inputs[:3], *outputs), saves=5, statics=(3, 4),
-    backward_schema="(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, float scale) "
-                    "-> (Tensor, Tensor, Tensor)",
-    backward=lambda grads, saved, statics, *, in_place, traced: attention_backward(grads[0], *saved, *statics),
-    backward_fake=_backward_fake, grads=(0, 1, 2, None, None), opaque=True)
+def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _out_like(q), q.new_empty((q.shape[0], q.shape[1], _padded_len(q.shape[2])), dtype=torch.float32)
+
+
+def _attention_save(inputs: tuple, outputs: tuple) -> tuple:
+    (q, k, v, _, _), (o, lse) = inputs, outputs
+    return q, k, v, o, lse
+
+
+def _attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                        lse: torch.Tensor, causal: bool, scale: float, *, in_place: bool,
+                        traced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attention_backward(do, q, k, v, o, lse, causal, scale)
+
+
+def _attention_backward_fake(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                             lse: torch.Tensor, causal: bool,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+ATTENTION = Op("attention", forward=_attention, fake=_attention_fake, save=_attention_save,
+               backward=_attention_backward, backward_fake=_attention_backward_fake, statics=(3, 4),
+               grads=(0, 1, 2, None, None), opaque=True)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -40,6 +40,8 @@ Liger's time (bench/RESULTS.md). cuBLAS sums each chunk's products in fp32 and r
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -111,21 +113,40 @@ def _tanh(x):
 
 
 @triton.jit
-def _cross_entropy_rows_kernel(LOGITS, stride_l, LABELS, LOSS, SCALE, stride_s, V, ignore_index, smoothing, softcap,
-                               BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-                               WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr):
-    """One token per program: LOSS[row] = its loss (unscaled, float32); with WRITE_GRAD its logits row becomes
-    SCALE[row * stride_s] * d loss / d logits. A label outside [0, V) other than ignore_index gives NaN
+def _cross_entropy_rows_kernel(
+    # Pointers
+    logits_ptr,  # (rows, V): read, then overwritten with the gradient rows when WRITE_GRAD
+    labels_ptr,  # (rows,) int64
+    loss_ptr,  # (rows,) float32, written when WRITE_LOSS
+    scale_ptr,  # float32 gradient factors: one for every row (stride_scale 0) or one per row (1)
+    # Sizes
+    V,
+    # Strides
+    stride_logits,
+    stride_scale,
+    # Scalars
+    ignore_index,
+    smoothing,
+    softcap,  # read only when HAS_SOFTCAP
+    # Meta-parameters
+    BLOCK_V: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    WRITE_LOSS: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+):
+    """One token per program: its loss (unscaled, float32); with WRITE_GRAD its logits row becomes
+    scale[row * stride_scale] * d loss / d logits. A label outside [0, V) other than ignore_index gives NaN
     (a loss and a gradient row), never an out-of-bounds read."""
     row = tl.program_id(0).to(tl.int64)
-    base = LOGITS + row * stride_l
+    base = logits_ptr + row * stride_logits
     cols = tl.arange(0, BLOCK_V)
-    y = tl.load(LABELS + row)
+    y = tl.load(labels_ptr + row)
     if y == ignore_index:
         if WRITE_LOSS:
-            tl.store(LOSS + row, 0.0)
+            tl.store(loss_ptr + row, 0.0)
         if WRITE_GRAD:
-            zero = tl.zeros([BLOCK_V], dtype=LOGITS.dtype.element_ty)
+            zero = tl.zeros([BLOCK_V], dtype=logits_ptr.dtype.element_ty)
             for v0 in range(0, V, BLOCK_V):
                 c = v0 + cols
                 tl.store(base + c, zero, mask=c < V)
@@ -156,11 +177,11 @@ def _cross_entropy_rows_kernel(LOGITS, stride_l, LABELS, LOSS, SCALE, stride_s, 
     if HAS_SMOOTHING:
         loss = lse - (1.0 - smoothing) * z_y - smoothing * (z_sum / V)
     if WRITE_LOSS:
-        tl.store(LOSS + row, tl.where(bad, float("nan"), loss))
+        tl.store(loss_ptr + row, tl.where(bad, float("nan"), loss))
     if WRITE_GRAD:
         # Pass 2: g_j = scale * (softmax_j - eps / V - (1 - eps) [j == y]) (* d softcap(z_j) / d z_j), formed
         # in float32 and rounded once, so softmax_y - 1 keeps its bits as softmax_y nears 1.
-        scale = tl.load(SCALE + row * stride_s)
+        scale = tl.load(scale_ptr + row * stride_scale)
         off_target = smoothing / V
         on_target = 1.0 - smoothing
         for v0 in range(0, V, BLOCK_V):
@@ -174,7 +195,7 @@ def _cross_entropy_rows_kernel(LOGITS, stride_l, LABELS, LOSS, SCALE, stride_s, 
             if HAS_SOFTCAP:
                 g = g * ((1.0 - t) * (1.0 + t))
             g = tl.where(bad, float("nan"), g * scale)
-            tl.store(base + c, g.to(LOGITS.dtype.element_ty), mask=mask)
+            tl.store(base + c, g.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
 def _default(v: int) -> LinearCrossEntropy:
@@ -213,6 +234,7 @@ def linear_cross_entropy_chunks(hidden, weight, labels, bias, scale, *, ignore_i
     buf = torch.empty((c, v), dtype=hidden.dtype, device=device)
     per_row = scale.numel() != 1
     wt = weight.t()
+    # the kernel's meta-parameters and launch options, the same for every chunk
     meta = dict(BLOCK_V=cfg.BLOCK_V, HAS_SOFTCAP=softcap > 0, HAS_SMOOTHING=label_smoothing > 0,
                 WRITE_LOSS=loss_rows is not None, WRITE_GRAD=grads, **cfg.options)
     for s in range(0, n, c):
@@ -223,10 +245,14 @@ def linear_cross_entropy_chunks(hidden, weight, labels, bias, scale, *, ignore_i
             torch.mm(x, wt, out=logits)
         else:
             torch.addmm(bias, x, wt, out=logits)
+        # Without loss_rows, scale stands in for loss_ptr, which the kernel then never writes.
         launch(_cross_entropy_rows_kernel, (e - s,),
-               (logits, v, labels[s:e], scale if loss_rows is None else loss_rows[s:e],
-                scale[s:e] if per_row else scale, int(per_row), v, ignore_index, label_smoothing, softcap or 1.0),
-               meta)
+               logits_ptr=logits, labels_ptr=labels[s:e], loss_ptr=scale if loss_rows is None else loss_rows[s:e],
+               scale_ptr=scale[s:e] if per_row else scale,
+               V=v,
+               stride_logits=v, stride_scale=int(per_row),
+               ignore_index=ignore_index, smoothing=label_smoothing, softcap=softcap or 1.0,
+               **meta)
         if need_dw:
             if s == 0:
                 torch.mm(logits.t(), x, out=dw)
@@ -247,8 +273,10 @@ def _grad_like(t: torch.Tensor, need: bool) -> torch.Tensor:
     return torch.empty(t.shape if need else 0, dtype=t.dtype, device=t.device)
 
 
-def _forward(hidden, weight, labels, bias, num_items, ignore_index, label_smoothing, softcap, reduction, need_dh,
-             need_dw, need_db, *, traced):
+def _forward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: Optional[torch.Tensor],
+             num_items: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, softcap: float,
+             reduction: str, need_dh: bool, need_dw: bool, need_db: bool, *,
+             traced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, dhidden, dweight, dbias)`` for "mean" / "sum": the gradients of the loss, placeholders where
     not needed. ``num_items`` (float32, 0-dim) replaces the mean's count of non-ignored tokens."""
     x = hidden.reshape(-1, hidden.shape[-1])
@@ -271,40 +299,46 @@ def _forward(hidden, weight, labels, bias, num_items, ignore_index, label_smooth
             (bias if bias is not None else weight).new_empty(0) if db is None else db)
 
 
-def _fake(hidden, weight, labels, bias, num_items, ignore_index, label_smoothing, softcap, reduction, need_dh,
-          need_dw, need_db):
+def _fake(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: Optional[torch.Tensor],
+          num_items: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, softcap: float,
+          reduction: str, need_dh: bool, need_dw: bool,
+          need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return (hidden.new_empty((), dtype=torch.float32), _grad_like(hidden, need_dh), _grad_like(weight, need_dw),
             _grad_like(bias if bias is not None else weight, need_db and bias is not None))
 
 
-def _backward(grads, saved, statics, *, in_place, traced):
+def _save(inputs: tuple, outputs: tuple) -> tuple:
+    """The gradients the forward computed: the backward only scales them."""
+    return outputs[1:]
+
+
+def _backward(dloss: torch.Tensor, dhidden: torch.Tensor, dweight: torch.Tensor, dbias: torch.Tensor, *,
+              in_place: bool, traced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward's gradients times grad_output: in place in eager (our own buffers; skipped when it is 1),
     out of place when traced (a custom op returns fresh tensors)."""
-    (go,), gradients = grads, saved
-    if go is None:
+    if dloss is None:
         return None, None, None
+    gradients = (dhidden, dweight, dbias)
     if traced:
-        return tuple(g * go for g in gradients)
-    if bool(go != 1):  # one host synchronization, as in Liger
+        return tuple(g * dloss for g in gradients)
+    if bool(dloss != 1):  # one host synchronization, as in Liger
         for g in gradients:
-            g.mul_(go)
+            g.mul_(dloss)
     return gradients
 
 
-LINEAR_CROSS_ENTROPY = Op(
-    "linear_cross_entropy",
-    schema="(Tensor hidden, Tensor weight, Tensor labels, Tensor? bias, Tensor? num_items, int ignore_index, "
-           "float label_smoothing, float softcap, str reduction, bool need_dh, bool need_dw, bool need_db) "
-           "-> (Tensor, Tensor, Tensor, Tensor)",
-    forward=_forward, fake=_fake,
-    save=lambda inputs, outputs: outputs[1:], saves=3,
-    backward_schema="(Tensor dloss, Tensor dhidden, Tensor dweight, Tensor dbias) -> (Tensor, Tensor, Tensor)",
-    backward=_backward, backward_fake=lambda grads, saved, statics: tuple(t.new_empty(t.shape) for t in saved),
-    grads=(0, 1, None, 2) + (None,) * 8, opaque=True)
+def _backward_fake(dloss: torch.Tensor, dhidden: torch.Tensor, dweight: torch.Tensor,
+                   dbias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return dhidden.new_empty(dhidden.shape), dweight.new_empty(dweight.shape), dbias.new_empty(dbias.shape)
 
 
-def _none_forward(hidden, weight, labels, bias, ignore_index, label_smoothing, softcap, need_dh, need_dw, need_db, *,
-                  traced):
+LINEAR_CROSS_ENTROPY = Op("linear_cross_entropy", forward=_forward, fake=_fake, save=_save, backward=_backward,
+                          backward_fake=_backward_fake, grads=(0, 1, None, 2) + (None,) * 8, opaque=True)
+
+
+def _none_forward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: Optional[torch.Tensor],
+                  ignore_index: int, label_smoothing: float, softcap: float, need_dh: bool, need_dw: bool,
+                  need_db: bool, *, traced: bool) -> torch.Tensor:
     """Per-token losses shaped like ``labels``; no gradient work (the backward recomputes)."""
     y = labels.reshape(-1).contiguous()
     loss = torch.empty(labels.shape, dtype=torch.float32, device=hidden.device)
@@ -312,19 +346,31 @@ def _none_forward(hidden, weight, labels, bias, ignore_index, label_smoothing, s
     linear_cross_entropy_chunks(hidden.reshape(-1, hidden.shape[-1]), weight, y, bias, scale,
                                 ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
                                 loss_rows=loss.view(-1))
-    return (loss,)
+    return loss
 
 
-def _none_backward(grads, saved, statics, *, in_place, traced):
+def _none_fake(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: Optional[torch.Tensor],
+               ignore_index: int, label_smoothing: float, softcap: float, need_dh: bool, need_dw: bool,
+               need_db: bool) -> torch.Tensor:
+    return hidden.new_empty(labels.shape, dtype=torch.float32)
+
+
+def _none_save(inputs: tuple, outputs: tuple) -> tuple:
+    """The tensor inputs (hidden, weight, labels, bias): the backward runs the chunks again."""
+    return inputs[:4]
+
+
+def _none_backward(dloss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                   bias: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, softcap: float,
+                   need_dh: bool, need_dw: bool, need_db: bool, *, in_place: bool,
+                   traced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The chunks again, each token's gradient row weighted by its grad_output before the sums over tokens."""
-    (go,), (hidden, weight, labels, bias) = grads, saved
-    ignore_index, label_smoothing, softcap, need_dh, need_dw, need_db = statics
-    if go is None:
+    if dloss is None:
         return None, None, None
     x = hidden.reshape(-1, hidden.shape[-1])
     dh = _grad_like(hidden, need_dh)
     dw, db = linear_cross_entropy_chunks(x, weight, labels.reshape(-1).contiguous(), bias,
-                                         go.reshape(-1).to(torch.float32).contiguous(), ignore_index=ignore_index,
+                                         dloss.reshape(-1).to(torch.float32).contiguous(), ignore_index=ignore_index,
                                          label_smoothing=label_smoothing, softcap=softcap,
                                          dh=dh.view(x.shape) if need_dh else None, need_dw=need_dw,
                                          need_db=need_db and bias is not None)
@@ -332,24 +378,16 @@ def _none_backward(grads, saved, statics, *, in_place, traced):
             (bias if bias is not None else weight).new_empty(0) if db is None else db)
 
 
-def _none_backward_fake(grads, saved, statics):
-    hidden, weight, _, bias = saved
-    _, _, _, need_dh, need_dw, need_db = statics
+def _none_backward_fake(dloss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                        bias: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, softcap: float,
+                        need_dh: bool, need_dw: bool, need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (_grad_like(hidden, need_dh), _grad_like(weight, need_dw),
             _grad_like(bias if bias is not None else weight, need_db and bias is not None))
 
 
-LINEAR_CROSS_ENTROPY_NONE = Op(
-    "linear_cross_entropy_none",
-    schema="(Tensor hidden, Tensor weight, Tensor labels, Tensor? bias, int ignore_index, float label_smoothing, "
-           "float softcap, bool need_dh, bool need_dw, bool need_db) -> Tensor",
-    forward=_none_forward,
-    fake=lambda hidden, weight, labels, *rest: (hidden.new_empty(labels.shape, dtype=torch.float32),),
-    save=lambda inputs, outputs: inputs[:4], saves=4, statics=(4, 5, 6, 7, 8, 9),
-    backward_schema="(Tensor dloss, Tensor hidden, Tensor weight, Tensor labels, Tensor? bias, int ignore_index, "
-                    "float label_smoothing, float softcap, bool need_dh, bool need_dw, bool need_db) "
-                    "-> (Tensor, Tensor, Tensor)",
-    backward=_none_backward, backward_fake=_none_backward_fake, grads=(0, 1, None, 2) + (None,) * 6, opaque=True)
+LINEAR_CROSS_ENTROPY_NONE = Op("linear_cross_entropy_none", forward=_none_forward, fake=_none_fake, save=_none_save,
+                               statics=(4, 5, 6, 7, 8, 9), backward=_none_backward, backward_fake=_none_backward_fake,
+                               grads=(0, 1, None, 2) + (None,) * 6, opaque=True)
 
 
 # ----------------------------------------------------------------------------------------------

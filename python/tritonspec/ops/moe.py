@@ -3,11 +3,11 @@
 ``out[t] = sum_j w[t, j] * down_e(act(gate_e x_t, up_e x_t))`` with ``e = ids[t, j]``, for the
 (token, expert) pairs a router chose. How it runs:
 
-* Routing metadata on the device, sized from static bounds (no ``.item()``, so a CUDA graph can
-  capture it): the ``T*k`` pairs sorted by expert (stably: token order within an expert), each
-  expert's rows padded to ``BLOCK_M`` in a buffer of ``T*k + E*(BLOCK_M-1)`` rows, and each block of
-  rows knowing its expert. Pairs whose id is outside ``[0, E)`` (transformers' expert-parallel
-  sentinels) are dropped.
+* The expert sort (:mod:`tritonspec.ops.moe_sort`), on the device from static bounds (no ``.item()``,
+  so a CUDA graph can capture it): the ``T*k`` pairs sorted by expert (stably: token order within an
+  expert), each expert's rows padded to ``BLOCK_M`` in a buffer of ``T*k + E*(BLOCK_M-1)`` rows, and
+  each block of rows knowing its expert. Pairs whose id is outside ``[0, E)`` (transformers'
+  expert-parallel sentinels) are dropped.
 * Forward: a grouped GEMM gathers each row's token inside its loads (no permuted copy of ``x``) and
   applies the activation in its epilogue (``h``); a second grouped GEMM projects down (``y``); a
   gather-reduce adds each token's ``k`` rows with its routing weights. No atomics anywhere: outputs
@@ -24,12 +24,14 @@ Weight layouts are strides, so one kernel serves both of Hugging Face's: ``"conc
 DeepSeek-V3) and ``"interleaved_transposed"`` (``gate_up_proj (E, H, 2I)`` with gate and up in
 alternate columns, ``down_proj (E, I, H)``: GPT-OSS, with biases and its clamped SwiGLU).
 
-Layers: the ``_moe_*`` kernels -> ``moe_experts_forward`` / ``moe_experts_backward`` -> the
-``MOE_EXPERTS`` op (eager autograd, and ``tritonspec::moe_experts_*`` for torch.compile) ->
+Layers: ``sort_by_expert`` and the ``_moe_*`` kernels -> ``moe_experts_forward`` / ``moe_experts_backward``
+-> the ``MOE_EXPERTS`` op (eager autograd, and ``tritonspec::moe_experts_*`` for torch.compile) ->
 ``moe_experts``. The router in front of it, ``moe_route`` (top-k ids and weights from router logits),
 is :mod:`tritonspec.ops.moe_routing`'s.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -40,6 +42,7 @@ from ..launch import launch_config
 from ._checks import check_same_device, check_tensor
 from ._library import Op, cdiv, launch, next_pow2
 from .moe_routing import moe_route
+from .moe_sort import padded_rows, sort_by_expert
 
 
 __all__ = ["moe_experts", "moe_route", "moe_experts_ref", "ACTIVATIONS", "LAYOUTS"]
@@ -91,6 +94,8 @@ def moe_experts_ref(x, ids, weights, gate_up_proj, down_proj, *, gate_up_bias=No
     return out
 
 
+
+
 # ----------------------------------------------------------------------------------------------
 # kernels
 # ----------------------------------------------------------------------------------------------
@@ -117,16 +122,45 @@ def _rows_of_block(ROW_PAIR, BLOCK_EXPERT, pid_m, TOP_K, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _moe_up_kernel(X, stride_x, ROW_PAIR, BLOCK_EXPERT, W, stride_we, s_k, s_n, BIAS, stride_be, sb_n,
-                   H_OUT, GU_OUT, N, K, TOP_K, clamp, num_m, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   STORE_GU: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _moe_up_kernel(
+    # Pointers to matrices
+    X,  # (T, K) tokens, gathered by row
+    W,  # (E, K, 2N) by strides: each expert's gate and up columns
+    BIAS,  # (E, 2N) by strides, read when HAS_BIAS
+    H_OUT,  # (R, N) out: act(gate, up) per row
+    GU_OUT,  # (R, 2N) out: [gate | up] before the activation, written when STORE_GU
+    # Pointers to the expert sort (moe_sort.SortedPairs)
+    ROW_PAIR,
+    BLOCK_EXPERT,
+    # Matrix dimensions
+    N,
+    K,
+    num_m,  # M blocks (R / BLOCK_M)
+    TOP_K,  # pairs per token: a row's token is its pair // TOP_K
+    # Strides
+    stride_x_m,
+    stride_w_e,
+    stride_w_k,
+    stride_w_n,
+    stride_bias_e,
+    stride_bias_n,
+    # Scalars
+    clamp,  # gpt_oss's clamp
+    # Meta-parameters
+    INTERLEAVED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STORE_GU: tl.constexpr,
+    ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     """h = act(x_rows @ gate_e, x_rows @ up_e) for one (M block, N block); x rows gathered by token.
 
-    W is the experts' gate_up weight as (E, K, 2N) by strides: gate columns [0, N) and up columns
-    [N, 2N), or (INTERLEAVED, GPT-OSS) gate and up in alternate columns, loaded as one contiguous
-    2*BLOCK_N-column tile and split in registers. Rows are stored in the padded expert-sorted order;
-    GU_OUT keeps the pre-activation gate and up (input dtype, [gate | up]) for the backward.
+    W's gate columns are [0, N) and its up columns [N, 2N), or (INTERLEAVED, GPT-OSS) gate and up
+    alternate, loaded as one contiguous 2*BLOCK_N-column tile and split in registers. Rows are stored in
+    the padded expert-sorted order; GU_OUT keeps the pre-activations (input dtype) for the backward.
     """
     pid_m, pid_n = _grouped_tile(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, pairs, tokens, valid, expert = _rows_of_block(ROW_PAIR, BLOCK_EXPERT, pid_m, TOP_K, BLOCK_M)
@@ -140,9 +174,9 @@ def _moe_up_kernel(X, stride_x, ROW_PAIR, BLOCK_EXPERT, W, stride_we, s_k, s_n, 
             tl.store(GU_OUT + out_rows * (2 * N) + cols[None, :], zero, mask=col_ok[None, :])
             tl.store(GU_OUT + out_rows * (2 * N) + N + cols[None, :], zero, mask=col_ok[None, :])
         return
-    w_e = W + expert.to(tl.int64) * stride_we
-    b_e = BIAS + expert.to(tl.int64) * stride_be
-    x_rows = X + tokens.to(tl.int64)[:, None] * stride_x
+    w_e = W + expert.to(tl.int64) * stride_w_e
+    b_e = BIAS + expert.to(tl.int64) * stride_bias_e
+    x_rows = X + tokens.to(tl.int64)[:, None] * stride_x_m
     if INTERLEAVED:
         c2 = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
         c2_ok = c2 < 2 * N
@@ -151,10 +185,11 @@ def _moe_up_kernel(X, stride_x, ROW_PAIR, BLOCK_EXPERT, W, stride_we, s_k, s_n, 
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             a = tl.load(x_rows + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(w_e + ks[:, None] * s_k + c2[None, :] * s_n, mask=k_ok[:, None] & c2_ok[None, :], other=0.0)
+            b = tl.load(w_e + ks[:, None] * stride_w_k + c2[None, :] * stride_w_n, mask=k_ok[:, None] & c2_ok[None, :],
+                        other=0.0)
             acc = tl.dot(a, b, acc)
         if HAS_BIAS:
-            acc += tl.load(b_e + c2 * sb_n, mask=c2_ok, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(b_e + c2 * stride_bias_n, mask=c2_ok, other=0.0).to(tl.float32)[None, :]
         acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     else:
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -163,13 +198,13 @@ def _moe_up_kernel(X, stride_x, ROW_PAIR, BLOCK_EXPERT, W, stride_we, s_k, s_n, 
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             a = tl.load(x_rows + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-            b_off = ks[:, None] * s_k + cols[None, :] * s_n
+            b_off = ks[:, None] * stride_w_k + cols[None, :] * stride_w_n
             b_mask = k_ok[:, None] & col_ok[None, :]
             acc_g = tl.dot(a, tl.load(w_e + b_off, mask=b_mask, other=0.0), acc_g)
-            acc_u = tl.dot(a, tl.load(w_e + N * s_n + b_off, mask=b_mask, other=0.0), acc_u)
+            acc_u = tl.dot(a, tl.load(w_e + N * stride_w_n + b_off, mask=b_mask, other=0.0), acc_u)
         if HAS_BIAS:
-            acc_g += tl.load(b_e + cols * sb_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            acc_u += tl.load(b_e + (N + cols) * sb_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            acc_g += tl.load(b_e + cols * stride_bias_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            acc_u += tl.load(b_e + (N + cols) * stride_bias_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     # As a Hugging Face expert rounds: the projection's output, the activation, the product. Padding
     # rows are stored as zeros (their loads were masked; the bias is not added to them).
     gate = tl.where(valid[:, None], acc_g.to(H_OUT.dtype.element_ty).to(tl.float32), 0.0)
@@ -188,14 +223,38 @@ def _moe_up_kernel(X, stride_x, ROW_PAIR, BLOCK_EXPERT, W, stride_we, s_k, s_n, 
 
 
 @triton.jit
-def _moe_rows_kernel(A, stride_a, GATHER: tl.constexpr, ROW_PAIR, BLOCK_EXPERT, SCALE, B, s_e, s_k, s_n,
-                     BIAS, stride_be, sb_n, C, N, K, TOP_K, num_m, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """C_rows = scale * (A_rows @ B_e) + bias_e for one (M block, N block).
-
-    A rows are the padded rows themselves, or (GATHER) the rows' tokens; scale is the pair's routing
-    weight; B is the experts' weights as (E, K, N) by strides.
-    """
+def _moe_rows_kernel(
+    # Pointers to matrices
+    A,  # (rows or tokens, K): the padded rows themselves, or (GATHER) the rows' tokens
+    B,  # (E, K, N) by strides: the experts' weights
+    BIAS,  # (E, N) by strides, read when HAS_BIAS
+    SCALE,  # (T * k,) each pair's routing weight, read when HAS_SCALE
+    C,  # (R, N) out
+    # Pointers to the expert sort (moe_sort.SortedPairs)
+    ROW_PAIR,
+    BLOCK_EXPERT,
+    # Matrix dimensions
+    N,
+    K,
+    num_m,  # M blocks (R / BLOCK_M)
+    TOP_K,  # pairs per token: a row's token is its pair // TOP_K
+    # Strides
+    stride_a_m,
+    stride_b_e,
+    stride_b_k,
+    stride_b_n,
+    stride_bias_e,
+    stride_bias_n,
+    # Meta-parameters
+    GATHER: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """C_rows = scale * (A_rows @ B_e) + bias_e for one (M block, N block)."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, pairs, tokens, valid, expert = _rows_of_block(ROW_PAIR, BLOCK_EXPERT, pid_m, TOP_K, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -204,34 +263,61 @@ def _moe_rows_kernel(A, stride_a, GATHER: tl.constexpr, ROW_PAIR, BLOCK_EXPERT, 
         tl.store(C + rows.to(tl.int64)[:, None] * N + cols[None, :],
                  tl.zeros([BLOCK_M, BLOCK_N], dtype=C.dtype.element_ty), mask=col_ok[None, :])
         return
-    a_rows = A + (tokens if GATHER else rows).to(tl.int64)[:, None] * stride_a
-    b_e = B + expert.to(tl.int64) * s_e
+    a_rows = A + (tokens if GATHER else rows).to(tl.int64)[:, None] * stride_a_m
+    b_e = B + expert.to(tl.int64) * stride_b_e
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_rows + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_e + ks[:, None] * s_k + cols[None, :] * s_n, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        b = tl.load(b_e + ks[:, None] * stride_b_k + cols[None, :] * stride_b_n, mask=k_ok[:, None] & col_ok[None, :],
+                    other=0.0)
         acc = tl.dot(a, b, acc)
     if HAS_SCALE:
         acc *= tl.load(SCALE + tl.where(valid, pairs, 0), mask=valid, other=0.0).to(tl.float32)[:, None]
     if HAS_BIAS:
-        acc += tl.load(BIAS + expert.to(tl.int64) * stride_be + cols * sb_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(BIAS + expert.to(tl.int64) * stride_bias_e + cols * stride_bias_n, mask=col_ok,
+                       other=0.0).to(tl.float32)[None, :]
     acc = tl.where(valid[:, None], acc, 0.0)  # padding rows: zeros
     tl.store(C + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(C.dtype.element_ty), mask=col_ok[None, :])
 
 
 @triton.jit
-def _moe_act_backward_kernel(G, GU, DGU, ROW_PAIR, BLOCK_EXPERT, SCALE, DW, DOUT, stride_dout, DOWN_BIAS, stride_db,
-                             R, N, H, TOP_K, ALIGN, clamp, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
-                             HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _moe_act_backward_kernel(
+    # Pointers to matrices
+    G,  # (R, N) g = dout_t @ down_e^T per row; overwritten with s * h
+    GU,  # (R, 2N) the forward's [gate | up]
+    DGU,  # (R, 2N) out: d(gate), d(up) in the gate_up weight's column order
+    SCALE,  # (T * k,) each pair's routing weight s
+    DW,  # (T * k,) out: each pair's routing weight gradient
+    DOUT,  # (T, H) the output's gradient, read when HAS_BIAS
+    DOWN_BIAS,  # (E, H) by strides, read when HAS_BIAS
+    # Pointers to the expert sort (moe_sort.SortedPairs)
+    ROW_PAIR,
+    BLOCK_EXPERT,
+    # Matrix dimensions
+    R,
+    N,
+    H,
+    TOP_K,  # pairs per token: a row's token is its pair // TOP_K
+    ALIGN,  # rows per block of the sort
+    # Strides
+    stride_dout_t,
+    stride_down_bias_e,
+    # Scalars
+    clamp,  # gpt_oss's clamp
+    # Meta-parameters
+    ACT: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """The activation's backward and the routing weights' gradient, for BLOCK_M rows over all their columns.
 
-    G holds ``g = dout_t @ down_e^T`` per row. With h recomputed from the saved pre-activations (rounded
-    as the forward rounded it) and s the pair's routing weight:
-    * ``dw = <dout_t, y> = <g, h> (+ <dout_t, down_bias_e>)`` into DW (y is never kept);
-    * ``d(gate), d(up)`` of ``s * g`` into DGU in the gate_up weight's column order ([dgate | dup], or
-      INTERLEAVED alternate columns);
+    With h recomputed from the saved pre-activations (rounded as the forward rounded it):
+    * ``dw = <dout_t, y> = <g, h> (+ <dout_t, down_bias_e>)`` (y is never kept);
+    * ``d(gate), d(up)`` of ``s * g`` ([dgate | dup], or INTERLEAVED alternate columns);
     * G overwritten with ``s * h``, the down weight's gradient's right-hand side, so that GEMM multiplies
       tiles straight from memory.
     Padding rows (never read) are skipped.
@@ -278,15 +364,31 @@ def _moe_act_backward_kernel(G, GU, DGU, ROW_PAIR, BLOCK_EXPERT, SCALE, DW, DOUT
         for c0 in range(0, H, BLOCK_N):
             cols = c0 + tl.arange(0, BLOCK_N)
             mask = used[:, None] & (cols < H)[None, :]
-            d = tl.load(DOUT + tokens[:, None] * stride_dout + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            b = tl.load(DOWN_BIAS + expert[:, None] * stride_db + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            d = tl.load(DOUT + tokens[:, None] * stride_dout_t + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            b = tl.load(DOWN_BIAS + expert[:, None] * stride_down_bias_e + cols[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
             dw += tl.sum(d * b, axis=1)
     tl.store(DW + tl.where(used, pairs, 0), dw, mask=used)
 
 
 @triton.jit
-def _moe_combine_kernel(Y, POS, WEIGHTS, OUT, stride_out, T, H, TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-                        BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+def _moe_combine_kernel(
+    # Pointers
+    Y,  # (R, H) the rows
+    POS,  # (T * k,) each pair's row, -1 for a dropped pair
+    WEIGHTS,  # (T * k,) each pair's routing weight, read when HAS_WEIGHTS
+    OUT,  # (T, H) out
+    # Sizes
+    T,
+    H,
+    # Strides
+    stride_out_t,
+    # Meta-parameters
+    TOP_K: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """out[t] = sum_j w[t, j] * Y[pos[t, j]] in float32, a fixed order (no atomics); pos < 0: dropped."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -301,20 +403,48 @@ def _moe_combine_kernel(Y, POS, WEIGHTS, OUT, stride_out, T, H, TOP_K: tl.conste
         if HAS_WEIGHTS:
             y *= tl.load(WEIGHTS + tokens * TOP_K + j, mask=t_ok, other=0.0).to(tl.float32)[:, None]
         acc += y
-    tl.store(OUT + tokens.to(tl.int64)[:, None] * stride_out + cols[None, :], acc.to(OUT.dtype.element_ty),
+    tl.store(OUT + tokens.to(tl.int64)[:, None] * stride_out_t + cols[None, :], acc.to(OUT.dtype.element_ty),
              mask=t_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def _moe_weight_grad_kernel(L, stride_l, GATHER_L: tl.constexpr, RHS, stride_r, GATHER_R: tl.constexpr,
-                            ROW_PAIR, EXPERT_START, EXPERT_ROWS, SCALE, DW, sd_e, sd_m, sd_n, DBIAS, sdb_e, sdb_m,
-                            M, N, TOP_K, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _moe_weight_grad_kernel(
+    # Pointers to matrices
+    L,  # (rows or tokens, M): the padded rows themselves, or (GATHER_L) the rows' tokens
+    RHS,  # (rows or tokens, N): likewise (GATHER_R)
+    SCALE,  # (T * k,) each pair's routing weight, read when HAS_SCALE (the bias gradient's factor)
+    DW,  # (E, M, N) by strides, out: each expert's weight gradient, in the weight's own layout
+    DBIAS,  # (E, M) by strides, out: each expert's bias gradient, written when HAS_BIAS
+    # Pointers to the expert sort (moe_sort.SortedPairs)
+    ROW_PAIR,
+    EXPERT_START,
+    EXPERT_ROWS,
+    # Matrix dimensions
+    M,
+    N,
+    TOP_K,  # pairs per token: a row's token is its pair // TOP_K
+    # Strides
+    stride_l_k,
+    stride_rhs_k,
+    stride_dw_e,
+    stride_dw_m,
+    stride_dw_n,
+    stride_dbias_e,
+    stride_dbias_m,
+    # Meta-parameters
+    GATHER_L: tl.constexpr,
+    GATHER_R: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     """dW_e[m, n] = sum over expert e's rows of L_row[m] * RHS_row[n]; dbias_e[m] = sum of scale * L_row[m].
 
-    L and RHS rows are the padded rows themselves, or (GATHER_*) the rows' tokens. dW_e is written
-    through strides (the weight's own layout); an expert without rows gets zeros. Programs run expert by
-    expert (grid axis 1), so an expert's rows are read while they are in L2.
+    An expert without rows gets zeros. Programs run expert by expert (grid axis 1), so an expert's rows
+    are read while they are in L2.
     """
     e = tl.program_id(1)
     pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -334,8 +464,9 @@ def _moe_weight_grad_kernel(L, stride_l, GATHER_L: tl.constexpr, RHS, stride_r, 
         tokens = tl.where(valid, pairs // TOP_K, 0).to(tl.int64)
         l_rows = tokens if GATHER_L else rows.to(tl.int64)
         r_rows = tokens if GATHER_R else rows.to(tl.int64)
-        lt = tl.load(L + l_rows[:, None] * stride_l + ms[None, :], mask=valid[:, None] & m_ok[None, :], other=0.0)
-        rt = tl.load(RHS + r_rows[:, None] * stride_r + ns[None, :], mask=valid[:, None] & n_ok[None, :], other=0.0)
+        lt = tl.load(L + l_rows[:, None] * stride_l_k + ms[None, :], mask=valid[:, None] & m_ok[None, :], other=0.0)
+        rt = tl.load(RHS + r_rows[:, None] * stride_rhs_k + ns[None, :], mask=valid[:, None] & n_ok[None, :],
+                     other=0.0)
         acc = tl.dot(tl.trans(lt), rt, acc)
         if HAS_BIAS:
             lf = lt.to(tl.float32)
@@ -343,120 +474,11 @@ def _moe_weight_grad_kernel(L, stride_l, GATHER_L: tl.constexpr, RHS, stride_r, 
                 lf *= tl.load(SCALE + tl.where(valid, pairs, 0), mask=valid, other=0.0).to(tl.float32)[:, None]
             bias += tl.sum(lf, axis=0)
     e64 = e.to(tl.int64)
-    tl.store(DW + e64 * sd_e + ms[:, None] * sd_m + ns[None, :] * sd_n, acc.to(DW.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(DW + e64 * stride_dw_e + ms[:, None] * stride_dw_m + ns[None, :] * stride_dw_n,
+             acc.to(DW.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
     if HAS_BIAS:
         if pid_n == 0:
-            tl.store(DBIAS + e64 * sdb_e + ms * sdb_m, bias.to(DBIAS.dtype.element_ty), mask=m_ok)
-
-
-# ----------------------------------------------------------------------------------------------
-# routing metadata: static shapes, no host synchronization
-# ----------------------------------------------------------------------------------------------
-@triton.jit
-def _moe_count_kernel(IDS, SLICE_ROWS, P, SLICE, BLOCK_P: tl.constexpr):
-    """Program (e, s): expert e's number of pairs in slice s of the pairs (ids stay in L2)."""
-    e = tl.program_id(0)
-    s = tl.program_id(1)
-    count = tl.zeros([BLOCK_P], dtype=tl.int32)
-    end = tl.minimum(s * SLICE + SLICE, P)
-    for p0 in range(s * SLICE, end, BLOCK_P):
-        pairs = p0 + tl.arange(0, BLOCK_P)
-        count += (tl.load(IDS + pairs, mask=pairs < end, other=-1) == e).to(tl.int32)
-    tl.store(SLICE_ROWS + e * tl.num_programs(1) + s, tl.sum(count, axis=0))
-
-
-@triton.jit
-def _moe_offsets_kernel(SLICE_ROWS, SLICE_START, EXPERT_ROWS, EXPERT_START, BLOCK_EXPERT, ROW_PAIR, E, S, R,
-                        ALIGN: tl.constexpr, E_PAD: tl.constexpr, S_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
-    """One program: each expert's pairs and first row (its rows padded to ALIGN, experts in order), each
-    (expert, slice)'s first row (slices in order: token order within an expert), and -1 in every row and
-    block after the last expert's."""
-    experts = tl.arange(0, E_PAD)
-    slices = tl.arange(0, S_PAD)
-    ok = (experts < E)[:, None] & (slices < S)[None, :]
-    offs = experts[:, None] * S + slices[None, :]
-    per_slice = tl.load(SLICE_ROWS + offs, mask=ok, other=0)
-    count = tl.sum(per_slice, axis=1)
-    padded = (count + ALIGN - 1) // ALIGN * ALIGN
-    end = tl.cumsum(padded, axis=0)
-    start = end - padded
-    tl.store(EXPERT_ROWS + experts, count, mask=experts < E)
-    tl.store(EXPERT_START + experts, start, mask=experts < E)
-    tl.store(SLICE_START + offs, start[:, None] + tl.cumsum(per_slice, axis=1) - per_slice, mask=ok)
-    used = tl.sum(padded, axis=0)
-    for r0 in range(used, R, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        tl.store(ROW_PAIR + rows, tl.full([BLOCK_R], -1, tl.int32), mask=rows < R)
-    for b0 in range(used // ALIGN, R // ALIGN, BLOCK_R):
-        blocks = b0 + tl.arange(0, BLOCK_R)
-        tl.store(BLOCK_EXPERT + blocks, tl.full([BLOCK_R], -1, tl.int32), mask=blocks < R // ALIGN)
-
-
-@triton.jit
-def _moe_scatter_kernel(IDS, SLICE_START, EXPERT_START, EXPERT_ROWS, ROW_PAIR, PAIR_POS, BLOCK_EXPERT, P, E, SLICE,
-                        ALIGN: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Program (e, s) places expert e's pairs of slice s in token order from their first row (ROW_PAIR[row]
-    = pair, PAIR_POS[pair] = row). Program (e, 0) also writes -1 in e's padding rows and e in its blocks;
-    program (0, s) marks the slice's pairs whose id is outside [0, E) as dropped (PAIR_POS -1)."""
-    e = tl.program_id(0)
-    s = tl.program_id(1)
-    row = tl.load(SLICE_START + e * tl.num_programs(1) + s)
-    end = tl.minimum(s * SLICE + SLICE, P)
-    for p0 in range(s * SLICE, end, BLOCK_P):
-        pairs = p0 + tl.arange(0, BLOCK_P)
-        in_range = pairs < end
-        key = tl.load(IDS + pairs, mask=in_range, other=-1)
-        mine = key == e
-        rows = row + tl.cumsum(mine.to(tl.int32), axis=0) - 1
-        tl.store(ROW_PAIR + rows, pairs, mask=mine)
-        tl.store(PAIR_POS + pairs, rows, mask=mine)
-        if e == 0:
-            tl.store(PAIR_POS + pairs, tl.full([BLOCK_P], -1, tl.int32), mask=in_range & ((key < 0) | (key >= E)))
-        row += tl.sum(mine.to(tl.int32), axis=0)
-    if s == 0:
-        start = tl.load(EXPERT_START + e)
-        count = tl.load(EXPERT_ROWS + e)
-        n_blocks = (count + ALIGN - 1) // ALIGN
-        pad = tl.arange(0, ALIGN)
-        tl.store(ROW_PAIR + start + count + pad, tl.full([ALIGN], -1, tl.int32), mask=pad < n_blocks * ALIGN - count)
-        for b0 in range(0, n_blocks, BLOCK_P):
-            blocks = b0 + tl.arange(0, BLOCK_P)
-            tl.store(BLOCK_EXPERT + start // ALIGN + blocks, tl.full([BLOCK_P], 0, tl.int32) + e, mask=blocks < n_blocks)
-
-
-_SLICE_PAIRS = 8192  # pairs one routing program scans (more slices beyond 64 of them)
-
-
-def _routing(ids: torch.Tensor, num_experts: int, block_m: int, traced: bool = False) -> tuple[torch.Tensor, ...]:
-    """``(row_pair, block_expert, pair_pos, expert_start, expert_rows)`` for ``ids`` (T, k): a counting
-    sort by expert in three launches, sized from static bounds (no host synchronization). Program (e, s)
-    of the counting and placing launches handles expert e in slice s of the pairs.
-
-    row_pair (R,): the pair (t * k + j) in each padded expert-sorted row, -1 for padding, where
-    R = T*k + E*(block_m - 1) rounded up to block_m; block_expert (R / block_m,): each block's expert
-    or -1; pair_pos (T*k,): each pair's row, -1 when its id is outside [0, E) (dropped);
-    expert_start / expert_rows (E,): each expert's first row and number of pairs.
-    """
-    device = ids.device
-    P = ids.numel()
-    E = num_experts
-    R = _padded_rows(P, E, block_m)
-    slice_pairs = max(_SLICE_PAIRS, next_pow2(cdiv(P, 64)))
-    S = max(1, cdiv(P, slice_pairs))
-    i32 = dict(dtype=torch.int32, device=device)
-    row_pair, block_expert, pair_pos = torch.empty(R, **i32), torch.empty(R // block_m, **i32), torch.empty(P, **i32)
-    expert_start, expert_rows = torch.empty(E, **i32), torch.empty(E, **i32)
-    slice_rows, slice_start = torch.empty((E, S), **i32), torch.empty((E, S), **i32)
-    flat = ids.reshape(-1)
-    block_p = min(next_pow2(P), 1024, slice_pairs)
-    launch(_moe_count_kernel, (E, S), (flat, slice_rows, P, slice_pairs), dict(BLOCK_P=block_p), traced=traced)
-    launch(_moe_offsets_kernel, (1,), (slice_rows, slice_start, expert_rows, expert_start, block_expert, row_pair, E, S,
-                                       R), dict(ALIGN=block_m, E_PAD=next_pow2(E), S_PAD=next_pow2(S), BLOCK_R=1024),
-           traced=traced)
-    launch(_moe_scatter_kernel, (E, S), (flat, slice_start, expert_start, expert_rows, row_pair, pair_pos, block_expert,
-                                         P, E, slice_pairs), dict(ALIGN=block_m, BLOCK_P=block_p), traced=traced)
-    return row_pair, block_expert, pair_pos, expert_start, expert_rows
+            tl.store(DBIAS + e64 * stride_dbias_e + ms * stride_dbias_m, bias.to(DBIAS.dtype.element_ty), mask=m_ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -514,6 +536,8 @@ def _dummy(device) -> torch.Tensor:
     return torch.empty(1, device=device)
 
 
+
+
 # ----------------------------------------------------------------------------------------------
 # launchers
 # ----------------------------------------------------------------------------------------------
@@ -527,19 +551,23 @@ def moe_experts_forward(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, 
     device = x.device
     problem = _problem(x, E, I, k)
     cfg = launch_config(MoEUp, device, lambda: _up_default(problem["tokens_per_expert"]), **problem)
-    row_pair, block_expert, pair_pos, expert_start, expert_rows = _routing(ids, E, cfg.BLOCK_M, traced)
+    row_pair, block_expert, pair_pos, expert_start, expert_rows = sort_by_expert(ids, E, cfg.BLOCK_M, traced)
     R = row_pair.numel()
+    num_m = R // cfg.BLOCK_M
     h = torch.empty((R, I), dtype=x.dtype, device=device)
     gu = torch.empty((R, 2 * I), dtype=x.dtype, device=device) if save else _dummy(device)
     w = _gate_up_view(gate_up_proj, layout)
     has_bias = gate_up_bias is not None
     bias = gate_up_bias if has_bias else _dummy(device)
-    launch(_moe_up_kernel, (R // cfg.BLOCK_M * cdiv(I, cfg.BLOCK_N),),
-           (x, x.stride(0), row_pair, block_expert, w, w.stride(0), w.stride(1), w.stride(2),
-            bias, bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0, h, gu, I, H, k,
-            float(clamp if clamp is not None else 0.0), R // cfg.BLOCK_M),
-           dict(INTERLEAVED=layout != "concatenated", HAS_BIAS=has_bias, STORE_GU=save, ACT=activation,
-                BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, **cfg.options),
+    launch(_moe_up_kernel, (num_m * cdiv(I, cfg.BLOCK_N),),
+           X=x, W=w, BIAS=bias, H_OUT=h, GU_OUT=gu,
+           ROW_PAIR=row_pair, BLOCK_EXPERT=block_expert,
+           N=I, K=H, num_m=num_m, TOP_K=k,
+           stride_x_m=x.stride(0), stride_w_e=w.stride(0), stride_w_k=w.stride(1), stride_w_n=w.stride(2),
+           stride_bias_e=bias.stride(0) if has_bias else 0, stride_bias_n=bias.stride(1) if has_bias else 0,
+           clamp=float(clamp if clamp is not None else 0.0),
+           INTERLEAVED=layout != "concatenated", HAS_BIAS=has_bias, STORE_GU=save, ACT=activation,
+           BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, **cfg.options,
            traced=traced)
     y = torch.empty((R, H), dtype=x.dtype, device=device)
     _rows(h, False, row_pair, block_expert, None, _down_view(down_proj, layout), down_bias, y, k, cfg.BLOCK_M,
@@ -557,21 +585,25 @@ def _rows(a, gather, row_pair, block_expert, scale, b, bias, c, top_k, block_m, 
     n = c.shape[1]
     num_m = row_pair.numel() // block_m
     launch(_moe_rows_kernel, (num_m * cdiv(n, cfg.BLOCK_N),),
-           (a, a.stride(0), gather, row_pair, block_expert, dummy if scale is None else scale,
-            b, b.stride(0), b.stride(1), b.stride(2), dummy if bias is None else bias,
-            0 if bias is None else bias.stride(0), 0 if bias is None else bias.stride(1), c, n, b.shape[1], top_k,
-            num_m),
-           dict(HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.BLOCK_N,
-                BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, **cfg.options), traced=traced)
+           A=a, B=b, BIAS=dummy if bias is None else bias, SCALE=dummy if scale is None else scale, C=c,
+           ROW_PAIR=row_pair, BLOCK_EXPERT=block_expert,
+           N=n, K=b.shape[1], num_m=num_m, TOP_K=top_k,
+           stride_a_m=a.stride(0), stride_b_e=b.stride(0), stride_b_k=b.stride(1), stride_b_n=b.stride(2),
+           stride_bias_e=0 if bias is None else bias.stride(0), stride_bias_n=0 if bias is None else bias.stride(1),
+           GATHER=gather, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
+           BLOCK_M=block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, **cfg.options,
+           traced=traced)
 
 
 def _combine(y, pair_pos, weights, out, top_k, problem, traced):
     cfg = launch_config(MoECombine, out.device, _COMBINE_DEFAULT, **problem)
     T, H = out.shape
     launch(_moe_combine_kernel, (cdiv(T, cfg.BLOCK_T), cdiv(H, cfg.BLOCK_H)),
-           (y, pair_pos, _dummy(out.device) if weights is None else weights, out, out.stride(0), T, H),
-           dict(TOP_K=top_k, HAS_WEIGHTS=weights is not None, BLOCK_T=cfg.BLOCK_T, BLOCK_H=cfg.BLOCK_H,
-                **cfg.options), traced=traced)
+           Y=y, POS=pair_pos, WEIGHTS=_dummy(out.device) if weights is None else weights, OUT=out,
+           T=T, H=H,
+           stride_out_t=out.stride(0),
+           TOP_K=top_k, HAS_WEIGHTS=weights is not None, BLOCK_T=cfg.BLOCK_T, BLOCK_H=cfg.BLOCK_H, **cfg.options,
+           traced=traced)
 
 
 def _weight_grad(lhs, gather_l, rhs, gather_r, row_pair, expert_start, expert_rows, scale, dw, dbias, top_k,
@@ -582,12 +614,16 @@ def _weight_grad(lhs, gather_l, rhs, gather_r, row_pair, expert_start, expert_ro
     E, m, n = dw.shape
     dummy = _dummy(dw.device)
     launch(_moe_weight_grad_kernel, (cdiv(m, cfg.BLOCK_M) * cdiv(n, cfg.BLOCK_N), E),
-           (lhs, lhs.stride(0), gather_l, rhs, rhs.stride(0), gather_r, row_pair, expert_start, expert_rows,
-            dummy if scale is None else scale, dw, dw.stride(0), dw.stride(1), dw.stride(2),
-            dummy if dbias is None else dbias, 0 if dbias is None else dbias.stride(0),
-            0 if dbias is None else dbias.stride(1), m, n, top_k),
-           dict(HAS_SCALE=scale is not None, HAS_BIAS=dbias is not None, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-                BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, **cfg.options), traced=traced)
+           L=lhs, RHS=rhs, SCALE=dummy if scale is None else scale, DW=dw, DBIAS=dummy if dbias is None else dbias,
+           ROW_PAIR=row_pair, EXPERT_START=expert_start, EXPERT_ROWS=expert_rows,
+           M=m, N=n, TOP_K=top_k,
+           stride_l_k=lhs.stride(0), stride_rhs_k=rhs.stride(0),
+           stride_dw_e=dw.stride(0), stride_dw_m=dw.stride(1), stride_dw_n=dw.stride(2),
+           stride_dbias_e=0 if dbias is None else dbias.stride(0),
+           stride_dbias_m=0 if dbias is None else dbias.stride(1),
+           GATHER_L=gather_l, GATHER_R=gather_r, HAS_SCALE=scale is not None, HAS_BIAS=dbias is not None,
+           BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, **cfg.options,
+           traced=traced)
 
 
 def moe_experts_backward(dout, x, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, saved, layout: str,
@@ -610,11 +646,15 @@ def moe_experts_backward(dout, x, weights, gate_up_proj, down_proj, gate_up_bias
     dgu = torch.empty((R, 2 * I), dtype=x.dtype, device=device)
     dweights = torch.zeros(T * top_k, dtype=torch.float32, device=device)  # dropped pairs keep 0
     launch(_moe_act_backward_kernel, (cdiv(R, 16),),
-           (g, gu, dgu, row_pair, block_expert, w_flat, dweights, dout, dout.stride(0),
-            _dummy(device) if down_bias is None else down_bias, 0 if down_bias is None else down_bias.stride(0),
-            R, I, H, top_k, block_m, float(clamp or 0.0)),
-           dict(ACT=activation, INTERLEAVED=layout != "concatenated", HAS_BIAS=down_bias is not None, BLOCK_M=16,
-                BLOCK_N=128), traced=traced)
+           G=g, GU=gu, DGU=dgu, SCALE=w_flat, DW=dweights, DOUT=dout,
+           DOWN_BIAS=_dummy(device) if down_bias is None else down_bias,
+           ROW_PAIR=row_pair, BLOCK_EXPERT=block_expert,
+           R=R, N=I, H=H, TOP_K=top_k, ALIGN=block_m,
+           stride_dout_t=dout.stride(0), stride_down_bias_e=0 if down_bias is None else down_bias.stride(0),
+           clamp=float(clamp or 0.0),
+           ACT=activation, INTERLEAVED=layout != "concatenated", HAS_BIAS=down_bias is not None,
+           BLOCK_M=16, BLOCK_N=128,
+           traced=traced)
     hw = g
     # dx: each pair's d(gate, up) @ gate_up_e^T, then the same gather-reduce as the forward
     w_t = _gate_up_view(gate_up_proj, layout).transpose(1, 2)  # (E, 2I, H)
@@ -638,63 +678,70 @@ def moe_experts_backward(dout, x, weights, gate_up_proj, down_proj, gate_up_bias
 # ----------------------------------------------------------------------------------------------
 # the op (eager autograd and the torch.library ops, from one declaration)
 # ----------------------------------------------------------------------------------------------
-def _padded_rows(pairs: int, experts: int, block_m: int) -> int:
-    return -(-(pairs + experts * (block_m - 1)) // block_m) * block_m
-
-
-def _forward(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, layout, activation, clamp, *,
-             traced):
+def _forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
+             down_proj: torch.Tensor, gate_up_bias: Optional[torch.Tensor], down_bias: Optional[torch.Tensor],
+             layout: str, activation: str, clamp: float, *,
+             traced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                    torch.Tensor]:
+    """``(out, row_pair, block_expert, pair_pos, expert_start, expert_rows, gu)``: the output, then the sort
+    and the pre-activations the backward reads."""
     out, saved = moe_experts_forward(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, layout,
                                      activation, clamp, save=True, traced=traced)
     return (out, *saved)
 
 
-def _fake(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, layout, activation, clamp):
+def _fake(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
+          down_proj: torch.Tensor, gate_up_bias: Optional[torch.Tensor], down_bias: Optional[torch.Tensor],
+          layout: str, activation: str,
+          clamp: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                 torch.Tensor]:
     T, H = x.shape
     E = gate_up_proj.shape[0]
     I = down_proj.shape[2] if layout == "concatenated" else down_proj.shape[1]
     P = ids.numel()
     problem = _problem(x, E, I, ids.shape[1])
     block_m = launch_config(MoEUp, x.device, lambda: _up_default(problem["tokens_per_expert"]), **problem).BLOCK_M
-    R = _padded_rows(P, E, block_m)
+    R = padded_rows(P, E, block_m)
     i32 = dict(dtype=torch.int32, device=x.device)
     return (x.new_empty((T, H)), torch.empty(R, **i32), torch.empty(R // block_m, **i32), torch.empty(P, **i32),
             torch.empty(E, **i32), torch.empty(E, **i32), x.new_empty((R, 2 * I)))
 
 
-def _backward(grads, saved, statics, *, in_place, traced):
-    (dout,) = grads
-    x, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, *rest = saved
-    layout, activation, clamp = statics
-    if dout is None:
+def _save(inputs: tuple, outputs: tuple) -> tuple:
+    """x, the routing weights, both weights and biases, then the sort and the pre-activations."""
+    return (inputs[0], *inputs[2:7], *outputs[1:])
+
+
+def _backward(dout: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
+              down_proj: torch.Tensor, gate_up_bias: Optional[torch.Tensor], down_bias: Optional[torch.Tensor],
+              row_pair: torch.Tensor, block_expert: torch.Tensor, pair_pos: torch.Tensor, expert_start: torch.Tensor,
+              expert_rows: torch.Tensor, gu: torch.Tensor, layout: str, activation: str, clamp: float, *,
+              in_place: bool, traced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                     torch.Tensor, torch.Tensor]:
+    if dout is None:  # eager autograd passes None for an output that got no gradient
         dout = torch.zeros_like(x)
+    saved = (row_pair, block_expert, pair_pos, expert_start, expert_rows, gu)
     dx, dw, dgu, dd, dgb, ddb = moe_experts_backward(dout, x, weights, gate_up_proj, down_proj, gate_up_bias,
-                                                     down_bias, rest, layout, activation, clamp, weights.shape[1],
+                                                     down_bias, saved, layout, activation, clamp, weights.shape[1],
                                                      traced=traced)
     # absent biases get empty gradients of their own (library op outputs may not alias each other)
     return (dx, dw.to(weights.dtype), dgu, dd, x.new_empty(0) if dgb is None else dgb,
             x.new_empty(0) if ddb is None else ddb)
 
 
-def _backward_fake(grads, saved, statics):
-    x, weights, gate_up_proj, down_proj, gate_up_bias, down_bias = saved[:6]
+def _backward_fake(dout: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
+                   down_proj: torch.Tensor, gate_up_bias: Optional[torch.Tensor], down_bias: Optional[torch.Tensor],
+                   row_pair: torch.Tensor, block_expert: torch.Tensor, pair_pos: torch.Tensor,
+                   expert_start: torch.Tensor, expert_rows: torch.Tensor, gu: torch.Tensor, layout: str,
+                   activation: str, clamp: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                            torch.Tensor, torch.Tensor]:
     return (torch.empty_like(x), torch.empty_like(weights), torch.empty_like(gate_up_proj),
             torch.empty_like(down_proj), x.new_empty(0) if gate_up_bias is None else torch.empty_like(gate_up_bias),
             x.new_empty(0) if down_bias is None else torch.empty_like(down_bias))
 
 
-MOE_EXPERTS = Op(
-    "moe_experts",
-    schema="(Tensor x, Tensor ids, Tensor weights, Tensor gate_up_proj, Tensor down_proj, Tensor? gate_up_bias, "
-           "Tensor? down_bias, str layout, str activation, float clamp) "
-           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-    forward=_forward, fake=_fake,
-    save=lambda inputs, outputs: (inputs[0], *inputs[2:7], *outputs[1:]), saves=12, statics=(7, 8, 9),
-    backward_schema="(Tensor dout, Tensor x, Tensor weights, Tensor gate_up_proj, Tensor down_proj, "
-                    "Tensor? gate_up_bias, Tensor? down_bias, Tensor row_pair, Tensor block_expert, Tensor pair_pos, "
-                    "Tensor expert_start, Tensor expert_rows, Tensor gu, str layout, "
-                    "str activation, float clamp) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-    backward=_backward, backward_fake=_backward_fake, grads=(0, None, 1, 2, 3, 4, 5, None, None, None))
+MOE_EXPERTS = Op("moe_experts", forward=_forward, fake=_fake, save=_save, statics=(7, 8, 9), backward=_backward,
+                 backward_fake=_backward_fake, grads=(0, None, 1, 2, 3, 4, 5, None, None, None))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -738,8 +785,9 @@ def _check(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, la
         h_in, two_i = gate_up_proj.shape[1:]
         want_down = (E, two_i // 2, H)
     if h_in != H or two_i % 2 or two_i == 0:
-        raise ValueError(f"{op}: argument 'gate_up_proj' has shape {tuple(gate_up_proj.shape)}; with layout {layout!r} "
-                         f"and hidden size {H} it must be " + ("(E, 2I, H)" if layout == "concatenated" else "(E, H, 2I)"))
+        raise ValueError(f"{op}: argument 'gate_up_proj' has shape {tuple(gate_up_proj.shape)}; with layout "
+                         f"{layout!r} and hidden size {H} it must be "
+                         + ("(E, 2I, H)" if layout == "concatenated" else "(E, H, 2I)"))
     if tuple(down_proj.shape) != want_down:
         raise ValueError(f"{op}: argument 'down_proj' has shape {tuple(down_proj.shape)}; expected {want_down} "
                          f"for layout {layout!r}")
@@ -785,8 +833,9 @@ def moe_experts(x: torch.Tensor, top_k_ids: torch.Tensor, top_k_weights: torch.T
         # Triton's interpreter (3.6 to 3.9) feeds bf16 tl.dot operands to numpy as raw bits: compute in
         # float32 there and round the result (on GPUs bf16 runs as it is).
         f = lambda t: None if t is None else t.float()  # noqa: E731
-        return moe_experts(x.float(), top_k_ids, top_k_weights, f(gate_up_proj), f(down_proj), gate_up_bias=f(gate_up_bias),
-                           down_bias=f(down_bias), layout=layout, activation=activation, clamp=clamp).to(x.dtype)
+        return moe_experts(x.float(), top_k_ids, top_k_weights, f(gate_up_proj), f(down_proj),
+                           gate_up_bias=f(gate_up_bias), down_bias=f(down_bias), layout=layout, activation=activation,
+                           clamp=clamp).to(x.dtype)
     if x.shape[0] == 0:
         return x.new_zeros(x.shape) + 0 * top_k_weights.sum() + 0 * gate_up_proj.sum() + 0 * down_proj.sum()
     x, top_k_weights = x.contiguous(), top_k_weights.contiguous()

@@ -9,6 +9,9 @@ The math is float32 whatever the logits' dtype: in bfloat16 near-equal scores ro
 chosen experts change (vLLM runs DeepSeek's router in float32 for that reason). Pure torch with no
 host synchronization and no data-dependent shapes, so it is CUDA-graph capturable and traces under
 ``torch.compile(fullgraph=True)``; the weights are differentiable with respect to the logits.
+
+What comes after it is the experts' (:mod:`tritonspec.ops.moe`): they sort the chosen (token, expert)
+pairs by expert (:mod:`tritonspec.ops.moe_sort`) and run the grouped GEMMs.
 """
 from __future__ import annotations
 

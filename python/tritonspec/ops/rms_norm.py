@@ -17,6 +17,8 @@ partial row, then a small kernel sums the partials.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -25,7 +27,7 @@ from ..kernel_table import RMSNormBackward, RMSNormForward
 from ..launch import launch_config
 from ._checks import (check_eps, check_same_device, check_same_dtype, check_same_shape, check_tensor, rows_of,
                       unit_last_stride)
-from ._device import compute_units
+from ..devices import compute_units
 from ._library import Op, PlanCache, cdiv, launch, next_pow2
 
 # Row elements kept in registers: 16384 bf16 = 32 KB per row over 16 warps is ~32 fp32 values per
@@ -52,133 +54,188 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 # kernels
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _input_block(X, stride_x, R, stride_r, S, stride_s, rows, c, mask, in_ty, HAS_RESIDUAL: tl.constexpr,
-                 STORE_S: tl.constexpr):
+def _input_block(x_ptr, stride_x, residual_ptr, stride_residual, new_residual_ptr, stride_new_residual, rows, c, mask,
+                 in_ty, HAS_RESIDUAL: tl.constexpr, STORE_RESIDUAL: tl.constexpr):
     """A block of x (or of x + residual, rounded to the input dtype as a decoder layer rounds it);
-    STORE_S also writes that sum to S, the new residual."""
-    x = tl.load(X + rows[:, None] * stride_x + c[None, :], mask=mask, other=0.0)
+    STORE_RESIDUAL also writes that sum, the new residual."""
+    x = tl.load(x_ptr + rows[:, None] * stride_x + c[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(R + rows[:, None] * stride_r + c[None, :], mask=mask, other=0.0)
+        r = tl.load(residual_ptr + rows[:, None] * stride_residual + c[None, :], mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(in_ty)
-        if STORE_S:
-            tl.store(S + rows[:, None] * stride_s + c[None, :], x, mask=mask)
+        if STORE_RESIDUAL:
+            tl.store(new_residual_ptr + rows[:, None] * stride_new_residual + c[None, :], x, mask=mask)
     return x
 
 
 @triton.jit
-def _rms_norm_fwd_kernel(X, stride_x, R, stride_r, S, stride_s, Y, stride_y, W, RSTD, M, N, eps,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                         LOOPED: tl.constexpr):
-    """BLOCK_M rows per program; S (the new residual) is written only when HAS_RESIDUAL."""
+def _rms_norm_fwd_kernel(
+    # Pointers
+    x_ptr,
+    residual_ptr,  # read only when HAS_RESIDUAL
+    new_residual_ptr,  # x + residual, written only when HAS_RESIDUAL
+    y_ptr,
+    weight_ptr,
+    rstd_ptr,
+    # Sizes
+    M,
+    N,
+    # Strides (of rows; columns are contiguous)
+    stride_x,
+    stride_residual,
+    stride_new_residual,
+    stride_y,
+    # Scalars
+    eps,
+    # Meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    LOOPED: tl.constexpr,  # rows longer than BLOCK_N: two passes over BLOCK_N chunks
+):
+    """BLOCK_M rows per program; rstd is kept for the backward."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     rows = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
-    in_ty = X.dtype.element_ty
+    in_ty = x_ptr.dtype.element_ty
     if not LOOPED:
         mask = row_ok[:, None] & (cols < N)[None, :]
-        x = _input_block(X, stride_x, R, stride_r, S, stride_s, rows, cols, mask, in_ty, HAS_RESIDUAL, True)
+        x = _input_block(x_ptr, stride_x, residual_ptr, stride_residual, new_residual_ptr, stride_new_residual,
+                         rows, cols, mask, in_ty, HAS_RESIDUAL, True)
         xf = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / N + eps)
-        tl.store(RSTD + rows, rstd, mask=row_ok)
-        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+        tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+        w = tl.load(weight_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
         xn = (xf * rstd[:, None]).to(in_ty).to(tl.float32)
-        tl.store(Y + rows[:, None] * stride_y + cols[None, :], (xn * w[None, :]).to(Y.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], (xn * w[None, :]).to(y_ptr.dtype.element_ty),
+                 mask=mask)
     else:
-        # Pass 1: sum of squares (and the new residual); pass 2 re-reads the inputs rather than S,
-        # so no program ever loads what it just stored.
+        # Pass 1: sum of squares (and the new residual); pass 2 re-reads the inputs rather than the new
+        # residual, so no program ever loads what it just stored.
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for n0 in range(0, N, BLOCK_N):
             c = n0 + cols
             mask = row_ok[:, None] & (c < N)[None, :]
-            x = _input_block(X, stride_x, R, stride_r, S, stride_s, rows, c, mask, in_ty, HAS_RESIDUAL, True)
+            x = _input_block(x_ptr, stride_x, residual_ptr, stride_residual, new_residual_ptr,
+                             stride_new_residual, rows, c, mask, in_ty, HAS_RESIDUAL, True)
             xf = x.to(tl.float32)
             acc += xf * xf
         rstd = tl.rsqrt(tl.sum(acc, axis=1) / N + eps)
-        tl.store(RSTD + rows, rstd, mask=row_ok)
+        tl.store(rstd_ptr + rows, rstd, mask=row_ok)
         for n0 in range(0, N, BLOCK_N):
             c = n0 + cols
             mask = row_ok[:, None] & (c < N)[None, :]
-            x = _input_block(X, stride_x, R, stride_r, S, stride_s, rows, c, mask, in_ty, HAS_RESIDUAL, False)
-            w = tl.load(W + c, mask=c < N, other=0.0).to(tl.float32)
+            x = _input_block(x_ptr, stride_x, residual_ptr, stride_residual, new_residual_ptr,
+                             stride_new_residual, rows, c, mask, in_ty, HAS_RESIDUAL, False)
+            w = tl.load(weight_ptr + c, mask=c < N, other=0.0).to(tl.float32)
             xn = (x.to(tl.float32) * rstd[:, None]).to(in_ty).to(tl.float32)
-            tl.store(Y + rows[:, None] * stride_y + c[None, :], (xn * w[None, :]).to(Y.dtype.element_ty),
+            tl.store(y_ptr + rows[:, None] * stride_y + c[None, :], (xn * w[None, :]).to(y_ptr.dtype.element_ty),
                      mask=mask)
 
 
 @triton.jit
-def _rms_norm_bwd_kernel(DY, stride_dy, X, stride_x, W, RSTD, DRES, stride_dres, DX, stride_dx, DW_PART,
-                         M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DRES: tl.constexpr,
-                         LOOPED: tl.constexpr):
-    """Persistent: program p handles row blocks p, p + P, ...; writes its dW partial to DW_PART[p, :].
+def _rms_norm_bwd_kernel(
+    # Pointers
+    dy_ptr,
+    x_ptr,  # the normalized input (the new residual for add_rms_norm)
+    weight_ptr,
+    rstd_ptr,
+    dres_ptr,  # the new residual's gradient, added to dx when HAS_DRES
+    dx_ptr,  # may alias dy_ptr (in-place backward)
+    dw_part_ptr,  # (programs, N) float32: one dW partial row per program
+    # Sizes
+    M,
+    N,
+    # Strides (of rows; columns are contiguous)
+    stride_dy,
+    stride_x,
+    stride_dres,
+    stride_dx,
+    # Meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_DRES: tl.constexpr,
+    LOOPED: tl.constexpr,  # rows longer than BLOCK_N: two passes over BLOCK_N chunks
+):
+    """Persistent: program p handles row blocks p, p + P, ...; writes its dW partial to row p of dw_part.
 
     dx = rstd * (dy*w - xhat * mean(dy*w*xhat)) (+ dres); dW partial = sum over rows of dy * xhat,
-    with xhat rounded to the input dtype as the forward used it. DX may alias DY: every element is
+    with xhat rounded to the input dtype as the forward used it. dx may alias dy: every element is
     read before the same program writes it.
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
-    in_ty = X.dtype.element_ty
+    in_ty = x_ptr.dtype.element_ty
     num_row_blocks = tl.cdiv(M, BLOCK_M)
     if not LOOPED:
         col_ok = cols < N
-        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+        w = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for rb in range(pid, num_row_blocks, nprog):
             rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
             row_ok = rows < M
             rows = rows.to(tl.int64)
             mask = row_ok[:, None] & col_ok[None, :]
-            dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+            dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
             xhat = x * rstd[:, None]
             dw_acc += dy * xhat.to(in_ty).to(tl.float32)
             dxhat = dy * w[None, :]
             c = tl.sum(dxhat * xhat, axis=1) / N
             dx = (dxhat - xhat * c[:, None]) * rstd[:, None]
             if HAS_DRES:
-                dx += tl.load(DRES + rows[:, None] * stride_dres + cols[None, :], mask=mask,
+                dx += tl.load(dres_ptr + rows[:, None] * stride_dres + cols[None, :], mask=mask,
                               other=0.0).to(tl.float32)
-            tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        tl.store(DW_PART + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
+            tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dw_part_ptr + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
     else:
-        # DW_PART starts zeroed; only this program touches its row, with the same layout each time.
+        # dw_part starts zeroed; only this program touches its row, with the same layout each time.
         for rb in range(pid, num_row_blocks, nprog):
             rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
             row_ok = rows < M
             rows = rows.to(tl.int64)
-            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+            rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for n0 in range(0, N, BLOCK_N):
                 c_ = n0 + cols
                 mask = row_ok[:, None] & (c_ < N)[None, :]
-                dy = tl.load(DY + rows[:, None] * stride_dy + c_[None, :], mask=mask, other=0.0).to(tl.float32)
-                x = tl.load(X + rows[:, None] * stride_x + c_[None, :], mask=mask, other=0.0).to(tl.float32)
-                w = tl.load(W + c_, mask=c_ < N, other=0.0).to(tl.float32)
+                dy = tl.load(dy_ptr + rows[:, None] * stride_dy + c_[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + rows[:, None] * stride_x + c_[None, :], mask=mask, other=0.0).to(tl.float32)
+                w = tl.load(weight_ptr + c_, mask=c_ < N, other=0.0).to(tl.float32)
                 acc += dy * w[None, :] * x
             c = tl.sum(acc, axis=1) * rstd / N
             for n0 in range(0, N, BLOCK_N):
                 c_ = n0 + cols
                 col_ok = c_ < N
                 mask = row_ok[:, None] & col_ok[None, :]
-                dy = tl.load(DY + rows[:, None] * stride_dy + c_[None, :], mask=mask, other=0.0).to(tl.float32)
-                x = tl.load(X + rows[:, None] * stride_x + c_[None, :], mask=mask, other=0.0).to(tl.float32)
-                w = tl.load(W + c_, mask=col_ok, other=0.0).to(tl.float32)
+                dy = tl.load(dy_ptr + rows[:, None] * stride_dy + c_[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + rows[:, None] * stride_x + c_[None, :], mask=mask, other=0.0).to(tl.float32)
+                w = tl.load(weight_ptr + c_, mask=col_ok, other=0.0).to(tl.float32)
                 xhat = x * rstd[:, None]
                 dx = (dy * w[None, :] - xhat * c[:, None]) * rstd[:, None]
                 if HAS_DRES:
-                    dx += tl.load(DRES + rows[:, None] * stride_dres + c_[None, :], mask=mask,
+                    dx += tl.load(dres_ptr + rows[:, None] * stride_dres + c_[None, :], mask=mask,
                                   other=0.0).to(tl.float32)
-                tl.store(DX + rows[:, None] * stride_dx + c_[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-                part = DW_PART + pid.to(tl.int64) * N + c_
+                tl.store(dx_ptr + rows[:, None] * stride_dx + c_[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                part = dw_part_ptr + pid.to(tl.int64) * N + c_
                 dw = tl.load(part, mask=col_ok, other=0.0)
                 tl.store(part, dw + tl.sum(dy * xhat.to(in_ty).to(tl.float32), axis=0), mask=col_ok)
 
 
 @triton.jit
-def _rms_norm_dw_kernel(DW_PART, DW, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+def _rms_norm_dw_kernel(
+    # Pointers
+    dw_part_ptr,  # (P, N) float32, contiguous
+    dw_ptr,
+    # Sizes
+    P,
+    N,
+    # Meta-parameters
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Second stage of dW: sum the P fp32 partial rows, one column block per program."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -186,8 +243,8 @@ def _rms_norm_dw_kernel(DW_PART, DW, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.co
     for p0 in range(0, P, BLOCK_P):
         p = p0 + tl.arange(0, BLOCK_P)
         mask = (p < P)[:, None] & col_ok[None, :]
-        acc += tl.load(DW_PART + p.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
-    tl.store(DW + cols, tl.sum(acc, axis=0).to(DW.dtype.element_ty), mask=col_ok)
+        acc += tl.load(dw_part_ptr + p.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    tl.store(dw_ptr + cols, tl.sum(acc, axis=0).to(dw_ptr.dtype.element_ty), mask=col_ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,7 +278,8 @@ def _bwd_default(n: int) -> RMSNormBackward:
 # ----------------------------------------------------------------------------------------------
 # Eager LaunchPlans (see _launch_cache): a repeated call with the same shapes, dtypes and eps
 # relaunches the compiled kernels directly. Only contiguous tensors are planned, so their row
-# strides follow from the shape.
+# strides follow from the shape. The launches pass their arguments by name, which costs the cached
+# launcher a reordering: on a plan miss only, never on the hot path.
 _FWD_PLANS = PlanCache()
 _BWD_PLANS = PlanCache()
 
@@ -248,12 +306,18 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
     cfg = launch_config(RMSNormForward, x.device, lambda: _fwd_default(n_), N=n_, dtype=str(x.dtype))
     block_n = cfg.BLOCK_N
     r2, sr = rows_of(r)
-    # y and s are contiguous: their row stride is n
     grid = (cdiv(m, cfg.BLOCK_M),)
-    args = (x2, sx, r2, sr, y if s is None else s, n, y, n, weight, rstd, m, n, eps)
-    kwargs = dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, LOOPED=block_n < n_,
-                  **cfg.options)
-    plan = launch(_rms_norm_fwd_kernel, grid, args, kwargs, traced=traced, plan=key is not None)
+    # Without a residual, x and y stand in for residual_ptr and new_residual_ptr, which the kernel then never
+    # touches; y and s are contiguous (row stride n).
+    plan = launch(_rms_norm_fwd_kernel, grid,
+                  x_ptr=x2, residual_ptr=r2, new_residual_ptr=y if s is None else s, y_ptr=y, weight_ptr=weight,
+                  rstd_ptr=rstd,
+                  M=m, N=n,
+                  stride_x=sx, stride_residual=sr, stride_new_residual=n, stride_y=n,
+                  eps=eps,
+                  BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, LOOPED=block_n < n_,
+                  **cfg.options,
+                  traced=traced, plan=key is not None)
     if plan is not None:
         _FWD_PLANS[key] = plan
     return y, s, rstd
@@ -262,8 +326,11 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
 def _launch_dw_reduce(dw_part, dw, programs, n, *, traced: bool = False, plan: bool = False):
     """dw = the column sums of the (programs, n) fp32 partials; returns launch()'s plan."""
     red_n = min(256, next_pow2(int(n)))
-    return launch(_rms_norm_dw_kernel, (cdiv(n, red_n),), (dw_part, dw, programs, n),
-                  dict(BLOCK_P=min(32, next_pow2(programs)), BLOCK_N=red_n, num_warps=4), traced=traced, plan=plan)
+    return launch(_rms_norm_dw_kernel, (cdiv(n, red_n),),
+                  dw_part_ptr=dw_part, dw_ptr=dw,
+                  P=programs, N=n,
+                  BLOCK_P=min(32, next_pow2(programs)), BLOCK_N=red_n, num_warps=4,
+                  traced=traced, plan=plan)
 
 
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
@@ -303,9 +370,13 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     alloc = torch.zeros if looped else torch.empty
     dw_part = alloc((programs, n), dtype=torch.float32, device=x.device)
     grid = (programs,)
-    args = (dy2, sdy, x2, sx, weight, rstd, d2, sd, dx, n, dw_part, m, n)
-    kwargs = dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, HAS_DRES=dres is not None, LOOPED=looped, **cfg.options)
-    main = launch(_rms_norm_bwd_kernel, grid, args, kwargs, traced=traced, plan=key is not None)
+    # Without dres, dy stands in for dres_ptr, which the kernel then never reads; dx is contiguous.
+    main = launch(_rms_norm_bwd_kernel, grid,
+                  dy_ptr=dy2, x_ptr=x2, weight_ptr=weight, rstd_ptr=rstd, dres_ptr=d2, dx_ptr=dx, dw_part_ptr=dw_part,
+                  M=m, N=n,
+                  stride_dy=sdy, stride_x=sx, stride_dres=sd, stride_dx=n,
+                  BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, HAS_DRES=dres is not None, LOOPED=looped, **cfg.options,
+                  traced=traced, plan=key is not None)
     dw = torch.empty_like(weight)  # after the main launch: the GPU starts sooner
     reduce = _launch_dw_reduce(dw_part, dw, programs, n, traced=traced, plan=key is not None)
     if main is not None and reduce is not None:
@@ -316,11 +387,10 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
 # ----------------------------------------------------------------------------------------------
 # the ops (eager autograd and the torch.library ops, from one declaration)
 # ----------------------------------------------------------------------------------------------
-def _backward(grads, saved, statics, *, in_place: bool, traced: bool):
-    """``(dx, dweight)``; ``saved`` is (the normalized input, weight, rstd). With ``in_place`` the
-    gradient of the output becomes dx (dy must be contiguous and of the input's dtype)."""
-    dy, ds = grads if len(grads) == 2 else (grads[0], None)
-    xs, weight, rstd = saved
+def _backward(dy, ds, xs, weight, rstd, *, in_place: bool, traced: bool):
+    """``(dx, dweight)`` for both ops; ``xs`` is the normalized input, ``ds`` the new residual's gradient (None
+    for rms_norm). With ``in_place`` the gradient of the output becomes dx (dy must be contiguous and of the
+    input's dtype)."""
     if dy is None:  # add_rms_norm whose normalized output was not used
         dy = torch.zeros(xs.shape, dtype=xs.dtype, device=xs.device)
     in_place = in_place and dy.dtype == xs.dtype and dy.is_contiguous()
@@ -331,33 +401,75 @@ def _backward(grads, saved, statics, *, in_place: bool, traced: bool):
     return dx, dw
 
 
-def _backward_fake(grads, saved, statics):
-    xs, weight, _ = saved
-    return xs.new_empty(xs.shape), torch.empty_like(weight)
-
-
 def _out_fake(x, weight):
     return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
 
 
-RMS_NORM = Op(
-    "rms_norm",
-    schema="(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)",
-    forward=lambda x, weight, eps, *, traced: rms_norm_forward(x, weight, eps, traced=traced)[::2],
-    fake=lambda x, weight, eps: (_out_fake(x, weight), x.new_empty(x.shape[:-1], dtype=torch.float32)),
-    save=lambda inputs, outputs: (inputs[0], inputs[1], outputs[1]), saves=3,
-    backward_schema="(Tensor dy, Tensor x, Tensor weight, Tensor rstd) -> (Tensor, Tensor)",
-    backward=_backward, backward_fake=_backward_fake, grads=(0, 1, None))
+def _rstd_fake(x):
+    return x.new_empty(x.shape[:-1], dtype=torch.float32)
 
-ADD_RMS_NORM = Op(
-    "add_rms_norm",
-    schema="(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor, Tensor)",
-    forward=lambda x, residual, weight, eps, *, traced: rms_norm_forward(x, weight, eps, residual, traced=traced),
-    fake=lambda x, residual, weight, eps: (_out_fake(x, weight), x.new_empty(x.shape),
-                                           x.new_empty(x.shape[:-1], dtype=torch.float32)),
-    save=lambda inputs, outputs: (outputs[1], inputs[2], outputs[2]), saves=3, visible=2,
-    backward_schema="(Tensor? dy, Tensor? ds, Tensor s, Tensor weight, Tensor rstd) -> (Tensor, Tensor)",
-    backward=_backward, backward_fake=_backward_fake, grads=(0, 0, 1, None))
+
+# rms_norm: (y, rstd); the backward saves x, weight and rstd.
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+              traced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    y, _, rstd = rms_norm_forward(x, weight, eps, traced=traced)
+    return y, rstd
+
+
+def _rms_norm_fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _out_fake(x, weight), _rstd_fake(x)
+
+
+def _rms_norm_save(inputs: tuple, outputs: tuple) -> tuple:
+    (x, weight, _), (_, rstd) = inputs, outputs
+    return x, weight, rstd
+
+
+def _rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, *,
+                       in_place: bool, traced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _backward(dy, None, x, weight, rstd, in_place=in_place, traced=traced)
+
+
+def _rms_norm_backward_fake(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                            rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape), torch.empty_like(weight)
+
+
+RMS_NORM = Op("rms_norm", forward=_rms_norm, fake=_rms_norm_fake, save=_rms_norm_save, backward=_rms_norm_backward,
+              backward_fake=_rms_norm_backward_fake, grads=(0, 1, None))
+
+
+# add_rms_norm: (y, new residual s, rstd); the backward saves s (the normalized input), weight and rstd. Either
+# visible output may go unused, so both gradients are optional.
+def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                  traced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return rms_norm_forward(x, weight, eps, residual, traced=traced)
+
+
+def _add_rms_norm_fake(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _out_fake(x, weight), x.new_empty(x.shape), _rstd_fake(x)
+
+
+def _add_rms_norm_save(inputs: tuple, outputs: tuple) -> tuple:
+    (_, _, weight, _), (_, s, rstd) = inputs, outputs
+    return s, weight, rstd
+
+
+def _add_rms_norm_backward(dy: Optional[torch.Tensor], ds: Optional[torch.Tensor], s: torch.Tensor,
+                           weight: torch.Tensor, rstd: torch.Tensor, *, in_place: bool,
+                           traced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _backward(dy, ds, s, weight, rstd, in_place=in_place, traced=traced)
+
+
+def _add_rms_norm_backward_fake(dy: Optional[torch.Tensor], ds: Optional[torch.Tensor], s: torch.Tensor,
+                                weight: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return s.new_empty(s.shape), torch.empty_like(weight)
+
+
+ADD_RMS_NORM = Op("add_rms_norm", forward=_add_rms_norm, fake=_add_rms_norm_fake, save=_add_rms_norm_save,
+                  backward=_add_rms_norm_backward, backward_fake=_add_rms_norm_backward_fake, grads=(0, 0, 1, None),
+                  visible=2)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -38,14 +38,14 @@ def rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 
 
 @triton.jit
-def _rope_heads(X, sxb, sxh, sxs, O, sob, soh, sos, b, s, s_ok, d, d_ok, c1, c2, s1, s2, H, HALF,
-                BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr):
+def _rope_heads(x_ptr, stride_xb, stride_xh, stride_xs, out_ptr, stride_ob, stride_oh, stride_os, b, s, s_ok, d, d_ok,
+                c1, c2, s1, s2, H, HALF, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr):
     """Rotate heads [0, H) of one (batch, seq block) tile, BLOCK_H heads at a time."""
     for h0 in range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         mask = (h < H)[:, None, None] & s_ok[None, :, None] & d_ok[None, None, :]
         h = h.to(tl.int64)[:, None, None]
-        xo = X + b * sxb + h * sxh + s[None, :, None] * sxs + d[None, None, :]
+        xo = x_ptr + b * stride_xb + h * stride_xh + s[None, :, None] * stride_xs + d[None, None, :]
         x1 = tl.load(xo, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(xo + HALF, mask=mask, other=0.0).to(tl.float32)
         if BACKWARD:  # transpose of [[c1, -s1], [s2, c2]]
@@ -54,16 +54,50 @@ def _rope_heads(X, sxb, sxh, sxs, O, sob, soh, sos, b, s, s_ok, d, d_ok, c1, c2,
         else:
             o1 = x1 * c1[None, :, :] - x2 * s1[None, :, :]
             o2 = x2 * c2[None, :, :] + x1 * s2[None, :, :]
-        oo = O + b * sob + h * soh + s[None, :, None] * sos + d[None, None, :]
-        tl.store(oo, o1.to(O.dtype.element_ty), mask=mask)
-        tl.store(oo + HALF, o2.to(O.dtype.element_ty), mask=mask)
+        oo = out_ptr + b * stride_ob + h * stride_oh + s[None, :, None] * stride_os + d[None, None, :]
+        tl.store(oo, o1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(oo + HALF, o2.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _rope_kernel(Q, sqb, sqh, sqs, K, skb, skh, sks, QO, sqob, sqoh, sqos, KO, skob, skoh, skos,
-                 COS, scb, scs, SIN, ssb, sss, HQ, HK, S, HALF,
-                 BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BACKWARD: tl.constexpr):
+def _rope_kernel(
+    # Pointers
+    q_ptr,
+    k_ptr,
+    q_out_ptr,  # may alias q_ptr (in-place backward)
+    k_out_ptr,  # may alias k_ptr
+    cos_ptr,
+    sin_ptr,
+    # Sizes
+    HQ,  # heads of q
+    HK,  # heads of k
+    S,  # sequence length
+    HALF,  # head_dim // 2
+    # Strides (the head_dim stride is 1)
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_qob,
+    stride_qoh,
+    stride_qos,
+    stride_kob,
+    stride_koh,
+    stride_kos,
+    stride_cb,  # 0: one cos row per position, broadcast over the batch
+    stride_cs,
+    stride_sb,
+    stride_ss,
+    # Meta-parameters
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BACKWARD: tl.constexpr,
+):
+    """One program per (seq block, batch): its cos/sin tile is read once and rotates every head of q, then of k."""
     s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     b = tl.program_id(1).to(tl.int64)
     s_ok = s < S
@@ -71,16 +105,16 @@ def _rope_kernel(Q, sqb, sqh, sqs, K, skb, skh, sks, QO, sqob, sqoh, sqos, KO, s
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HALF
     mask = s_ok[:, None] & d_ok[None, :]
-    co = COS + b * scb + s[:, None] * scs + d[None, :]
-    so = SIN + b * ssb + s[:, None] * sss + d[None, :]
+    co = cos_ptr + b * stride_cb + s[:, None] * stride_cs + d[None, :]
+    so = sin_ptr + b * stride_sb + s[:, None] * stride_ss + d[None, :]
     c1 = tl.load(co, mask=mask, other=0.0).to(tl.float32)
     c2 = tl.load(co + HALF, mask=mask, other=0.0).to(tl.float32)
     s1 = tl.load(so, mask=mask, other=0.0).to(tl.float32)
     s2 = tl.load(so + HALF, mask=mask, other=0.0).to(tl.float32)
-    _rope_heads(Q, sqb, sqh, sqs, QO, sqob, sqoh, sqos, b, s, s_ok, d, d_ok, c1, c2, s1, s2, HQ, HALF,
-                BLOCK_HQ, BACKWARD)
-    _rope_heads(K, skb, skh, sks, KO, skob, skoh, skos, b, s, s_ok, d, d_ok, c1, c2, s1, s2, HK, HALF,
-                BLOCK_HK, BACKWARD)
+    _rope_heads(q_ptr, stride_qb, stride_qh, stride_qs, q_out_ptr, stride_qob, stride_qoh, stride_qos, b, s, s_ok, d,
+                d_ok, c1, c2, s1, s2, HQ, HALF, BLOCK_HQ, BACKWARD)
+    _rope_heads(k_ptr, stride_kb, stride_kh, stride_ks, k_out_ptr, stride_kob, stride_koh, stride_kos, b, s, s_ok, d,
+                d_ok, c1, c2, s1, s2, HK, HALF, BLOCK_HK, BACKWARD)
 
 
 def _default(hq: int, hk: int, half: int) -> RoPE:
@@ -94,7 +128,8 @@ def _default(hq: int, hk: int, half: int) -> RoPE:
                 num_warps=8)
 
 
-# Eager LaunchPlans (see _launch_cache), keyed by every shape and stride the launch passes.
+# Eager LaunchPlans (see _launch_cache), keyed by every shape and stride the launch passes. The launch
+# passes its arguments by name, which costs the cached launcher a reordering: on a plan miss only.
 _PLANS = PlanCache()
 
 
@@ -116,17 +151,23 @@ def _launch(q, k, qo, ko, cos, sin, backward: bool, traced: bool):
     cb = 0 if cos.shape[0] == 1 else cos.stride(0)  # (1, seq, dim) broadcasts over the batch
     sb = 0 if sin.shape[0] == 1 else sin.stride(0)
     grid = (cdiv(s, cfg.BLOCK_S), b)
-    args = (q, q.stride(0), q.stride(1), q.stride(2), k, k.stride(0), k.stride(1), k.stride(2),
-            qo, qo.stride(0), qo.stride(1), qo.stride(2), ko, ko.stride(0), ko.stride(1), ko.stride(2),
-            cos, cb, cos.stride(1), sin, sb, sin.stride(1), hq, hk, s, half)
-    kwargs = dict(BLOCK_HQ=cfg.BLOCK_HQ, BLOCK_HK=cfg.BLOCK_HK, BLOCK_S=cfg.BLOCK_S, BLOCK_D=next_pow2(half),
-                  BACKWARD=backward, **cfg.options)
-    plan = launch(_rope_kernel, grid, args, kwargs, traced=traced, plan=key is not None)
+    plan = launch(_rope_kernel, grid,
+                  q_ptr=q, k_ptr=k, q_out_ptr=qo, k_out_ptr=ko, cos_ptr=cos, sin_ptr=sin,
+                  HQ=hq, HK=hk, S=s, HALF=half,
+                  stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qs=q.stride(2),
+                  stride_kb=k.stride(0), stride_kh=k.stride(1), stride_ks=k.stride(2),
+                  stride_qob=qo.stride(0), stride_qoh=qo.stride(1), stride_qos=qo.stride(2),
+                  stride_kob=ko.stride(0), stride_koh=ko.stride(1), stride_kos=ko.stride(2),
+                  stride_cb=cb, stride_cs=cos.stride(1), stride_sb=sb, stride_ss=sin.stride(1),
+                  BLOCK_HQ=cfg.BLOCK_HQ, BLOCK_HK=cfg.BLOCK_HK, BLOCK_S=cfg.BLOCK_S, BLOCK_D=next_pow2(half),
+                  BACKWARD=backward, **cfg.options,
+                  traced=traced, plan=key is not None)
     if plan is not None:
         _PLANS[key] = plan
 
 
-def rope_forward(q, k, cos, sin, *, traced: bool = False):
+def rope_forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                 traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q_embed, k_embed)``, laid out like ``q`` and ``k``."""
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     _launch(q, k, qo, ko, cos, sin, False, traced)
@@ -145,9 +186,20 @@ def _writable(t: torch.Tensor) -> bool:
     return t.is_contiguous() or t.transpose(1, 2).is_contiguous()
 
 
-def _backward(grads, saved, statics, *, in_place: bool, traced: bool):
-    """``(dq, dk)``: the transposed rotation; with ``in_place`` it overwrites the output gradients."""
-    (dq, dk), (cos, sin) = grads, saved
+def _rope_fake(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+def _save(inputs: tuple, outputs: tuple) -> tuple:
+    """cos and sin: the backward is the transposed rotation, which needs nothing else."""
+    return inputs[2:]
+
+
+def _backward(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, in_place: bool,
+              traced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dq, dk)``: the transposed rotation; with ``in_place`` it overwrites the output gradients. On the eager
+    path an unused output's gradient is None (the library op always gets both)."""
     if dq is None or dk is None:  # an unused output (rare: attention consumes both): rotate the other alone
         g = unit_last_stride(dq if dq is not None else dk)
         gg, _ = rope_backward(g, g[:, :0], cos, sin, traced=traced)
@@ -162,16 +214,13 @@ def _backward(grads, saved, statics, *, in_place: bool, traced: bool):
     return gq, gk
 
 
-ROPE = Op(
-    "rope",
-    schema="(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)",
-    forward=lambda q, k, cos, sin, *, traced: rope_forward(q, k, cos, sin, traced=traced),
-    fake=lambda q, k, cos, sin: (torch.empty_like(q), torch.empty_like(k)),
-    save=lambda inputs, outputs: inputs[2:], saves=2, visible=2,
-    backward_schema="(Tensor dq, Tensor dk, Tensor cos, Tensor sin) -> (Tensor, Tensor)",
-    backward=_backward, backward_fake=lambda grads, saved, statics: (torch.empty_like(grads[0]),
-                                                                     torch.empty_like(grads[1])),
-    grads=(0, 1, None, None))
+def _backward_fake(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(dq), torch.empty_like(dk)
+
+
+ROPE = Op("rope", forward=rope_forward, fake=_rope_fake, save=_save, backward=_backward,
+          backward_fake=_backward_fake, grads=(0, 1, None, None), visible=2)
 
 
 def _check(q, k, cos, sin) -> None:

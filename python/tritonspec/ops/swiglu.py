@@ -30,35 +30,71 @@ def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _swiglu_fwd_kernel(G, stride_g, U, stride_u, Y, stride_y, M, N, n_col_blocks,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _swiglu_fwd_kernel(
+    # Pointers
+    gate_ptr,
+    up_ptr,
+    y_ptr,
+    # Sizes
+    M,
+    N,
+    n_col_blocks,  # column blocks per row block: the 1-D grid walks (row block, column block) pairs
+    # Strides
+    stride_gate,
+    stride_up,
+    stride_y,
+    # Meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """y = silu(gate) * up over (M, N) rows, one BLOCK_M x BLOCK_N tile per program."""
     pid = tl.program_id(0).to(tl.int64)
     rows = (pid // n_col_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = (pid % n_col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
-    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    act = (g * tl.sigmoid(g)).to(G.dtype.element_ty).to(tl.float32)
-    tl.store(Y + rows[:, None] * stride_y + cols[None, :], (act * u).to(Y.dtype.element_ty), mask=mask)
+    g = tl.load(gate_ptr + rows[:, None] * stride_gate + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + rows[:, None] * stride_up + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    act = (g * tl.sigmoid(g)).to(gate_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], (act * u).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _swiglu_bwd_kernel(DY, stride_dy, G, stride_g, U, stride_u, DG, stride_dg, DU, stride_du, M, N, n_col_blocks,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dgate = dy * up * silu'(gate), dup = dy * silu(gate); DG/DU may alias G/U (read before written)."""
+def _swiglu_bwd_kernel(
+    # Pointers
+    dy_ptr,
+    gate_ptr,
+    up_ptr,
+    dgate_ptr,  # may alias gate_ptr (in-place backward)
+    dup_ptr,  # may alias up_ptr
+    # Sizes
+    M,
+    N,
+    n_col_blocks,
+    # Strides
+    stride_dy,
+    stride_gate,
+    stride_up,
+    stride_dgate,
+    stride_dup,
+    # Meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """dgate = dy * up * silu'(gate), dup = dy * silu(gate); each element is read before it is written, so the
+    gradients may overwrite gate and up."""
     pid = tl.program_id(0).to(tl.int64)
     rows = (pid // n_col_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = (pid % n_col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
-    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + rows[:, None] * stride_gate + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + rows[:, None] * stride_up + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(g)
     act = g * sig
     dg = dy * u * sig * (1.0 + g * (1.0 - sig))
-    du = dy * act.to(G.dtype.element_ty).to(tl.float32)
-    tl.store(DG + rows[:, None] * stride_dg + cols[None, :], dg.to(DG.dtype.element_ty), mask=mask)
-    tl.store(DU + rows[:, None] * stride_du + cols[None, :], du.to(DU.dtype.element_ty), mask=mask)
+    du = dy * act.to(gate_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(dgate_ptr + rows[:, None] * stride_dgate + cols[None, :], dg.to(dgate_ptr.dtype.element_ty), mask=mask)
+    tl.store(dup_ptr + rows[:, None] * stride_dup + cols[None, :], du.to(dup_ptr.dtype.element_ty), mask=mask)
 
 
 def _default(config, n: int, flat: bool):
@@ -98,8 +134,12 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, *, traced: bool = False
     m, n = g.shape
     cfg = _config(SwiGLUForward, gate, n, flat)
     grid, n_col_blocks = _grid(m, n, cfg)
-    launch(_swiglu_fwd_kernel, grid, (g, g.stride(0), u, u.stride(0), y, y.stride(0), m, n, n_col_blocks),
-           dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, **cfg.options), traced=traced)
+    launch(_swiglu_fwd_kernel, grid,
+           gate_ptr=g, up_ptr=u, y_ptr=y,
+           M=m, N=n, n_col_blocks=n_col_blocks,
+           stride_gate=g.stride(0), stride_up=u.stride(0), stride_y=y.stride(0),
+           BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, **cfg.options,
+           traced=traced)
     return out
 
 
@@ -119,14 +159,27 @@ def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, i
     cfg = _config(SwiGLUBackward, gate, n, flat)
     grid, n_col_blocks = _grid(m, n, cfg)
     launch(_swiglu_bwd_kernel, grid,
-           (d, d.stride(0), g, g.stride(0), u, u.stride(0), dg2, dg2.stride(0), du2, du2.stride(0), m, n, n_col_blocks),
-           dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, **cfg.options), traced=traced)
+           dy_ptr=d, gate_ptr=g, up_ptr=u, dgate_ptr=dg2, dup_ptr=du2,
+           M=m, N=n, n_col_blocks=n_col_blocks,
+           stride_dy=d.stride(0), stride_gate=g.stride(0), stride_up=u.stride(0), stride_dgate=dg2.stride(0),
+           stride_dup=du2.stride(0),
+           BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, **cfg.options,
+           traced=traced)
     return dg, du
 
 
-def _backward(grads, saved, statics, *, in_place: bool, traced: bool):
+def _swiglu_fake(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return gate.new_empty(gate.shape)
+
+
+def _save(inputs: tuple, outputs: tuple) -> tuple:
+    """The backward recomputes silu(gate) from the inputs rather than saving the activation."""
+    return inputs
+
+
+def _backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, in_place: bool,
+              traced: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dgate, dup)``; with ``in_place`` they overwrite gate and up (Liger style)."""
-    (dy,), (gate, up) = grads, saved
     if dy is None:
         dy = torch.zeros(gate.shape, dtype=gate.dtype, device=gate.device)
     in_place = in_place and gate.is_contiguous() and up.is_contiguous()
@@ -140,16 +193,12 @@ def _backward(grads, saved, statics, *, in_place: bool, traced: bool):
     return dg, du
 
 
-SWIGLU = Op(
-    "swiglu",
-    schema="(Tensor gate, Tensor up) -> Tensor",
-    forward=lambda gate, up, *, traced: (swiglu_forward(gate, up, traced=traced),),
-    fake=lambda gate, up: (gate.new_empty(gate.shape),),
-    save=lambda inputs, outputs: inputs, saves=2,
-    backward_schema="(Tensor dy, Tensor gate, Tensor up) -> (Tensor, Tensor)",
-    backward=_backward, backward_fake=lambda grads, saved, statics: (saved[0].new_empty(saved[0].shape),
-                                                                     saved[1].new_empty(saved[1].shape)),
-    grads=(0, 1))
+def _backward_fake(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+
+SWIGLU = Op("swiglu", forward=swiglu_forward, fake=_swiglu_fake, save=_save, backward=_backward,
+            backward_fake=_backward_fake, grads=(0, 1))
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, in_place_backward: bool = False) -> torch.Tensor:

@@ -9,10 +9,8 @@ plus ``$TRITONSPEC_ASCEND_COMPILE_FLAGS``) is untested.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
-import pathlib
 import re
 import shlex
 import shutil
@@ -127,11 +125,12 @@ class AscendBackend(BaseBackend):
         if tool is None:
             metadata["not_built"] = f"{TOOLCHAIN} not on PATH"  # what `tritonspec check` reports
             return b""
+        from .settings import COMPILE_FLAGS
         with tempfile.TemporaryDirectory() as tmp:
             ttir, out = os.path.join(tmp, "kernel.ttir"), os.path.join(tmp, "kernel.o")
             with open(ttir, "w") as f:
                 f.write(str(src))
-            cmd = [tool, ttir, "-o", out] + shlex.split(os.environ.get("TRITONSPEC_ASCEND_COMPILE_FLAGS", ""))
+            cmd = [tool, ttir, "-o", out] + shlex.split(COMPILE_FLAGS.get() or "")
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"ascend: `{' '.join(cmd)}` failed ({proc.returncode}):\n{proc.stderr}")
@@ -149,18 +148,15 @@ class AscendBackend(BaseBackend):
             hook(self, stages, options, language, None)
 
 
-@functools.lru_cache(maxsize=None)
-def _source_digest() -> str:
-    """Every .py file of the ascend package (backend, spec, libdevice), so editing any recompiles."""
-    root = pathlib.Path(__file__).resolve().parents[1]
-    h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode() + path.read_bytes())
-    return h.hexdigest()[:16]
-
 
 def _kernel_name(ttir: str) -> str:
     match = re.search(r"tt\.func (?:public )?@([\w$.]+)", ttir)
     if match is None:
         raise RuntimeError("ascend: no tt.func in the TTIR")
     return match.group(1)
+
+
+def _source_digest() -> str:
+    """Every .py file of the ascend package (backend, spec, libdevice), so editing any recompiles."""
+    from tritonspec.specialization.fingerprint import source_digest
+    return source_digest(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

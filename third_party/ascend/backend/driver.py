@@ -5,12 +5,11 @@ compile-only backend ships neither runtime piece: a kernel compiled without the 
 at launch with ``AscendToolchainError`` naming ``bishengir-compile``; one compiled with it fails
 with NotImplementedError (no launcher), never silently.
 """
-import os
 
 from triton.backends.compiler import GPUTarget
 from triton.backends.driver import DriverBase
 
-from .compiler import DEFAULT_ARCH, TARGET_BACKEND, TOOLCHAIN, AscendToolchainError
+from .compiler import TARGET_BACKEND, TOOLCHAIN, AscendToolchainError
 
 _CPP_TYPES = {"i1": "int8_t", "i8": "int8_t", "i16": "int16_t", "i32": "int32_t", "i64": "int64_t", "u1": "uint8_t",
               "u8": "uint8_t", "u16": "uint16_t", "u32": "uint32_t", "u64": "uint64_t", "fp16": "double",
@@ -74,7 +73,8 @@ class AscendDriver(DriverBase):
         return torch.npu.current_stream(device).npu_stream if hasattr(torch, "npu") else 0
 
     def get_current_target(self):
-        return GPUTarget(TARGET_BACKEND, os.environ.get("TRITONSPEC_ASCEND_ARCH", DEFAULT_ARCH), 0)
+        from .settings import ARCH  # on use: discovery imports this module with the layer disabled too
+        return GPUTarget(TARGET_BACKEND, ARCH.get(), 0)
 
     def get_active_torch_device(self):
         import torch

@@ -8,9 +8,7 @@ part of Triton's cache key so iluvatar and cuda binaries never mix. The arch is 
 compute capability because the emulation runs on NVIDIA GPUs; the real CoreX toolchain is not
 used (see the spec's ``backend_info``).
 """
-import functools
-import hashlib
-import pathlib
+import os
 
 from triton.backends.nvidia import compiler as _nvidia_compiler
 
@@ -31,11 +29,8 @@ class IluvatarBackend(_nvidia_compiler.CUDABackend):
         return f"{TARGET_BACKEND}-{_source_digest()}-{super().hash()}"
 
 
-@functools.lru_cache(maxsize=None)
+
 def _source_digest() -> str:
-    """Every .py file of the iluvatar package (backend and spec), so editing either recompiles."""
-    root = pathlib.Path(__file__).resolve().parents[1]
-    h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode() + path.read_bytes())
-    return h.hexdigest()[:16]
+    """Every .py file of the iluvatar package (backend, spec, libdevice), so editing any recompiles."""
+    from tritonspec.specialization.fingerprint import source_digest
+    return source_digest(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,6 +1,6 @@
 """Iluvatar driver: the CUDA driver reporting ``iluvatar`` targets, active only when selected.
 
-``is_active()`` is True only when iluvatar is selected (``TRITONSPEC_BACKEND`` or
+``is_active()`` is True only when iluvatar is selected (``TRITONSPEC_DEFAULT_BACKEND`` or
 ``TRITON_DEFAULT_BACKEND`` = ``iluvatar``, or an enclosing ``tritonspec.use_backend("iluvatar")``)
 and a CUDA GPU is present; see the package docstring for how the CUDA driver stops counting.
 """
@@ -18,7 +18,7 @@ def selected() -> bool:
     if os.environ.get("TRITON_DEFAULT_BACKEND") == TARGET_BACKEND:
         return True
     try:
-        from tritonspec.resolve import explicit_backend
+        from tritonspec.specialization.resolve import explicit_backend
     except ImportError:
         return False
     return explicit_backend() == TARGET_BACKEND

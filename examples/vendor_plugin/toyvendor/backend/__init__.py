@@ -2,7 +2,7 @@
 
 Triton imports this package during backend discovery (entry point ``triton.backends: toyvendor``);
 nothing here touches a device. Select it with ``tritonspec.use_backend("toyvendor")`` (or
-``TRITONSPEC_BACKEND=toyvendor``); compiles for a toyvendor target get its spec without selection.
+``TRITONSPEC_DEFAULT_BACKEND=toyvendor``); compiles for a toyvendor target get its spec without selection.
 """
 import os
 

@@ -16,7 +16,7 @@ def selected() -> bool:
     if os.environ.get("TRITONSPEC_DISABLE", "").lower() in ("1", "true", "yes", "on", "y"):
         return False
     try:
-        from tritonspec.resolve import explicit_backend
+        from tritonspec.specialization.resolve import explicit_backend
     except ImportError:
         return False
     return explicit_backend() == TARGET_BACKEND

@@ -12,7 +12,7 @@ tree by :func:`tritonspec.nn.hub.write_layer_repo` — the real ``kernels`` pack
 
 Two layers need more than the module's tensors to know what to compute, and ask tritonspec when they run:
 ``MoEExperts`` the experts' layout and activation (``tritonspec.nn.experts.experts_kind``), ``MoERouter`` the
-routing its router computes (``tritonspec.nn.targets.router_kind``, verified against the router's own forward).
+routing its router computes (``tritonspec.nn.detectors.router_kind``, verified against the router's own forward).
 
 This file must stay self-contained: only the standard library and torch at import time; tritonspec's ops
 are imported when a forward runs (the kernels are installed as the ``tritonspec`` package, which a hub
@@ -102,7 +102,7 @@ def decoder_layer(module, hidden_states, attn_kwargs):
 
     ``self_attn`` gets ``attn_kwargs`` by name, as transformers' layers pass their arguments on; its
     ``(output, weights)`` pair and an MoE ``mlp``'s ``(output, router scores)`` pair (GPT-OSS) are unpacked
-    as the layers do. ``tritonspec.nn.targets.is_llama_decoder_layer`` checks a layer's own forward against this.
+    as the layers do. ``tritonspec.nn.detectors.is_llama_decoder_layer`` checks a layer's own forward against this.
     """
     residual = hidden_states
     hidden_states, _ = module.self_attn(hidden_states=module.input_layernorm(hidden_states), **attn_kwargs)
@@ -160,7 +160,7 @@ def rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
 
 def moe_router(module, hidden_states, kind):
     """``(router_logits, weights, ids)`` of a top-k router, with the routing ``kind`` describes (a
-    ``tritonspec.nn.targets.RouterKind``): the router's ``weight`` (and ``bias``, ``e_score_correction_bias``
+    ``tritonspec.nn.detectors.RouterKind``): the router's ``weight`` (and ``bias``, ``e_score_correction_bias``
     where ``kind`` says), ``moe_route``, and the router's dtypes."""
     weight = module.weight
     bias = module.bias if kind.bias else None
@@ -242,7 +242,7 @@ class MoERouter(nn.Module):
     can_torch_compile = True
 
     def forward(self, hidden_states):
-        kind = _tritonspec("nn.targets", "router_kind")(self)
+        kind = _tritonspec("nn.detectors", "router_kind")(self)
         if kind is None or hidden_states.dtype == torch.float64:
             return type(self).forward(self, hidden_states)
         return moe_router(self, hidden_states, kind)
@@ -293,7 +293,7 @@ def causal_lm_forward(module, labels, logits_to_keep, kwargs):
     The model's forward stays in charge: it runs with ``logits_to_keep`` an empty index (the head projects no
     position) and, for that call, a ``loss_function`` that takes the decoder's last hidden state (caught by a
     forward hook) to :func:`causal_lm_loss`. So what the model adds to the loss (MoE load-balancing terms) and
-    what else it returns stay its own. ``tritonspec.nn.targets.is_causal_lm_head`` checks that the model's
+    what else it returns stay its own. ``tritonspec.nn.detectors.is_causal_lm_head`` checks that the model's
     forward is the plain ``loss_function(lm_head(hidden))`` this relies on."""
     original = type(module).forward
     weight = module.lm_head.weight

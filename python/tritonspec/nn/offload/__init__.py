@@ -36,7 +36,7 @@ from torch import nn
 
 from .. import engine
 from ..rules import apply_rules, shown
-from ..targets import is_fused_experts
+from ..detectors import is_fused_experts
 from .cache import POLICIES
 from .checkpoint import Checkpoint
 from .offloaded import CPU_COMPUTE, STORAGES, OffloadedExperts, Stats, plan_offload

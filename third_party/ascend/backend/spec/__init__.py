@@ -12,8 +12,8 @@ emulated semantics: every extension also has a portable meaning that runs in the
 from tritonspec import BackendInfo
 from tritonspec_backends.ascend.language.ascend import libdevice as _libdevice
 
-from .core import extract_slice, gather, get_element, insert_slice
-from .semantic import ext_semantic_extract_slice, ext_semantic_get_element, ext_semantic_insert_slice
+from .core import extract_slice, gather, get_element, insert_slice  # noqa: F401  (the spec's builtins)
+from .semantic import ext_semantic_extract_slice, ext_semantic_get_element, ext_semantic_insert_slice  # noqa: F401
 
 backend_info = BackendInfo(runs="compile-only", targets=("ascend",), devices=("npu",),
                            check_target=("ascend", "Ascend910B3", 0),

@@ -18,13 +18,13 @@ backend_info = BackendInfo(runs="real", targets=("cuda",), devices=("cuda",), ch
 
 def attention_forward(q, k, v, o, lse, causal, scale):
     """Hopper's warp-specialized forward, or False to keep the portable kernel."""
-    from .attention_sm90 import attention_forward as forward
+    from .attention_sm90.launchers import attention_forward as forward
     return forward(q, k, v, o, lse, causal, scale)
 
 
 def attention_backward(q, k, v, do, dqa, dk, dv, lse, delta, causal, scale):
     """Hopper's one-pass warp-specialized backward, or False to keep the portable kernels."""
-    from .attention_sm90 import attention_backward as backward
+    from .attention_sm90.launchers import attention_backward as backward
     return backward(q, k, v, do, dqa, dk, dv, lse, delta, causal, scale)
 
 

@@ -13,19 +13,17 @@ declared after import (a vendor's, an experiment's) is registered under its tabl
 from __future__ import annotations
 
 import enum
-import importlib
 import logging
 from abc import ABCMeta, abstractmethod
 from typing import Any, Callable, ClassVar, Optional
 
-import torch
 from torch import nn
 
 from .. import kernel_table
 from ..devices import DEVICE_TYPES
 from . import engine
 
-logger = logging.getLogger("tritonspec.nn.registry")
+logger = logging.getLogger("tritonspec.nn.kernel_registry")
 
 # What a kernel replaces: the kernel table's names.
 KernelType = enum.Enum("KernelType", {n.upper(): n for n in kernel_table.KERNELS}, type=str, module=__name__)
@@ -141,78 +139,3 @@ class MetaKernel(metaclass=AutoRegisterKernelMeta):
         t = getattr(cls.type, "name", cls.type) if cls.type is not None else "?"
         d = cls.device.name if cls.device is not None else "?"
         return f"{cls.__name__} {t}/{d}"
-
-
-def _ensure_kernels_loaded() -> None:
-    """Registry kernels for every kernel of the table (generated on first use, and for kernels declared
-    since); a missing dependency skips them, like LLaMA-Factory's _ensure_kernels_loaded."""
-    try:
-        triton_kernels = importlib.import_module("tritonspec.nn.triton_kernels")
-    except ImportError as e:
-        logger.debug("tritonspec.nn.triton_kernels not loaded: %s", e)
-        return
-    triton_kernels.sync()
-
-
-def current_device_type(model: nn.Module | None = None) -> DeviceType:
-    """The model's device type when it has (non-meta) parameters, else the runtime's accelerator."""
-    if model is not None:
-        for p in model.parameters():
-            if p.device.type != "meta":
-                try:
-                    return DeviceType(p.device.type)
-                except ValueError:
-                    raise ValueError(f"model: device type {p.device.type!r} has no DeviceType") from None
-            break
-    if torch.cuda.is_available():
-        return DeviceType.CUDA
-    npu = getattr(torch, "npu", None)
-    if npu is not None and npu.is_available():
-        return DeviceType.NPU
-    if hasattr(torch, "xpu") and torch.xpu.is_available():
-        return DeviceType.XPU
-    if torch.backends.mps.is_available():
-        return DeviceType.MPS
-    return DeviceType.CPU
-
-
-def discover_kernels(model: nn.Module | None = None) -> list[type[MetaKernel]]:
-    """Registered MetaKernel classes for the current device (the model's, when given), in KernelType order.
-
-    Entries that are not MetaKernel subclasses are skipped silently; their ``apply`` decides later whether
-    they can actually be used.
-    """
-    _ensure_kernels_loaded()
-    device = current_device_type(model)
-    out = []
-    for kind in dict.fromkeys([*KernelType, *KERNEL_REGISTRY._registry]):  # KernelType order, then later ones
-        impl = KERNEL_REGISTRY.get_kernel(kind, device)
-        if isinstance(impl, type) and issubclass(impl, MetaKernel):
-            out.append(impl)
-    return out
-
-
-def apply_kernel(model: nn.Module, kernel: type[MetaKernel], /, **kwargs) -> nn.Module:
-    """Run ``kernel.apply(model, **kwargs)``.
-
-    Raises ValueError when ``kernel`` is not a MetaKernel subclass or is for another device than the
-    current one (the model's device when it has parameters). Changes made before an exception are undone.
-    """
-    if not (isinstance(kernel, type) and issubclass(kernel, MetaKernel)):
-        raise ValueError(f"kernel: {kernel!r} is not a MetaKernel subclass")
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    device = current_device_type(model)
-    if kernel.device != device:
-        raise ValueError(f"kernel: {kernel.__name__} is for device {getattr(kernel.device, 'name', None)}, "
-                         f"the current device is {device.name}")
-    with engine.transaction(model):
-        out = kernel.apply(model, **kwargs)
-    return model if out is None else out
-
-
-def apply_available_kernels(model: nn.Module, **kwargs) -> nn.Module:
-    """Apply every kernel :func:`discover_kernels` finds for the model's device."""
-    for kernel in discover_kernels(model):
-        model = apply_kernel(model, kernel, **kwargs)
-    return model

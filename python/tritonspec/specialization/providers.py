@@ -4,7 +4,7 @@ Providers come from ``register_spec`` calls and from the ``tritonspec.specs`` en
 Any installed package could otherwise change kernel semantics process-wide, so a provider is
 identified by backend name *and* distribution:
 
-* ``TRITONSPEC_BACKENDS=name,name=distribution,...`` allows only the listed backends, and a
+* ``TRITONSPEC_ALLOWED_BACKENDS=name,name=distribution,...`` allows only the listed backends, and a
   ``name=distribution`` entry only that distribution's provider for the name;
 * two installed providers for one name are an error naming both distributions, unless the
   allow-list picks one (which provider wins never depends on ``sys.path`` order);
@@ -20,7 +20,7 @@ refuses it. (A package that shadows the pinned distribution's own modules earlie
 can replace any module, Triton's included; no pin can tell.)
 
 The allow-list is read once, when a provider is first needed (set it before the process starts;
-``REGISTRY.refresh()`` reads it again).
+``PROVIDERS.refresh()`` reads it again).
 
 ``tritonspec check`` lists every provider with its distribution, and every conflict.
 """
@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 from .hooks import BACKEND_INFO, HOOKS, SpecError, injected, spec_module_exports, validate_spec_module
-from .identity import BackendInfo
+from .. import settings
+from .backend_info import BackendInfo
 
 ENTRY_POINT_GROUP = "tritonspec.specs"
-ALLOW_ENV = "TRITONSPEC_BACKENDS"
 
 
 def normalize(distribution: str) -> str:
@@ -91,7 +91,7 @@ class Provider:
 
 @dataclass(frozen=True)
 class AllowList:
-    """``TRITONSPEC_BACKENDS`` parsed: None allows every backend; a name maps to the distributions
+    """``TRITONSPEC_ALLOWED_BACKENDS`` parsed: None allows every backend; a name maps to the distributions
     it is pinned to (empty: any distribution)."""
     names: dict | None
 
@@ -105,7 +105,7 @@ class AllowList:
                 continue
             name, _, dist = (s.strip() for s in item.partition("="))
             if not name or ("=" in item and not dist):
-                raise SpecError(f"{ALLOW_ENV}={raw!r}: entry {item!r} must be 'name' or 'name=distribution'")
+                raise SpecError(f"{settings.ALLOWED_BACKENDS.shown()}: entry {item!r} must be 'name' or 'name=distribution'")
             pins = names.setdefault(name, set())
             if dist:
                 pins.add(normalize(dist))
@@ -138,27 +138,27 @@ class Candidate:
         return f"{self.distribution}=={self.version}" if self.distribution else "an unknown distribution"
 
 
-class Registry:
+class ProviderRegistry:
     def __init__(self):
         self._lock = threading.RLock()
         self._registered: dict[str, Provider] = {}  # register_spec: wins over entry points
         self._loaded: dict[tuple, Provider] = {}  # (name, distribution) -> entry point's, imported on first use
         self._entry_points = None  # name -> [Candidate], read lazily
         self._projects: dict = {}  # distribution name -> {its declared entry points: [where installed]}
-        self._allow: AllowList | None = None  # TRITONSPEC_BACKENDS, read on first use (refresh() re-reads)
+        self._allow: AllowList | None = None  # TRITONSPEC_ALLOWED_BACKENDS, read on first use (refresh() re-reads)
         self._resolved: dict = {}  # name -> Provider or None: what get() found (ops look hooks up per call)
         self._listeners = []  # called after any change of registrations
         self.generation = 0  # bumped by every change of what a name resolves to; lazy loads change nothing
 
     # -- the allow-list ---------------------------------------------------------------------------
     def allow_list(self) -> AllowList:
-        """``TRITONSPEC_BACKENDS`` as it was when first needed (``refresh()`` reads it again)."""
+        """``TRITONSPEC_ALLOWED_BACKENDS`` as it was when first needed (``refresh()`` reads it again)."""
         if self._allow is None:
-            self._allow = AllowList.parse(os.environ.get(ALLOW_ENV))
+            self._allow = AllowList.parse(settings.ALLOWED_BACKENDS.raw())
         return self._allow
 
     def refresh(self) -> None:
-        """Read ``TRITONSPEC_BACKENDS`` and the installed entry points again (after changing either)."""
+        """Read ``TRITONSPEC_ALLOWED_BACKENDS`` and the installed entry points again (after changing either)."""
         with self._lock:
             self._allow = None
             self._entry_points = None
@@ -176,12 +176,12 @@ class Registry:
         allow = self.allow_list()
         if allow.pinned(backend):
             raise SpecError(f"register_spec: backend {backend!r} is pinned to distribution "
-                            f"{' or '.join(sorted(allow.names[backend]))} by {ALLOW_ENV}={os.environ[ALLOW_ENV]!r}: "
+                            f"{' or '.join(sorted(allow.names[backend]))} by {settings.ALLOWED_BACKENDS.shown()}: "
                             f"its spec comes from that distribution's {ENTRY_POINT_GROUP} entry point only, "
                             f"not from module {module.__name__} registered at run time")
         if not allow.allows(backend, None):
             raise SpecError(f"register_spec: backend {backend!r} (module {module.__name__}) is not allowed by "
-                            f"{ALLOW_ENV}={os.environ[ALLOW_ENV]!r}")
+                            f"{settings.ALLOWED_BACKENDS.shown()}")
         provider = Provider(backend, module, None, origin)
         with self._lock:
             self._registered[backend] = provider
@@ -249,7 +249,7 @@ class Registry:
             return (f"backend {backend!r} has {len(found)} spec providers: {who}; distributions of one name cannot "
                     "be told apart by a pin: uninstall the one that is not meant")
         return (f"backend {backend!r} has {len(found)} spec providers: {who}; pick one with "
-                f"{ALLOW_ENV}={backend}=<distribution>")
+                f"{settings.ALLOWED_BACKENDS.name}={backend}=<distribution>")
 
     def pin_problem(self, backend: str, candidate: Candidate) -> str | None:
         """Why ``candidate``, pinned by the allow-list, may not be its distribution's own code; else None.
@@ -299,7 +299,7 @@ class Registry:
                     problem = self.pin_problem(backend, found[0])
                     if problem is not None:
                         raise SpecError(f"backend {backend!r}: refusing the provider {found[0].value} of "
-                                        f"{found[0].label} pinned by {ALLOW_ENV}: {problem}")
+                                        f"{found[0].label} pinned by {settings.ALLOWED_BACKENDS.name}: {problem}")
                     module = importlib.import_module(found[0].value)
                     self._loaded[key] = Provider(backend, module, key[1], "entry point")
                 provider = self._loaded[key]
@@ -384,13 +384,13 @@ def _finder_mapping(path: str) -> list[str]:
     return []
 
 
-REGISTRY = Registry()
+PROVIDERS = ProviderRegistry()
 
 
 def register_spec(backend: str, module: ModuleType) -> Provider:
     """Register ``module`` as the spec module of ``backend`` (replacing any earlier one).
 
-    A name the allow-list pins (``TRITONSPEC_BACKENDS=name=distribution``) is refused: its spec comes
+    A name the allow-list pins (``TRITONSPEC_ALLOWED_BACKENDS=name=distribution``) is refused: its spec comes
     from that distribution's entry point only.
     """
-    return REGISTRY.register(backend, module)
+    return PROVIDERS.register(backend, module)

@@ -1,4 +1,4 @@
-"""The kernel table's kernels as registry kernels (LLaMA-Factory style), generated per device type.
+"""The kernel table's kernels as registry kernels (LLaMA-Factory style), and discovering and applying them.
 
 One class per (kernel, device type Triton runs on), named ``<Device>Triton<Layer>Kernel`` after the
 kernel's layer (``CudaTritonRMSNormKernel``, ``CpuTritonSwiGLUMLPKernel``, ``CudaTritonRotaryPosEmbKernel``,
@@ -18,17 +18,18 @@ import re
 from types import MethodType
 from typing import Iterable
 
+import torch
 from torch import nn
 
 from .. import kernel_table
 from ..devices import triton_device_types
 from . import engine
 from .attention import use_tritonspec_attention
-from .registry import KERNEL_REGISTRY, AutoRegisterKernelMeta, DeviceType, MetaKernel, as_kernel_type
+from .kernel_registry import KERNEL_REGISTRY, AutoRegisterKernelMeta, DeviceType, KernelType, MetaKernel, as_kernel_type
 from .repository import kernel_available, validate_layer
-from .targets import function_sites, infer_layer_name, tagged_name
+from .detectors import function_sites, infer_layer_name, tagged_name
 
-logger = logging.getLogger("tritonspec.nn.registry")
+logger = logging.getLogger("tritonspec.nn.kernel_registry")
 
 
 def _excluded(path: str, exclude: Iterable[str] | None) -> bool:
@@ -142,3 +143,69 @@ def sync() -> None:
 
 
 sync()
+
+
+# -- the front end: discover and apply (LLaMA-Factory's names) ----------------------------------
+
+def current_device_type(model: nn.Module | None = None) -> DeviceType:
+    """The model's device type when it has (non-meta) parameters, else the runtime's accelerator."""
+    if model is not None:
+        for p in model.parameters():
+            if p.device.type != "meta":
+                try:
+                    return DeviceType(p.device.type)
+                except ValueError:
+                    raise ValueError(f"model: device type {p.device.type!r} has no DeviceType") from None
+            break
+    if torch.cuda.is_available():
+        return DeviceType.CUDA
+    npu = getattr(torch, "npu", None)
+    if npu is not None and npu.is_available():
+        return DeviceType.NPU
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return DeviceType.XPU
+    if torch.backends.mps.is_available():
+        return DeviceType.MPS
+    return DeviceType.CPU
+
+
+def discover_kernels(model: nn.Module | None = None) -> list[type[MetaKernel]]:
+    """Registered MetaKernel classes for the current device (the model's, when given), in KernelType order.
+
+    Entries that are not MetaKernel subclasses are skipped silently; their ``apply`` decides later whether
+    they can actually be used.
+    """
+    sync()  # kernels of the table declared since
+    device = current_device_type(model)
+    out = []
+    for kind in dict.fromkeys([*KernelType, *KERNEL_REGISTRY._registry]):  # KernelType order, then later ones
+        impl = KERNEL_REGISTRY.get_kernel(kind, device)
+        if isinstance(impl, type) and issubclass(impl, MetaKernel):
+            out.append(impl)
+    return out
+
+
+def apply_kernel(model: nn.Module, kernel: type[MetaKernel], /, **kwargs) -> nn.Module:
+    """Run ``kernel.apply(model, **kwargs)``.
+
+    Raises ValueError when ``kernel`` is not a MetaKernel subclass or is for another device than the
+    current one (the model's device when it has parameters). Changes made before an exception are undone.
+    """
+    if not (isinstance(kernel, type) and issubclass(kernel, MetaKernel)):
+        raise ValueError(f"kernel: {kernel!r} is not a MetaKernel subclass")
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    device = current_device_type(model)
+    if kernel.device != device:
+        raise ValueError(f"kernel: {kernel.__name__} is for device {getattr(kernel.device, 'name', None)}, "
+                         f"the current device is {device.name}")
+    with engine.transaction(model):
+        out = kernel.apply(model, **kwargs)
+    return model if out is None else out
+
+
+def apply_available_kernels(model: nn.Module, **kwargs) -> nn.Module:
+    """Apply every kernel :func:`discover_kernels` finds for the model's device."""
+    for kernel in discover_kernels(model):
+        model = apply_kernel(model, kernel, **kwargs)
+    return model

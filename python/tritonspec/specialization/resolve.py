@@ -2,7 +2,7 @@
 
 Resolution order:
 1. an explicit selection: ``with use_backend(name):`` in this thread or async task (innermost
-   wins), else the process-wide default (``set_default_backend``; initially ``TRITONSPEC_BACKEND``);
+   wins), else the process-wide default (``set_default_backend``; initially ``TRITONSPEC_DEFAULT_BACKEND``);
 2. the backend of the compile target, while ``triton.compile`` runs for it (cross-compiling for
    ``hip`` in a CUDA process uses the amd spec);
 3. the backend serving device type ``cpu`` for interpreted kernels (``TRITON_INTERPRET=1``);
@@ -17,19 +17,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import os
 import sys
 import warnings
 
-from . import devices
+from .. import devices, settings
 from .hooks import Kind, SpecError, get_hook
-from .registry import ALLOW_ENV, REGISTRY, Provider
-
-DEFAULT_ENV = "TRITONSPEC_BACKEND"
+from .providers import PROVIDERS, Provider
 
 # use_backend's stack, per thread and per async task: a selection never leaks into another thread.
 _selection: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("tritonspec_selection", default=())
-_default: str | None = os.environ.get(DEFAULT_ENV) or None  # the process-wide default selection
+_default: str | None = settings.DEFAULT_BACKEND.get()  # the process-wide default selection
 _compile_target: contextvars.ContextVar[str | None] = contextvars.ContextVar("tritonspec_compile_target",
                                                                               default=None)
 _driver_providers: dict[int, Provider] = {}
@@ -65,7 +62,7 @@ def selection_key() -> tuple:
     """What compiled kernels depend on besides their arguments: the explicit selection and the
     registrations. In-memory kernel caches are kept per key (one contextvar read: launches use it)."""
     stack = _selection.get()
-    return (stack[-1] if stack else _default, REGISTRY.generation)
+    return (stack[-1] if stack else _default, PROVIDERS.generation)
 
 
 def selection() -> tuple[str, ...]:
@@ -101,13 +98,13 @@ def _selection_changed() -> None:
 def _check_selectable(caller: str, name) -> None:
     if not isinstance(name, str) or not name:
         raise TypeError(f"{caller}: name must be a non-empty str, got {name!r}")
-    if REGISTRY.get(name) is None:
-        installed = REGISTRY.entry_points().get(name, [])
+    if PROVIDERS.get(name) is None:
+        installed = PROVIDERS.entry_points().get(name, [])
         if installed:
             raise SpecError(f"{caller}: backend {name!r} (entry point of {installed[0].label}) is not allowed by "
-                            f"{ALLOW_ENV}={os.environ.get(ALLOW_ENV)!r}")
-        selectable = [n for n in REGISTRY.names() if REGISTRY.conflict(n) or REGISTRY.candidates(n)
-                      or n in REGISTRY._registered]
+                            f"{settings.ALLOWED_BACKENDS.shown()}")
+        selectable = [n for n in PROVIDERS.names() if PROVIDERS.conflict(n) or PROVIDERS.candidates(n)
+                      or n in PROVIDERS._registered]
         raise SpecError(f"{caller}: no spec registered for backend {name!r}; "
                         f"known: {', '.join(selectable) or 'none'}")
 
@@ -119,7 +116,7 @@ def use_backend(name: str):
     token = _selection.set(_selection.get() + (name,))
     try:
         _selection_changed()
-        yield REGISTRY.get(name)
+        yield PROVIDERS.get(name)
     finally:
         _selection.reset(token)
         _selection_changed()
@@ -141,7 +138,7 @@ _claims: dict = {}  # generation -> (target -> backends, device type -> backends
 
 
 def _claimed():
-    key = REGISTRY.generation
+    key = PROVIDERS.generation
     found = _claims.get(key)
     if found is None:
         targets: dict[str, list[str]] = {}
@@ -160,9 +157,9 @@ def _loadable_providers() -> dict[str, Provider]:
     """Every allowed provider that loads; one that fails to is left out with a warning (it fails again,
     with its error, where it is used by name, and in ``tritonspec check``)."""
     found = {}
-    for name in REGISTRY.names():
+    for name in PROVIDERS.names():
         try:
-            provider = None if REGISTRY.conflict(name) else REGISTRY.get(name)
+            provider = None if PROVIDERS.conflict(name) else PROVIDERS.get(name)
         except Exception as e:  # a broken provider must not take every other backend down with it
             warnings.warn(f"tritonspec: spec provider {name!r} failed to load ({type(e).__name__}: {e}); "
                           "its compile targets and device types are ignored", RuntimeWarning, stacklevel=3)
@@ -179,7 +176,7 @@ def backend_for_target(target_backend: str) -> str:
         return target_backend
     if len(claimants) > 1:
         raise SpecError(f"Triton target {target_backend!r} is claimed by backends {', '.join(claimants)}; "
-                        f"keep one with {ALLOW_ENV}")
+                        f"keep one with {settings.ALLOWED_BACKENDS.name}")
     return claimants[0]
 
 
@@ -195,16 +192,16 @@ _device_backends: dict = {}  # (generation, device type) -> backend; one dict hi
 
 
 def _backend_of_device_type(device_type: str) -> str:
-    key = (REGISTRY.generation, device_type)
+    key = (PROVIDERS.generation, device_type)
     hit = _device_backends.get(key)
     if hit is None:
         claimants = _claimed()[1].get(device_type, [])
         if len(claimants) > 1:
             target = _torch_target(device_type)
-            by_target = [b for b in claimants if target in REGISTRY.get(b).info.targets]
+            by_target = [b for b in claimants if target in PROVIDERS.get(b).info.targets]
             if len(by_target) != 1:
                 raise SpecError(f"device type {device_type!r} is claimed by backends {', '.join(claimants)}; "
-                                f"keep one with {ALLOW_ENV}")
+                                f"keep one with {settings.ALLOWED_BACKENDS.name}")
             claimants = by_target
         hit = claimants[0] if claimants else device_type
         if len(_device_backends) > 64:
@@ -251,7 +248,7 @@ def current_backend(target_backend: str | None = None) -> str | None:
 
 def active_provider(target_backend: str | None = None) -> Provider | None:
     backend = current_backend(target_backend)
-    provider = REGISTRY.get(backend)
+    provider = PROVIDERS.get(backend)
     if provider is not None:
         return provider
     drv = _existing_driver() if explicit_backend() is None else None
@@ -271,7 +268,7 @@ def active_provider(target_backend: str | None = None) -> Provider | None:
 # and functools.wraps alone costs more than the rest of a lookup. The entry keeps the function alive,
 # so its id cannot be reused while cached; dropped on any registry change.
 _wrapped: dict = {}
-REGISTRY.on_change(_wrapped.clear)
+PROVIDERS.on_change(_wrapped.clear)
 
 
 def _wrap(backend: str, name: str, fn):
@@ -309,7 +306,7 @@ def _checked_call(backend: str, name: str, fn):
 
 
 def _provider_for(backend: str | None, target_backend: str | None) -> Provider | None:
-    return REGISTRY.get(backend) if backend is not None else active_provider(target_backend)
+    return PROVIDERS.get(backend) if backend is not None else active_provider(target_backend)
 
 
 def lookup(name: str, backend: str | None = None, target_backend: str | None = None):

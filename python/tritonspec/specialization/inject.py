@@ -120,10 +120,6 @@ def apply(spec) -> None:
             _applied_spec = spec
 
 
-def applied_spec():
-    return _applied_spec
-
-
 @contextlib.contextmanager
 def applied(spec):
     """Hold the injection lock with ``spec``'s injections (None: none) in place; then put back what was."""

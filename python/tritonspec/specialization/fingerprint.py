@@ -31,6 +31,7 @@ import importlib.util
 import inspect
 import io
 import os
+import pathlib
 import sys
 import types
 from dataclasses import dataclass
@@ -500,6 +501,17 @@ def _reached(co: types.CodeType, resolve, watched: _Watched):
                 yield "module", f"{what}[{name!r}]", name
         elif watched.reader(target):
             yield "reads", f"{what}()", None
+
+
+@functools.lru_cache(maxsize=None)
+def source_digest(directory: str) -> str:
+    """Every ``.py`` file under ``directory``, by path and content: the part of a compile-cache key that
+    makes editing a backend's (or this layer's) code recompile. Read once per process."""
+    root = os.path.realpath(directory)
+    h = hashlib.sha256()
+    for path in sorted(pathlib.Path(root).rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def package_dir(module: types.ModuleType) -> str | None:
