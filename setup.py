@@ -1,4 +1,5 @@
 """tritonspec: backend specialization hooks for stock Triton, vendor backends, LLM kernels."""
+
 from pathlib import Path
 
 from setuptools import find_packages, setup
@@ -23,8 +24,12 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     package_dir={"tritonspec": "python/tritonspec", "tritonspec_backends": "third_party"},
-    packages=(["tritonspec"] + ["tritonspec." + p for p in find_packages("python/tritonspec")] +
-              ["tritonspec_backends"] + ["tritonspec_backends." + p for p in _BACKENDS]),
+    packages=(
+        ["tritonspec"]
+        + ["tritonspec." + p for p in find_packages("python/tritonspec")]
+        + ["tritonspec_backends"]
+        + ["tritonspec_backends." + p for p in _BACKENDS]
+    ),
     install_requires=[
         "triton>=3.6,<3.10",
         "torch>=2.11",

@@ -17,6 +17,7 @@ TFLOP/s: forward 4*b*h*s*s*d (halved when causal), backward 2.5x forward. Timing
 medians (L2 flushed between runs); the backward is torch.autograd.grad on a saved graph, so it
 includes the delta preprocess and (for atomic dQ) the fp32->bf16 conversion.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,16 @@ SHAPES = [(4, 32, 4096, 128), (2, 16, 8192, 128), (1, 16, 16384, 128), (8, 32, 2
 CASES = [(shape, causal) for shape in SHAPES for causal in (True, False)]
 # (batch, heads_q, heads_kv, seq, head_dim): a 16/4 Llama-style step's layer, Llama-3-8B (32/8 x 128),
 # Qwen3 (32/4 x 128), Llama-3.2-1B style (32/8 x 64); seq 2048-8192 at 8192 tokens a batch and more
-GQA_SHAPES = [(4, 16, 4, 2048, 128), (4, 32, 8, 2048, 128), (2, 32, 8, 4096, 128), (1, 32, 8, 8192, 128),
-              (4, 32, 4, 2048, 128), (1, 32, 4, 8192, 128), (4, 32, 8, 2048, 64), (1, 32, 8, 8192, 64)]
+GQA_SHAPES = [
+    (4, 16, 4, 2048, 128),
+    (4, 32, 8, 2048, 128),
+    (2, 32, 8, 4096, 128),
+    (1, 32, 8, 8192, 128),
+    (4, 32, 4, 2048, 128),
+    (1, 32, 4, 8192, 128),
+    (4, 32, 8, 2048, 64),
+    (1, 32, 8, 8192, 64),
+]
 GQA_CASES = [(shape, True) for shape in GQA_SHAPES]
 
 
@@ -63,17 +72,30 @@ FWD = {
 }
 _A = dict(DQ_ATOMIC=True, DQ_TMA_REDUCE=True)
 BWD = {
-    128: [(_c(64, 64, 4, 2), _c(128, 128, 8, 2)), (_c(64, 64, 4, 2), _c(128, 32, 8, 3)),
-          (_c(64, 64, 4, 2), _c(128, 64, 8, 3)), (_c(64, 64, 4, 2), _c(64, 64, 4, 2)),
-          (_c(64, 128, 8, 3), _c(128, 64, 8, 3)),  # this dK/dV spills 104 bytes when causal
-          (_c(64, 64, 8, 2), _c(128, 64, 8, 3)),
-          (_c(64, 64, 8, 2), _c(128, 128, 8, 2)), (_c(128, 64, 8, 2), _c(128, 64, 8, 3)),
-          (_c(64, 64, 8, 2, **_A), None), (_c(64, 64, 8, 2, DQ_ATOMIC=True), None),
-          (_c(64, 128, 8, 2, **_A), None)],  # the last one spills 392 bytes
-    64: [(_c(64, 64, 4, 2), _c(64, 64, 4, 3)), (_c(32, 128, 4, 3), _c(128, 64, 4, 3)),
-         (_c(64, 64, 4, 2), _c(128, 64, 4, 3)), (_c(32, 128, 4, 3), _c(64, 64, 4, 3)),
-         (_c(64, 64, 8, 2), _c(64, 64, 4, 3)), (_c(64, 64, 8, 2), _c(128, 64, 4, 3)),
-         (_c(64, 64, 8, 2, **_A), None), (_c(64, 64, 4, 2, **_A), None), (_c(64, 128, 8, 2, DQ_ATOMIC=True), None)],
+    128: [
+        (_c(64, 64, 4, 2), _c(128, 128, 8, 2)),
+        (_c(64, 64, 4, 2), _c(128, 32, 8, 3)),
+        (_c(64, 64, 4, 2), _c(128, 64, 8, 3)),
+        (_c(64, 64, 4, 2), _c(64, 64, 4, 2)),
+        (_c(64, 128, 8, 3), _c(128, 64, 8, 3)),  # this dK/dV spills 104 bytes when causal
+        (_c(64, 64, 8, 2), _c(128, 64, 8, 3)),
+        (_c(64, 64, 8, 2), _c(128, 128, 8, 2)),
+        (_c(128, 64, 8, 2), _c(128, 64, 8, 3)),
+        (_c(64, 64, 8, 2, **_A), None),
+        (_c(64, 64, 8, 2, DQ_ATOMIC=True), None),
+        (_c(64, 128, 8, 2, **_A), None),
+    ],  # the last one spills 392 bytes
+    64: [
+        (_c(64, 64, 4, 2), _c(64, 64, 4, 3)),
+        (_c(32, 128, 4, 3), _c(128, 64, 4, 3)),
+        (_c(64, 64, 4, 2), _c(128, 64, 4, 3)),
+        (_c(32, 128, 4, 3), _c(64, 64, 4, 3)),
+        (_c(64, 64, 8, 2), _c(64, 64, 4, 3)),
+        (_c(64, 64, 8, 2), _c(128, 64, 4, 3)),
+        (_c(64, 64, 8, 2, **_A), None),
+        (_c(64, 64, 4, 2, **_A), None),
+        (_c(64, 128, 8, 2, DQ_ATOMIC=True), None),
+    ],
 }
 
 
@@ -87,8 +109,10 @@ def table_to_json(tables):
 
 
 def table_from_json(data):
-    return {kern: {(int(key.split(",")[0]), bool(int(key.split(",")[1]))): cfg for key, cfg in t.items()}
-            for kern, t in data.items()}
+    return {
+        kern: {(int(key.split(",")[0]), bool(int(key.split(",")[1]))): cfg for key, cfg in t.items()}
+        for kern, t in data.items()
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,7 +133,10 @@ def use_configs(override: dict | None = None, tables: dict | None = None, hopper
     mod.backend_info = nvidia_spec.backend_info  # it stands in for the nvidia spec: same targets and devices
     mod.__all__ = ["kernel_config", "backend_info"]
     if hopper_kernels:  # as the shipped spec: Hopper's own forward and backward kernels where they apply
-        mod.attention_forward, mod.attention_backward = launchers_sm90.attention_forward, launchers_sm90.attention_backward
+        mod.attention_forward, mod.attention_backward = (
+            launchers_sm90.attention_forward,
+            launchers_sm90.attention_backward,
+        )
         mod.__all__ += ["attention_forward", "attention_backward"]
     tritonspec.register_spec("nvidia", mod)  # re-registering also clears launch_config's memo
 
@@ -148,6 +175,7 @@ def sdpa_fn(backend, causal):
     def run(q, k, v):
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+
     return run
 
 
@@ -171,6 +199,7 @@ def rel_err(a, b):
 def kernel_breakdown(fn, q, k, v, do, n=3):
     """Per-kernel GPU time (ms per call) of forward + backward, from the torch profiler."""
     from torch.profiler import ProfilerActivity, profile
+
     out = fn(q, k, v)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -290,9 +319,16 @@ def sweep(out_dir: str):
 
 def env():
     p = torch.cuda.get_device_properties(0)
-    return dict(device=p.name, sms=p.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
-                cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), dtype=str(DTYPE).removeprefix("torch."),
-                date=datetime.date.today().isoformat())
+    return dict(
+        device=p.name,
+        sms=p.multi_processor_count,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        cuda=torch.version.cuda,
+        cudnn=torch.backends.cudnn.version(),
+        dtype=str(DTYPE).removeprefix("torch."),
+        date=datetime.date.today().isoformat(),
+    )
 
 
 def compare(out_dir: str, tables: dict | None, rounds: int = 3, gqa: bool = False):
@@ -301,8 +337,11 @@ def compare(out_dir: str, tables: dict | None, rounds: int = 3, gqa: bool = Fals
     use_configs(None, tables)
     cases, inputs = (GQA_CASES, make_hf_inputs) if gqa else (CASES, make_inputs)
     results = []
-    providers = [("cudnn", lambda c: sdpa_fn(SDPBackend.CUDNN_ATTENTION, c)),
-                 ("flash", lambda c: sdpa_fn(SDPBackend.FLASH_ATTENTION, c)), ("ours", ours_fn)]
+    providers = [
+        ("cudnn", lambda c: sdpa_fn(SDPBackend.CUDNN_ATTENTION, c)),
+        ("flash", lambda c: sdpa_fn(SDPBackend.FLASH_ATTENTION, c)),
+        ("ours", ours_fn),
+    ]
     for shape, causal in cases:
         label = case_label(shape, causal)
         q, k, v, do = inputs(shape, seed=1)
@@ -310,7 +349,7 @@ def compare(out_dir: str, tables: dict | None, rounds: int = 3, gqa: bool = Fals
         times = {name: ([], []) for name, _ in providers}
         outs = {}
         for r in range(rounds):
-            for name, make in providers[r % 3:] + providers[:r % 3]:
+            for name, make in providers[r % 3 :] + providers[: r % 3]:
                 if name in row:  # failed before
                     continue
                 try:
@@ -325,9 +364,14 @@ def compare(out_dir: str, tables: dict | None, rounds: int = 3, gqa: bool = Fals
             if name in row:
                 continue
             fwd_ms, bwd_ms = statistics.median(times[name][0]), statistics.median(times[name][1])
-            row[name] = dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwd_tflops=tflops(shape, causal, "fwd", fwd_ms),
-                             bwd_tflops=tflops(shape, causal, "bwd", bwd_ms), fwd_ms_all=times[name][0],
-                             bwd_ms_all=times[name][1])
+            row[name] = dict(
+                fwd_ms=fwd_ms,
+                bwd_ms=bwd_ms,
+                fwd_tflops=tflops(shape, causal, "fwd", fwd_ms),
+                bwd_tflops=tflops(shape, causal, "bwd", bwd_ms),
+                fwd_ms_all=times[name][0],
+                bwd_ms_all=times[name][1],
+            )
         if "ours" in outs and "cudnn" in outs:
             (o, g), (ro, rg) = outs["ours"], outs["cudnn"]
             row["ours"]["err_vs_cudnn"] = max([rel_err(o, ro)] + [rel_err(a, b) for a, b in zip(g, rg)])
@@ -348,33 +392,48 @@ def compare(out_dir: str, tables: dict | None, rounds: int = 3, gqa: bool = Fals
         torch.cuda.empty_cache()
     info = env()
     with open(os.path.join(out_dir, "compare_gqa.json" if gqa else "compare.json"), "w") as f:
-        json.dump(dict(env=info, tables=None if tables is None else table_to_json(tables), results=results), f,
-                  indent=1, default=str)
+        json.dump(
+            dict(env=info, tables=None if tables is None else table_to_json(tables), results=results),
+            f,
+            indent=1,
+            default=str,
+        )
     print(f"\n{info}")
     print(table(results))
 
 
 def table(results):
     heads = "hq x hkv" if len(results[0]["shape"]) == 5 else "h"
-    lines = [f"| shape (b x {heads} x s x d) | causal | ours fwd | FLASH fwd | cuDNN fwd | ours bwd | FLASH bwd |"
-             " cuDNN bwd | fwd vs cuDNN | bwd vs cuDNN |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| shape (b x {heads} x s x d) | causal | ours fwd | FLASH fwd | cuDNN fwd | ours bwd | FLASH bwd |"
+        " cuDNN bwd | fwd vs cuDNN | bwd vs cuDNN |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         g = lambda p, m: r.get(p, {}).get(f"{m}_tflops")  # noqa: E731
         f = lambda x: "n/a" if x is None else f"{x:.0f}"  # noqa: E731
         ratio = lambda a, b: "n/a" if a is None or b is None else f"{a / b:.0%}"  # noqa: E731
-        lines.append(f"| {'x'.join(map(str, r['shape']))} | {r['causal']} | {f(g('ours', 'fwd'))} | "
-                     f"{f(g('flash', 'fwd'))} | {f(g('cudnn', 'fwd'))} | {f(g('ours', 'bwd'))} | "
-                     f"{f(g('flash', 'bwd'))} | {f(g('cudnn', 'bwd'))} | "
-                     f"{ratio(g('ours', 'fwd'), g('cudnn', 'fwd'))} | {ratio(g('ours', 'bwd'), g('cudnn', 'bwd'))} |")
+        lines.append(
+            f"| {'x'.join(map(str, r['shape']))} | {r['causal']} | {f(g('ours', 'fwd'))} | "
+            f"{f(g('flash', 'fwd'))} | {f(g('cudnn', 'fwd'))} | {f(g('ours', 'bwd'))} | "
+            f"{f(g('flash', 'bwd'))} | {f(g('cudnn', 'bwd'))} | "
+            f"{ratio(g('ours', 'fwd'), g('cudnn', 'fwd'))} | {ratio(g('ours', 'bwd'), g('cudnn', 'bwd'))} |"
+        )
     if any("gpu_only_ms" in r.get("ours", {}) for r in results):
-        lines += ["", "GPU-only (host ahead of the GPU, L2 flushed; ms):", "",
-                  "| shape | ours fwd | cuDNN fwd | ours bwd | cuDNN bwd | fwd vs cuDNN | bwd vs cuDNN |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "GPU-only (host ahead of the GPU, L2 flushed; ms):",
+            "",
+            "| shape | ours fwd | cuDNN fwd | ours bwd | cuDNN bwd | fwd vs cuDNN | bwd vs cuDNN |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in results:
             o, c = r.get("ours", {}).get("gpu_only_ms"), r.get("cudnn", {}).get("gpu_only_ms")
             if o and c:
-                lines.append(f"| {'x'.join(map(str, r['shape']))} | {o[0]:.3f} | {c[0]:.3f} | {o[1]:.3f} | "
-                             f"{c[1]:.3f} | {c[0] / o[0]:.0%} | {c[1] / o[1]:.0%} |")
+                lines.append(
+                    f"| {'x'.join(map(str, r['shape']))} | {o[0]:.3f} | {c[0]:.3f} | {o[1]:.3f} | "
+                    f"{c[1]:.3f} | {c[0] / o[0]:.0%} | {c[1] / o[1]:.0%} |"
+                )
     return "\n".join(lines)
 
 
@@ -403,6 +462,7 @@ def host_ms(call, n=50, rounds=5):
     """Host ms per call of ``call`` with the GPU kept busy (a long sleep kernel queued first), median
     over rounds of n calls, with the compiled-launch cache on and off (Triton's own launch path)."""
     from tritonspec.ops import _library
+
     times = {True: [], False: []}
     try:
         for _ in range(rounds):
@@ -424,6 +484,7 @@ def gap(out_dir: str, shapes=((4, 16, 4, 2048, 128), (4, 32, 8, 2048, 64))):
     kernels. GQA shapes in Hugging Face's layout, causal; writes a host profile of each pass."""
     import cProfile
     import pstats
+
     use_configs(None)
     rows, host = [], []
     for shape in shapes:
@@ -467,16 +528,18 @@ def probe():
     g = torch.Generator(device="cuda").manual_seed(0)
     mk = lambda: torch.randn(2, 333, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)  # noqa
     q, k, v, do = mk(), mk(), mk(), mk()
-    o_ptr, lse = A.attention_forward(q, k, v, True, 128 ** -0.5)
-    g_ptr = A.attention_backward(do, q, k, v, o_ptr, lse, True, 128 ** -0.5)
+    o_ptr, lse = A.attention_forward(q, k, v, True, 128**-0.5)
+    g_ptr = A.attention_backward(do, q, k, v, o_ptr, lse, True, 128**-0.5)
     saved = A.tma_ok
     A.tma_ok = lambda *t: True
     try:
-        o_tma, lse = A.attention_forward(q, k, v, True, 128 ** -0.5)
-        g_tma = A.attention_backward(do, q, k, v, o_tma, lse, True, 128 ** -0.5)
+        o_tma, lse = A.attention_forward(q, k, v, True, 128**-0.5)
+        g_tma = A.attention_backward(do, q, k, v, o_tma, lse, True, 128**-0.5)
         torch.cuda.synchronize()
-        print("strided TMA ok; max diff vs pointer path:",
-              max((a.float() - b.float()).abs().max().item() for a, b in zip((o_tma, *g_tma), (o_ptr, *g_ptr))))
+        print(
+            "strided TMA ok; max diff vs pointer path:",
+            max((a.float() - b.float()).abs().max().item() for a, b in zip((o_tma, *g_tma), (o_ptr, *g_ptr))),
+        )
     except Exception as e:
         print(f"strided TMA rejected: {type(e).__name__}: {str(e)[:500]}")
     finally:

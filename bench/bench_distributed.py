@@ -30,6 +30,7 @@ Smoke run of this script on CPU (tiny model, gloo, the Triton interpreter):
   TRITON_INTERPRET=1 python -m torch.distributed.run --nproc_per_node=2 bench/bench_distributed.py --device cpu \\
       --steps 1 --warmup 0
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,7 @@ import traceback
 
 
 def _cpu_requested(argv):
-    return any(a == "--device=cpu" or (a == "--device" and argv[i + 1:i + 2] == ["cpu"]) for i, a in enumerate(argv))
+    return any(a == "--device=cpu" or (a == "--device" and argv[i + 1 : i + 2] == ["cpu"]) for i, a in enumerate(argv))
 
 
 if _cpu_requested(sys.argv[1:]):
@@ -59,25 +60,61 @@ VARIANTS = ("hf-fsdp", "ts-fsdp", "ts-ep", "ts-dp2-ep")
 ALIASES = {"a": "hf-fsdp", "b": "ts-fsdp", "c": "ts-ep", "d": "ts-dp2-ep"}
 # Qwen3-30B-A3B's layer; every layer sparse (mlp_only_layers=[]), so intermediate_size (2 * hidden, as in
 # examples/distributed/train_fsdp.py) is never used
-SHAPES = {"cuda": dict(layers=4, hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8,
-                       moe_intermediate=768, vocab=151936, seq=2048, batch=2, warmup=3, steps=10),
-          "cpu": dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, experts=8, top_k=2,
-                      moe_intermediate=32, vocab=1000, seq=32, batch=2, warmup=0, steps=1)}
+SHAPES = {
+    "cuda": dict(
+        layers=4,
+        hidden=2048,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+        experts=128,
+        top_k=8,
+        moe_intermediate=768,
+        vocab=151936,
+        seq=2048,
+        batch=2,
+        warmup=3,
+        steps=10,
+    ),
+    "cpu": dict(
+        layers=2,
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        experts=8,
+        top_k=2,
+        moe_intermediate=32,
+        vocab=1000,
+        seq=32,
+        batch=2,
+        warmup=0,
+        steps=1,
+    ),
+}
 
 
 def parse():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                allow_abbrev=False)  # --device is read before argparse runs: no abbreviations
-    p.add_argument("--variants", default=None,
-                   help=f"comma list of {', '.join(VARIANTS)} (or a, b, c, d); default: every one that applies")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )  # --device is read before argparse runs: no abbreviations
+    p.add_argument(
+        "--variants",
+        default=None,
+        help=f"comma list of {', '.join(VARIANTS)} (or a, b, c, d); default: every one that applies",
+    )
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 10; cpu 1)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; cpu 0)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 4; cpu 2)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048; cpu 32)")
     p.add_argument("--batch", type=int, default=None, help="sequences per GPU (default 2)")
     p.add_argument("--experts", type=int, default=None, help="experts per layer (default 128; cpu 8)")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="cpu: smoke run of this script (tiny model, gloo, TRITON_INTERPRET=1)")
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: smoke run of this script (tiny model, gloo, TRITON_INTERPRET=1)",
+    )
     p.add_argument("--out", default=None, help="markdown file to write the table to")
     args = p.parse_args()
     for k, v in SHAPES[args.device].items():
@@ -89,8 +126,10 @@ def parse():
         names = [ALIASES.get(n.strip(), n.strip()) for n in args.variants.split(",") if n.strip()]
         unknown = [n for n in names if n not in VARIANTS]
         if unknown or not names:
-            p.error(f"--variants: unknown {', '.join(unknown) or '(none given)'}; choose from "
-                    f"{', '.join(VARIANTS)} or a, b, c, d")
+            p.error(
+                f"--variants: unknown {', '.join(unknown) or '(none given)'}; choose from "
+                f"{', '.join(VARIANTS)} or a, b, c, d"
+            )
         args.variants = list(dict.fromkeys(names))
     return args
 
@@ -111,8 +150,10 @@ def plan(args, world: int) -> tuple[list[tuple[str, tuple, tuple]], list[str]]:
         elif name == "ts-dp2-ep" and (world < 4 or world % 2):
             skipped.append(f"{name}: needs an even number of ranks, at least 4 (dp=2 x ep=N/2); this run has {world}")
         elif name == "ts-dp2-ep" and args.device == "cpu":  # dp > 1: the experts' gradients are reduce-scattered
-            skipped.append(f"{name}: not on gloo: fully_shard_model divides the experts' gradients by the mesh size, "
-                           "so FSDP2 reduce-scatters them with ReduceOp.PREMUL_SUM, which gloo lacks (NCCL has it)")
+            skipped.append(
+                f"{name}: not on gloo: fully_shard_model divides the experts' gradients by the mesh size, "
+                "so FSDP2 reduce-scatters them with ReduceOp.PREMUL_SUM, which gloo lacks (NCCL has it)"
+            )
         elif args.experts % ep:
             skipped.append(f"{name}: {args.experts} experts cannot be split evenly over ep={ep} ranks")
         else:
@@ -122,17 +163,29 @@ def plan(args, world: int) -> tuple[list[tuple[str, tuple, tuple]], list[str]]:
 
 def model_config(args):
     import transformers
+
     return transformers.Qwen3MoeConfig(
-        hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, head_dim=args.head_dim, num_hidden_layers=args.layers,
-        vocab_size=args.vocab, max_position_embeddings=max(4096, args.seq), num_experts=args.experts,
-        num_experts_per_tok=args.top_k, moe_intermediate_size=args.moe_intermediate, mlp_only_layers=[],
-        norm_topk_prob=True, use_cache=False)
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        num_hidden_layers=args.layers,
+        vocab_size=args.vocab,
+        max_position_embeddings=max(4096, args.seq),
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        moe_intermediate_size=args.moe_intermediate,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        use_cache=False,
+    )
 
 
 def build(config, device):
     """The same random weights on every rank and in every variant; fp32 (FSDP2 computes in bf16)."""
     import transformers
+
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.Qwen3MoeForCausalLM._from_config(config, dtype=torch.float32)
@@ -160,13 +213,16 @@ def run_variant(name, shape, dim_names, args, config, device, rank):
 
     import tritonspec.nn as tnn
     from tritonspec.distributed import expert_parallel, fully_shard_model
+
     mesh = init_device_mesh(device, shape, mesh_dim_names=dim_names)
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = build(config, device)
     note = None
     if name == "hf-fsdp":
-        note = (f"hf-fsdp: attention {model.config._attn_implementation}, experts "
-                f"{getattr(model.config, '_experts_implementation', '?')}")
+        note = (
+            f"hf-fsdp: attention {model.config._attn_implementation}, experts "
+            f"{getattr(model.config, '_experts_implementation', '?')}"
+        )
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
         fully_shard(model, mesh=mesh, mp_policy=mp_policy)
@@ -174,8 +230,9 @@ def run_variant(name, shape, dim_names, args, config, device, rank):
         tnn.kernelize(model, mode=tnn.Mode.TRAINING)
         if rank == 0:  # what the front end installed (a kernel that did not apply is absent)
             counts = tnn.report(model).counts()
-            print(f"{name}: " + ", ".join(f"{k.rsplit('.', 2)[-2]} x{n}" for k, n in sorted(counts.items())),
-                  flush=True)
+            print(
+                f"{name}: " + ", ".join(f"{k.rsplit('.', 2)[-2]} x{n}" for k, n in sorted(counts.items())), flush=True
+            )
         if "ep" in dim_names:
             expert_parallel(model, mesh, "ep")
         fully_shard_model(model, mesh, mp_policy=mp_policy)
@@ -217,8 +274,12 @@ def free(device):
 def table(args, config, device, world, rows, notes, opt_kind):
     import transformers
     import triton
-    dev = (f"{torch.cuda.get_device_name()} x {world}" if device == "cuda"
-           else f"{platform.processor() or 'cpu'}, {world} ranks (gloo, Triton interpreter: smoke run)")
+
+    dev = (
+        f"{torch.cuda.get_device_name()} x {world}"
+        if device == "cuda"
+        else f"{platform.processor() or 'cpu'}, {world} ranks (gloo, Triton interpreter: smoke run)"
+    )
     lines = [
         f"## Training on torch.distributed: Qwen3-MoE-style, random weights ({config.num_hidden_layers} layers, "
         f"hidden {config.hidden_size}, {config.num_attention_heads}/{config.num_key_value_heads} heads of "
@@ -270,11 +331,13 @@ def main():
     for name, shape, dim_names in runs:
         mesh_text = " x ".join(f"{d}={s}" for d, s in zip(dim_names, shape))
         try:
-            tok_s, peak, loss0, step_s, opt_kind, note = run_variant(name, shape, dim_names, args, config, device,
-                                                                     rank)
+            tok_s, peak, loss0, step_s, opt_kind, note = run_variant(name, shape, dim_names, args, config, device, rank)
         except Exception as e:  # the other ranks may sit in a collective this rank never joins: end the run
-            print(f"rank {rank}: {name} ({mesh_text}) failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"rank {rank}: {name} ({mesh_text}) failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
+                file=sys.stderr,
+                flush=True,
+            )
             traceback.print_exc()
             if rank == 0:
                 failed = notes + [f"{name}: failed on rank 0 ({type(e).__name__}); the run ends here"]
@@ -290,13 +353,22 @@ def main():
         maxes = torch.tensor([peak, step_s], dtype=torch.float64, device=t)
         dist.all_reduce(sums)
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-        row = dict(name=name, mesh=mesh_text, tok_s=sums[0].item() / world, loss=sums[1].item() / world,
-                   peak=maxes[0].item(), slowest_ms=maxes[1].item() * 1e3)
+        row = dict(
+            name=name,
+            mesh=mesh_text,
+            tok_s=sums[0].item() / world,
+            loss=sums[1].item() / world,
+            peak=maxes[0].item(),
+            slowest_ms=maxes[1].item() * 1e3,
+        )
         rows.append(row)
         if rank == 0:
-            print(f"{name} ({mesh_text}): step-0 loss {row['loss']:.5f}, {row['tok_s']:,.0f} tok/s/GPU, "
-                  f"slowest rank {row['slowest_ms']:.1f} ms/step"
-                  + (f", peak {row['peak'] / 2**30:.2f} GiB" if device == "cuda" else ""), flush=True)
+            print(
+                f"{name} ({mesh_text}): step-0 loss {row['loss']:.5f}, {row['tok_s']:,.0f} tok/s/GPU, "
+                f"slowest rank {row['slowest_ms']:.1f} ms/step"
+                + (f", peak {row['peak'] / 2**30:.2f} GiB" if device == "cuda" else ""),
+                flush=True,
+            )
     if rank == 0 and rows:
         emit(table(args, config, device, world, rows, notes, "/".join(sorted(opt_kinds))), args.out)
     dist.barrier()

@@ -12,6 +12,7 @@ against the float64 references before timing. ``--sweep`` also times launch-conf
 kernels (tuning data, not results). ``--smoke`` runs tiny shapes on the CPU interpreter to check
 this script itself.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,6 +50,7 @@ try:  # Liger's PyPI wheel is pure Python
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
     from liger_kernel.ops.rope import LigerRopeFunction
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
     try:
         LIGER = importlib.metadata.version("liger_kernel")
     except importlib.metadata.PackageNotFoundError:
@@ -152,7 +154,8 @@ def run_case(op, shape, impls, inputs, grads, fwd_bytes, fb_bytes, copy_bw):
             if CUDAGRAPH:  # GPU time alone: the same calls replayed from a CUDA graph, no host overhead
                 try:
                     graph_ms = triton.testing.do_bench_cudagraph(
-                        call, rep=100, grad_to_none=[x for x in inputs if x.requires_grad], quantiles=[0.5])
+                        call, rep=100, grad_to_none=[x for x in inputs if x.requires_grad], quantiles=[0.5]
+                    )
                     graph_ms = graph_ms[0] if isinstance(graph_ms, (list, tuple)) else graph_ms
                 except Exception as e:  # noqa: BLE001
                     print(f"# {op} {shape} {name} {mode} cudagraph: {type(e).__name__}: {str(e)[:200]}")
@@ -160,16 +163,33 @@ def run_case(op, shape, impls, inputs, grads, fwd_bytes, fb_bytes, copy_bw):
     for (name, mode), (t, mem, graph_ms, one_ms) in results.items():
         nbytes = fwd_bytes if mode == "fwd" else fb_bytes
         ours = results.get(("tritonspec", mode))
-        ROWS.append(dict(op=op, shape=shape, impl=name, mode=mode, ms=t[0], p20=t[1], p80=t[2],
-                         gbs=nbytes / (t[0] * 1e-3) / 1e9, pct=100 * nbytes / (t[0] * 1e-3) / copy_bw,
-                         speedup=(t[0] / ours[0][0]) if ours else float("nan"), mem=mem,
-                         graph_ms=graph_ms, graph_pct=100 * nbytes / (graph_ms * 1e-3) / copy_bw,
-                         one_ms=one_ms, one_pct=100 * nbytes / (one_ms * 1e-3) / copy_bw))
+        ROWS.append(
+            dict(
+                op=op,
+                shape=shape,
+                impl=name,
+                mode=mode,
+                ms=t[0],
+                p20=t[1],
+                p80=t[2],
+                gbs=nbytes / (t[0] * 1e-3) / 1e9,
+                pct=100 * nbytes / (t[0] * 1e-3) / copy_bw,
+                speedup=(t[0] / ours[0][0]) if ours else float("nan"),
+                mem=mem,
+                graph_ms=graph_ms,
+                graph_pct=100 * nbytes / (graph_ms * 1e-3) / copy_bw,
+                one_ms=one_ms,
+                one_pct=100 * nbytes / (one_ms * 1e-3) / copy_bw,
+            )
+        )
         r = ROWS[-1]
         graph = f" graph {graph_ms:.4f} ms {r['graph_pct']:5.1f}%" if CUDAGRAPH else ""
         graph += f" one-thread {one_ms:.4f} ms {r['one_pct']:5.1f}%" if mode == "fwd+bwd" else ""
-        print(f"{op:8s} {shape:24s} {mode:8s} {name:26s} {r['ms']:8.4f} ms {r['gbs']:7.0f} GB/s {r['pct']:5.1f}% "
-              f"x{r['speedup']:5.2f} mem={'' if mem is None else f'{mem:.0f} MiB'}{graph}", flush=True)
+        print(
+            f"{op:8s} {shape:24s} {mode:8s} {name:26s} {r['ms']:8.4f} ms {r['gbs']:7.0f} GB/s {r['pct']:5.1f}% "
+            f"x{r['speedup']:5.2f} mem={'' if mem is None else f'{mem:.0f} MiB'}{graph}",
+            flush=True,
+        )
 
 
 def _leaf(t):
@@ -204,9 +224,12 @@ def rms_cases(copy_bw, shapes):
             verify("rms", rms_norm, rms_mod.rms_norm_ref, [x, w], ["y", "dx", "dw"])
         x, w = _leaf(x), _leaf(w)
         dy = torch.randn_like(x)
-        impls = {"tritonspec": lambda x, w: rms_norm(x, w),
-                 "tritonspec in-place bwd": lambda x, w: rms_norm(x, w, in_place_backward=True),
-                 "torch eager": hf_rms_norm, "torch.compile": _compiled(hf_rms_norm)}
+        impls = {
+            "tritonspec": lambda x, w: rms_norm(x, w),
+            "tritonspec in-place bwd": lambda x, w: rms_norm(x, w, in_place_backward=True),
+            "torch eager": hf_rms_norm,
+            "torch.compile": _compiled(hf_rms_norm),
+        }
         if LIGER:
             impls["liger"] = lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-6)
         run_case("rmsnorm", f"{m}x{n}", impls, [x, w], [dy], 2 * m * n * 2 + n * 2, 5 * m * n * 2, copy_bw)
@@ -222,9 +245,12 @@ def swiglu_cases(copy_bw, shapes):
             verify("swiglu", swiglu, swiglu_mod.swiglu_ref, [g, u], ["y", "dg", "du"])
         g, u = _leaf(g), _leaf(u)
         dy = torch.randn_like(g)
-        impls = {"tritonspec": lambda g, u: swiglu(g, u),
-                 "tritonspec in-place bwd": lambda g, u: swiglu(g, u, in_place_backward=True),
-                 "torch eager": hf_swiglu, "torch.compile": _compiled(hf_swiglu)}
+        impls = {
+            "tritonspec": lambda g, u: swiglu(g, u),
+            "tritonspec in-place bwd": lambda g, u: swiglu(g, u, in_place_backward=True),
+            "torch eager": hf_swiglu,
+            "torch.compile": _compiled(hf_swiglu),
+        }
         if LIGER:
             impls["liger"] = lambda g, u: LigerSiLUMulFunction.apply(g, u)
         run_case("swiglu", f"{m}x{n}", impls, [g, u], [dy], 3 * m * n * 2, 8 * m * n * 2, copy_bw)
@@ -240,20 +266,28 @@ def rope_cases(copy_bw, shapes):
         emb = torch.cat([torch.arange(s, device=DEV).float()[:, None] * inv] * 2, -1)[None].repeat(b, 1, 1)
         cos, sin = emb.cos().to(DT), emb.sin().to(DT)
         if i == 0:
-            verify("rope", lambda q, k: rope(q, k, cos, sin), lambda q, k: rope_mod.rope_ref(q, k, cos, sin),
-                   [q, k], ["q", "k", "dq", "dk"])
+            verify(
+                "rope",
+                lambda q, k: rope(q, k, cos, sin),
+                lambda q, k: rope_mod.rope_ref(q, k, cos, sin),
+                [q, k],
+                ["q", "k", "dq", "dk"],
+            )
         q, k = _leaf(q), _leaf(k)
         dq, dk = torch.randn_like(q), torch.randn_like(k)
-        impls = {"tritonspec": lambda q, k: rope(q, k, cos, sin),
-                 "tritonspec in-place bwd": lambda q, k: rope(q, k, cos, sin, in_place_backward=True),
-                 "torch eager": lambda q, k: hf_rope(q, k, cos, sin)}
+        impls = {
+            "tritonspec": lambda q, k: rope(q, k, cos, sin),
+            "tritonspec in-place bwd": lambda q, k: rope(q, k, cos, sin, in_place_backward=True),
+            "torch eager": lambda q, k: hf_rope(q, k, cos, sin),
+        }
         compiled = _compiled(hf_rope)
         impls["torch.compile"] = lambda q, k: compiled(q, k, cos, sin)
         if LIGER:
             impls["liger"] = lambda q, k: LigerRopeFunction.apply(q, k, cos, sin)
         qk = (q.numel() + k.numel()) * 2
-        run_case("rope", f"{b}x{hq}/{hk}x{s}x{d}", impls, [q, k], [dq, dk],
-                 2 * qk + 2 * cos.numel() * 2, 4 * qk, copy_bw)
+        run_case(
+            "rope", f"{b}x{hq}/{hk}x{s}x{d}", impls, [q, k], [dq, dk], 2 * qk + 2 * cos.numel() * 2, 4 * qk, copy_bw
+        )
         del q, k, dq, dk, impls
         torch.cuda.empty_cache() if not SMOKE else None
 
@@ -268,7 +302,7 @@ def dispatch_overhead():
     cases["torch eager rms_norm 4x4096"] = lambda: hf_rms_norm(x, w)
     out = {}
     for name, fn in cases.items():
-        for forced in ((False, True) if name.startswith("rms_norm") else (False,)):
+        for forced in (False, True) if name.startswith("rms_norm") else (False,):
             _library.FORCE_LIBRARY_OP = forced
             for _ in range(20):
                 fn()
@@ -304,7 +338,7 @@ def sweep(budget_s):
         return time.time() - T0 > budget_s
 
     rms = {}
-    for m, n in ([(16384, 4096), (8192, 8192)] if not SMOKE else [(8, 64)]):
+    for m, n in [(16384, 4096), (8192, 8192)] if not SMOKE else [(8, 64)]:
         x = torch.randn(m, n, device=DEV, dtype=DT)
         w = torch.randn(n, device=DEV, dtype=DT)
         rms[(m, n)] = (x, w, torch.randn_like(x), rms_mod.rms_norm_forward(x, w, 1e-6)[2])
@@ -321,8 +355,10 @@ def sweep(budget_s):
                         except Exception as e:  # noqa: BLE001 (out of resources)
                             log(f"rms_norm_bwd {m}x{n} {cfg}: {type(e).__name__}")
                             continue
-                    log(f"rms_norm_bwd {m}x{n} BLOCK_M={bm} warps={nw} ppu={ppu}: {ms:.4f} ms "
-                        f"{3 * m * n * 2 / ms / 1e6:.0f} GB/s")
+                    log(
+                        f"rms_norm_bwd {m}x{n} BLOCK_M={bm} warps={nw} ppu={ppu}: {ms:.4f} ms "
+                        f"{3 * m * n * 2 / ms / 1e6:.0f} GB/s"
+                    )
     b, hq, hk, s, d = (4, 32, 8, 4096, 128) if not SMOKE else (1, 4, 2, 8, 16)
     q = torch.randn(b, hq, s, d, device=DEV, dtype=DT)
     k = torch.randn(b, hk, s, d, device=DEV, dtype=DT)
@@ -333,11 +369,14 @@ def sweep(budget_s):
             for nw in (4, 8):
                 if over():
                     return lines
-                with override(rope_mod, {"rope": {"BLOCK_S": bs, "BLOCK_HQ": bh, "BLOCK_HK": min(bh, hk),
-                                                  "num_warps": nw}}):
+                with override(
+                    rope_mod, {"rope": {"BLOCK_S": bs, "BLOCK_HQ": bh, "BLOCK_HK": min(bh, hk), "num_warps": nw}}
+                ):
                     ms = t(lambda: rope_mod.rope_forward(q, k, cos, sin))
-                log(f"rope {b}x{hq}/{hk}x{s}x{d} BLOCK_S={bs} BLOCK_H={bh} warps={nw}: {ms:.4f} ms "
-                    f"{(2 * qk + 2 * cos.numel() * 2) / ms / 1e6:.0f} GB/s")
+                log(
+                    f"rope {b}x{hq}/{hk}x{s}x{d} BLOCK_S={bs} BLOCK_H={bh} warps={nw}: {ms:.4f} ms "
+                    f"{(2 * qk + 2 * cos.numel() * 2) / ms / 1e6:.0f} GB/s"
+                )
     q = k = cos = sin = None  # freed (not del: the timed lambdas above name them)
     for (m, n), (x, w, dy, rstd) in rms.items():
         for bm in (1, 2, 4):
@@ -346,8 +385,7 @@ def sweep(budget_s):
                     return lines
                 with override(rms_mod, {"rms_norm_fwd": {"BLOCK_M": bm, "num_warps": nw}}):
                     ms = t(lambda: rms_mod.rms_norm_forward(x, w, 1e-6))
-                log(f"rms_norm_fwd {m}x{n} BLOCK_M={bm} warps={nw}: {ms:.4f} ms "
-                    f"{2 * m * n * 2 / ms / 1e6:.0f} GB/s")
+                log(f"rms_norm_fwd {m}x{n} BLOCK_M={bm} warps={nw}: {ms:.4f} ms {2 * m * n * 2 / ms / 1e6:.0f} GB/s")
     del rms
     m, n = (16384, 14336) if not SMOKE else (4, 96)
     g, u = (torch.randn(m, n, device=DEV, dtype=DT) for _ in range(2))
@@ -360,43 +398,53 @@ def sweep(budget_s):
             with override(swiglu_mod, {"swiglu_fwd": cfg, "swiglu_bwd": cfg}):
                 f = t(lambda: swiglu_mod.swiglu_forward(g, u))
                 bw = t(lambda: swiglu_mod.swiglu_backward(dy, g, u))
-            log(f"swiglu {m}x{n} BLOCK={block} warps={nw}: fwd {f:.4f} ms {3 * m * n * 2 / f / 1e6:.0f} GB/s, "
-                f"bwd {bw:.4f} ms {5 * m * n * 2 / bw / 1e6:.0f} GB/s")
+            log(
+                f"swiglu {m}x{n} BLOCK={block} warps={nw}: fwd {f:.4f} ms {3 * m * n * 2 / f / 1e6:.0f} GB/s, "
+                f"bwd {bw:.4f} ms {5 * m * n * 2 / bw / 1e6:.0f} GB/s"
+            )
     return lines
 
 
 # -- report --------------------------------------------------------------------------------------
 def markdown(copy_bw, device, dispatch, sweep_lines) -> str:
     liger = LIGER or "not available"
-    out = [f"# Kernel benchmarks: RMSNorm, SwiGLU, RoPE ({'SMOKE RUN, CPU interpreter' if SMOKE else 'bf16'})",
-           "",
-           f"- device: {device}",
-           f"- torch {torch.__version__}, triton {triton.__version__}, Liger-Kernel {liger}",
-           f"- date: {datetime.date.today().isoformat()}; command: `python bench/bench_kernels.py`",
-           f"- measured copy bandwidth (1 GiB bf16 device-to-device, read+write): {copy_bw / 1e12:.2f} TB/s",
-           "- time: `triton.testing.do_bench` median (p20-p80) over ~100 ms of runs; forward runs with "
-           "grad-requiring inputs (the training forward)",
-           "- GB/s and % copy over minimal bytes; speed-up = impl time / tritonspec time (>1: tritonspec faster);",
-           "  peak = max allocated during one forward+backward above the live inputs and output gradient",
-           "- one-thread autograd: the same eager call under `torch.autograd.set_multithreading_enabled(False)`",
-           "  (the backward runs on the calling thread, not on autograd's CUDA device thread)",
-           "- `tritonspec in-place bwd`: `in_place_backward=True` (gradient written into the incoming gradient,",
-           "  or into gate/up for SwiGLU) -- the memory model Liger uses by default for RMSNorm and SwiGLU",
-           ""]
+    out = [
+        f"# Kernel benchmarks: RMSNorm, SwiGLU, RoPE ({'SMOKE RUN, CPU interpreter' if SMOKE else 'bf16'})",
+        "",
+        f"- device: {device}",
+        f"- torch {torch.__version__}, triton {triton.__version__}, Liger-Kernel {liger}",
+        f"- date: {datetime.date.today().isoformat()}; command: `python bench/bench_kernels.py`",
+        f"- measured copy bandwidth (1 GiB bf16 device-to-device, read+write): {copy_bw / 1e12:.2f} TB/s",
+        "- time: `triton.testing.do_bench` median (p20-p80) over ~100 ms of runs; forward runs with "
+        "grad-requiring inputs (the training forward)",
+        "- GB/s and % copy over minimal bytes; speed-up = impl time / tritonspec time (>1: tritonspec faster);",
+        "  peak = max allocated during one forward+backward above the live inputs and output gradient",
+        "- one-thread autograd: the same eager call under `torch.autograd.set_multithreading_enabled(False)`",
+        "  (the backward runs on the calling thread, not on autograd's CUDA device thread)",
+        "- `tritonspec in-place bwd`: `in_place_backward=True` (gradient written into the incoming gradient,",
+        "  or into gate/up for SwiGLU) -- the memory model Liger uses by default for RMSNorm and SwiGLU",
+        "",
+    ]
     for op in ("rmsnorm", "swiglu", "rope"):
         rows = [r for r in ROWS if r["op"] == op]
         if not rows:
             continue
         gh = " CUDA-graph ms (% copy) |" if CUDAGRAPH else ""
-        out += [f"## {op}", "", "| shape | mode | impl | median ms (p20-p80) | GB/s | % copy | tritonspec speed-up "
-                f"| peak MiB | one-thread autograd ms (% copy) |{gh}",
-                "|---|---|---|---|---|---|---|---|---|" + ("---|" if CUDAGRAPH else "")]
+        out += [
+            f"## {op}",
+            "",
+            "| shape | mode | impl | median ms (p20-p80) | GB/s | % copy | tritonspec speed-up "
+            f"| peak MiB | one-thread autograd ms (% copy) |{gh}",
+            "|---|---|---|---|---|---|---|---|---|" + ("---|" if CUDAGRAPH else ""),
+        ]
         for r in rows:
             mem = "" if r["mem"] is None else f"{r['mem']:.0f}"
             one = "" if r["mode"] == "fwd" else f"{r['one_ms']:.4f} ({r['one_pct']:.1f})"
             g = f" {one} |" + (f" {r['graph_ms']:.4f} ({r['graph_pct']:.1f}) |" if CUDAGRAPH else "")
-            out.append(f"| {r['shape']} | {r['mode']} | {r['impl']} | {r['ms']:.4f} ({r['p20']:.4f}-{r['p80']:.4f}) "
-                       f"| {r['gbs']:.0f} | {r['pct']:.1f} | {r['speedup']:.2f} | {mem} |{g}")
+            out.append(
+                f"| {r['shape']} | {r['mode']} | {r['impl']} | {r['ms']:.4f} ({r['p20']:.4f}-{r['p80']:.4f}) "
+                f"| {r['gbs']:.0f} | {r['pct']:.1f} | {r['speedup']:.2f} | {mem} |{g}"
+            )
         out.append("")
     if dispatch:
         out += ["## Eager dispatch cost (tiny inputs, CPU-bound, us per forward call)", ""]
@@ -413,14 +461,20 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--budget", type=float, default=300.0, help="seconds after which optional parts are skipped")
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--cudagraph", action="store_true",
-                    help="also time each call replayed from a CUDA graph (GPU time without host overhead)")
+    ap.add_argument(
+        "--cudagraph",
+        action="store_true",
+        help="also time each call replayed from a CUDA graph (GPU time without host overhead)",
+    )
     ap.add_argument("--ops", default="rmsnorm,swiglu,rope")
     args = ap.parse_args()
     device = "CPU (interpreter)" if SMOKE else torch.cuda.get_device_name()
     copy_bw = copy_bandwidth()
-    print(f"# {device}; torch {torch.__version__}; triton {triton.__version__}; liger {LIGER}; "
-          f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
+    print(
+        f"# {device}; torch {torch.__version__}; triton {triton.__version__}; liger {LIGER}; "
+        f"copy {copy_bw / 1e12:.2f} TB/s",
+        flush=True,
+    )
     ops = args.ops.split(",")
     if SMOKE:
         rms_shapes, swiglu_shapes, rope_shapes = [(8, 64)], [(8, 96)], [(1, 4, 2, 8, 16)]
@@ -437,8 +491,11 @@ def main():
         with open(args.out, "w") as f:
             f.write(markdown(copy_bw, device, dispatch, list(sweep_lines)))
 
-    for name, cases, shapes in (("rmsnorm", rms_cases, rms_shapes), ("swiglu", swiglu_cases, swiglu_shapes),
-                                ("rope", rope_cases, rope_shapes)):
+    for name, cases, shapes in (
+        ("rmsnorm", rms_cases, rms_shapes),
+        ("swiglu", swiglu_cases, swiglu_shapes),
+        ("rope", rope_cases, rope_shapes),
+    ):
         if name in ops:
             cases(copy_bw, shapes)
             write()

@@ -13,6 +13,7 @@ of the rounds. Peak: ``max_memory_allocated`` over one fwd+bwd, less what was al
 
 Usage: python bench/bench_linear_cross_entropy.py [--out FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,6 +51,7 @@ def providers():
     out["ours-liger-chunk"] = liger_chunk
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
         liger = LigerFusedLinearCrossEntropyLoss()
         out["liger"] = lambda h, w, y: liger(w, h, y)
     except ImportError as e:
@@ -62,7 +64,7 @@ def providers():
 def inputs(n, h, v, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     hidden = (torch.randn(n, h, device="cuda", generator=g) * 0.5).to(torch.bfloat16).requires_grad_()
-    weight = (torch.randn(v, h, device="cuda", generator=g) * h ** -0.5).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(v, h, device="cuda", generator=g) * h**-0.5).to(torch.bfloat16).requires_grad_()
     labels = torch.randint(0, v, (n,), device="cuda", generator=g)
     labels[torch.rand(n, device="cuda", generator=g) < 0.05] = -100
     return hidden, weight, labels
@@ -111,31 +113,42 @@ def main(argv=None):
             torch.cuda.empty_cache()
         names = list(res)
         for r in range(args.rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                res[name]["times"].append(triton.testing.do_bench(lambda: fwd_bwd(provs[name], h, w, y), warmup=5,
-                                                                  rep=200, grad_to_none=[h, w]))
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                res[name]["times"].append(
+                    triton.testing.do_bench(
+                        lambda: fwd_bwd(provs[name], h, w, y), warmup=5, rep=200, grad_to_none=[h, w]
+                    )
+                )
                 torch.cuda.empty_cache()
         for name in names:
             res[name]["ms"] = statistics.median(res[name]["times"])
-            print(f"{n}x{hdim}x{v} {name}: {res[name]['ms']:.2f} ms, peak {res[name]['peak'] / 2**20:.0f} MiB, "
-                  f"err {res[name]['err']:.1e}", flush=True)
+            print(
+                f"{n}x{hdim}x{v} {name}: {res[name]['ms']:.2f} ms, peak {res[name]['peak'] / 2**20:.0f} MiB, "
+                f"err {res[name]['err']:.1e}",
+                flush=True,
+            )
         rows.append(((n, hdim, v), res))
         h = w = y = ref_grads = None  # free the case before the next one
         torch.cuda.empty_cache()
 
     p = torch.cuda.get_device_properties(0)
-    lines = [f"Device: {p.name}; torch {torch.__version__}, triton {triton.__version__}; bf16; "
-             f"{datetime.date.today()}; fwd+bwd ms (median of {args.rounds} rounds) and peak MiB above the inputs.", "",
-             "| tokens x hidden x vocab | provider | fwd+bwd ms | vs liger | peak MiB | vs liger "
-             "| max rel. error vs eager |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Device: {p.name}; torch {torch.__version__}, triton {triton.__version__}; bf16; "
+        f"{datetime.date.today()}; fwd+bwd ms (median of {args.rounds} rounds) and peak MiB above the inputs.",
+        "",
+        "| tokens x hidden x vocab | provider | fwd+bwd ms | vs liger | peak MiB | vs liger "
+        "| max rel. error vs eager |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for shape, res in rows:
         lg = res.get("liger")
         for name, r in res.items():
             t = f"{r['ms'] / lg['ms']:.2f}x" if lg else "n/a"
             m = f"{r['peak'] / lg['peak']:.3f}x" if lg else "n/a"
-            lines.append(f"| {'x'.join(map(str, shape))} | {name} | {r['ms']:.2f} | {t} | {r['peak'] / 2**20:.0f} | "
-                         f"{m} | {r['err']:.1e} |")
+            lines.append(
+                f"| {'x'.join(map(str, shape))} | {name} | {r['ms']:.2f} | {t} | {r['peak'] / 2**20:.0f} | "
+                f"{m} | {r['err']:.1e} |"
+            )
     table = "\n".join(lines) + "\n"
     emit(table, args.out)
     return 0

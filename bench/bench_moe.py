@@ -16,6 +16,7 @@ dx are checked first against the float64 reference where it fits in memory, else
 ``--sweep`` first times launch-config variants of our kernels (tuning data, not results). ``--smoke``
 runs tiny shapes on the CPU interpreter to check this script itself.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,26 +41,54 @@ DT = torch.float32 if SMOKE else torch.bfloat16
 
 # (name, transformers config class, experts class path, config kwargs: hidden, intermediate, experts, top-k)
 CASES = [
-    ("qwen3-30b-a3b", "Qwen3MoeConfig", "transformers.models.qwen3_moe.modeling_qwen3_moe:Qwen3MoeExperts",
-     dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)),
-    ("mixtral-8x7b", "MixtralConfig", "transformers.models.mixtral.modeling_mixtral:MixtralExperts",
-     dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2)),
-    ("deepseek-v3", "DeepseekV3Config", "transformers.models.deepseek_v3.modeling_deepseek_v3:DeepseekV3Experts",
-     dict(hidden_size=7168, moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=8)),
-    ("gpt-oss-20b", "GptOssConfig", "transformers.models.gpt_oss.modeling_gpt_oss:GptOssExperts",
-     dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4)),
+    (
+        "qwen3-30b-a3b",
+        "Qwen3MoeConfig",
+        "transformers.models.qwen3_moe.modeling_qwen3_moe:Qwen3MoeExperts",
+        dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8),
+    ),
+    (
+        "mixtral-8x7b",
+        "MixtralConfig",
+        "transformers.models.mixtral.modeling_mixtral:MixtralExperts",
+        dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2),
+    ),
+    (
+        "deepseek-v3",
+        "DeepseekV3Config",
+        "transformers.models.deepseek_v3.modeling_deepseek_v3:DeepseekV3Experts",
+        dict(hidden_size=7168, moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=8),
+    ),
+    (
+        "gpt-oss-20b",
+        "GptOssConfig",
+        "transformers.models.gpt_oss.modeling_gpt_oss:GptOssExperts",
+        dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4),
+    ),
 ]
 TOKENS = [16, 512, 4096] if not SMOKE else [3]
 # the token counts of each case's table rows (the issue's: prefill/training batches and decode)
-TOKENS_OF = {"qwen3-30b-a3b": [32768, 8192, 4096, 128, 1], "mixtral-8x7b": [4096, 1], "deepseek-v3": [4096],
-             "gpt-oss-20b": [4096, 1]}
-SMOKE_SIZES = dict(hidden_size=32, moe_intermediate_size=16, intermediate_size=16, num_experts=4, num_local_experts=4,
-                   n_routed_experts=4, num_experts_per_tok=2)
+TOKENS_OF = {
+    "qwen3-30b-a3b": [32768, 8192, 4096, 128, 1],
+    "mixtral-8x7b": [4096, 1],
+    "deepseek-v3": [4096],
+    "gpt-oss-20b": [4096, 1],
+}
+SMOKE_SIZES = dict(
+    hidden_size=32,
+    moe_intermediate_size=16,
+    intermediate_size=16,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+)
 
 
 def _experts(case):
     import importlib
     import transformers
+
     name, config_cls, path, sizes = case
     if SMOKE:
         sizes = {k: SMOKE_SIZES.get(k, v) for k, v in sizes.items()}
@@ -72,7 +101,7 @@ def _experts(case):
     with torch.no_grad():
         for n, p in experts.named_parameters():  # draw fan-in scaled weights in place
             fan_in = p.shape[-1] if not getattr(experts, "is_transposed", False) or p.dim() < 3 else p.shape[-2]
-            p.normal_(0.0, fan_in ** -0.5 if p.dim() == 3 else 0.1)
+            p.normal_(0.0, fan_in**-0.5 if p.dim() == 3 else 0.1)
     top_k = sizes["num_experts_per_tok"]
     intermediate = sizes.get("moe_intermediate_size", sizes.get("intermediate_size"))
     return experts, cfg, top_k, sizes["hidden_size"], intermediate
@@ -93,9 +122,11 @@ def bench(fn):
 
 def _module_call(experts, impl):
     """The experts module itself, switched the way users switch it (``config._experts_implementation``)."""
+
     def call(experts, x, ids, w):
         experts.config._experts_implementation = impl
         return experts(x, ids, w)
+
     return call
 
 
@@ -107,10 +138,13 @@ def _error(experts, fn, x, ids, w, dout, against_float64, baseline):
     out.backward(dout)
     experts.zero_grad(set_to_none=True)
     if against_float64:
-        kw = dict(gate_up_bias=experts.gate_up_proj_bias.double() if experts.has_bias else None,
-                  down_bias=experts.down_proj_bias.double() if experts.has_bias else None,
-                  layout="concatenated" if experts.is_concatenated else "interleaved_transposed",
-                  activation="gpt_oss" if hasattr(experts, "limit") else "silu", clamp=getattr(experts, "limit", None))
+        kw = dict(
+            gate_up_bias=experts.gate_up_proj_bias.double() if experts.has_bias else None,
+            down_bias=experts.down_proj_bias.double() if experts.has_bias else None,
+            layout="concatenated" if experts.is_concatenated else "interleaved_transposed",
+            activation="gpt_oss" if hasattr(experts, "limit") else "silu",
+            clamp=getattr(experts, "limit", None),
+        )
         x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
         ref = moe_experts_ref(x64, ids, w64, experts.gate_up_proj.double(), experts.down_proj.double(), **kw)
         ref.backward(dout.double())
@@ -128,15 +162,26 @@ def _error(experts, fn, x, ids, w, dout, against_float64, baseline):
 _BIG = dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 VARIANTS = {
     "default": {},
-    "k64 s3": {"moe_up": dict(BLOCK_K=64, num_stages=3), "moe_rows": dict(BLOCK_K=64, num_stages=3),
-               "moe_weight_grad": dict(num_stages=3)},
-    "big": {"moe_up": dict(BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3), "moe_rows": _BIG,
-            "moe_weight_grad": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3)},
-    "big m128": {"moe_up": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3), "moe_rows": _BIG,
-                 "moe_weight_grad": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3)},
-    "big s4": {"moe_up": dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
-               "moe_rows": dict(_BIG, num_warps=4, num_stages=4),
-               "moe_weight_grad": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)},
+    "k64 s3": {
+        "moe_up": dict(BLOCK_K=64, num_stages=3),
+        "moe_rows": dict(BLOCK_K=64, num_stages=3),
+        "moe_weight_grad": dict(num_stages=3),
+    },
+    "big": {
+        "moe_up": dict(BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3),
+        "moe_rows": _BIG,
+        "moe_weight_grad": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3),
+    },
+    "big m128": {
+        "moe_up": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3),
+        "moe_rows": _BIG,
+        "moe_weight_grad": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3),
+    },
+    "big s4": {
+        "moe_up": dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
+        "moe_rows": dict(_BIG, num_warps=4, num_stages=4),
+        "moe_weight_grad": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
+    },
 }
 
 
@@ -150,6 +195,7 @@ def sweep():
             x, ids, w = _inputs(T, H, experts.num_experts, k)
             dout = torch.randn(T, H, device=DEV).to(DT)
             for name, variant in VARIANTS.items():
+
                 def fwd():
                     with torch.no_grad():
                         experts(x, ids, w)
@@ -158,6 +204,7 @@ def sweep():
                     x.grad = w.grad = None
                     experts.zero_grad(set_to_none=True)
                     experts(x, ids, w).backward(dout)
+
                 try:
                     with override(moe_mod, variant):
                         tf, tb = bench(fwd)[0], bench(fb)[0]
@@ -177,8 +224,9 @@ def _liger():
         from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
     except ImportError:
         return None
-    return lambda experts, x, ids, w: LigerFusedMoEFunction.apply(x, experts.gate_up_proj, experts.down_proj,
-                                                                   ids.int(), w)
+    return lambda experts, x, ids, w: LigerFusedMoEFunction.apply(
+        x, experts.gate_up_proj, experts.down_proj, ids.int(), w
+    )
 
 
 def _graphed(fn):
@@ -205,7 +253,7 @@ def _peak_mib(call):
     torch.cuda.reset_peak_memory_stats()
     call()
     torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def block_rows(tokens=(4096, 32768)):
@@ -215,9 +263,16 @@ def block_rows(tokens=(4096, 32768)):
     import transformers
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
     import tritonspec.nn as tnn
-    cfg = transformers.Qwen3MoeConfig(**(dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128,
-                                              num_experts_per_tok=8, norm_topk_prob=True) if not SMOKE else
-                                         dict(SMOKE_SIZES, norm_topk_prob=True)))
+
+    cfg = transformers.Qwen3MoeConfig(
+        **(
+            dict(
+                hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True
+            )
+            if not SMOKE
+            else dict(SMOKE_SIZES, norm_topk_prob=True)
+        )
+    )
     cfg._experts_implementation = "grouped_mm"  # what a model built by from_pretrained / from_config runs
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -227,7 +282,7 @@ def block_rows(tokens=(4096, 32768)):
         for p in block.parameters():
             p.normal_(0.0, p.shape[-1] ** -0.5)
     lines = ["| block | T | impl | fwd ms | fwd+bwd ms | peak MiB fwd+bwd |", "|---|---|---|---|---|---|"]
-    for T in (tokens if not SMOKE else (3,)):
+    for T in tokens if not SMOKE else (3,):
         x = torch.randn(1, T, cfg.hidden_size, device=DEV).to(DT).requires_grad_()
         dout = torch.randn_like(x)
         for impl in ("transformers", "tritonspec"):
@@ -242,6 +297,7 @@ def block_rows(tokens=(4096, 32768)):
                 x.grad = None
                 block.zero_grad(set_to_none=True)
                 block(x).backward(dout)
+
             tf, tb = bench(fwd)[0], bench(fb)[0]
             lines.append(f"| qwen3-30b-a3b | {T} | {impl} | {tf:.3f} | {tb:.3f} | {_peak_mib(fb):.0f} |")
             print(lines[-1], flush=True)
@@ -256,9 +312,11 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--tokens", help="comma-separated token counts for every case (default: each case's own)")
     ap.add_argument("--block", action="store_true", help="also the whole Qwen3-MoE block, as shipped vs kernelized")
-    ap.add_argument("--cases", default=None,
-                    help="comma-separated case names (default: all; none: no experts rows): "
-                    + ", ".join(c[0] for c in CASES))
+    ap.add_argument(
+        "--cases",
+        default=None,
+        help="comma-separated case names (default: all; none: no experts rows): " + ", ".join(c[0] for c in CASES),
+    )
     args = ap.parse_args(argv)
     register_experts()
     sweep_table = sweep() if args.sweep else ""
@@ -270,7 +328,7 @@ def main(argv=None):
         experts, cfg, k, H, I = _experts(case)
         E = experts.num_experts
         own = [int(t) for t in args.tokens.split(",")] if args.tokens else TOKENS_OF.get(case[0], TOKENS)
-        for T in (own if not SMOKE else TOKENS):
+        for T in own if not SMOKE else TOKENS:
             x, ids, w = _inputs(T, H, E, k)
             dout = torch.randn(T, H, device=DEV).to(DT)
             impls = {n: _module_call(experts, n) for n in (EXPERTS_NAME, "grouped_mm")}
@@ -294,14 +352,17 @@ def main(argv=None):
             for impl, mode in variants:
                 fn = impls[impl.split()[0]]
                 if mode == "fwd":
+
                     def call(fn=fn, experts=experts):
                         with torch.no_grad():
                             fn(experts, x, ids, w)
                 else:
+
                     def call(fn=fn, experts=experts):
                         x.grad = w.grad = None
                         experts.zero_grad(set_to_none=True)
                         fn(experts, x, ids, w).backward(dout)
+
                 try:
                     timed = _graphed(call) if "graph" in impl else call
                     t = bench(timed)
@@ -311,26 +372,47 @@ def main(argv=None):
                     continue
                 f = flops if mode == "fwd" else 3 * flops
                 err = errs[impl.split()[0]]
-                rows.append(dict(case=case[0], T=T, impl=impl, mode=mode, ms=t[0], p20=t[1], p80=t[2],
-                                 tflops=f / (t[0] * 1e-3) / 1e12, err=err[0], derr=err[1], ref=err[2], peak=peak))
+                rows.append(
+                    dict(
+                        case=case[0],
+                        T=T,
+                        impl=impl,
+                        mode=mode,
+                        ms=t[0],
+                        p20=t[1],
+                        p80=t[2],
+                        tflops=f / (t[0] * 1e-3) / 1e12,
+                        err=err[0],
+                        derr=err[1],
+                        ref=err[2],
+                        peak=peak,
+                    )
+                )
                 print(rows[-1], flush=True)
         del experts
         if not SMOKE:
             torch.cuda.empty_cache()
     speed = {(r["case"], r["T"], r["mode"]): r["ms"] for r in rows if r["impl"] == EXPERTS_NAME}
     name = torch.cuda.get_device_name() if not SMOKE else "cpu (interpreter)"
-    head = (f"# MoE experts, {name}, torch {torch.__version__}, triton {triton.__version__}, "
-            f"{datetime.date.today()}\n\n| case | T | impl | mode | ms (p20-p80) | TFLOP/s | ours faster | peak MiB | "
-            "out err | dx err | against |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    head = (
+        f"# MoE experts, {name}, torch {torch.__version__}, triton {triton.__version__}, "
+        f"{datetime.date.today()}\n\n| case | T | impl | mode | ms (p20-p80) | TFLOP/s | ours faster | peak MiB | "
+        "out err | dx err | against |\n|---|---|---|---|---|---|---|---|---|---|---|"
+    )
     lines = [head]
     for r in rows:
         key = (r["case"], r["T"], r["mode"])
         ratio = r["ms"] / speed[key] if key in speed else float("nan")
-        lines.append(f"| {r['case']} | {r['T']} | {r['impl']} | {r['mode']} | {r['ms']:.3f} "
-                     f"({r['p20']:.3f}-{r['p80']:.3f}) | {r['tflops']:.0f} | {ratio:.2f}x | {r['peak']:.0f} "
-                     f"| {r['err']:.1e} | {r['derr']:.1e} | {r['ref']} |")
-    table = "\n".join(lines) + (f"\n\nWhole MoE block:\n\n{block_table}" if block_table else "") + (
-        f"\n\nLaunch-config sweep (ours):\n\n{sweep_table}" if sweep_table else "")
+        lines.append(
+            f"| {r['case']} | {r['T']} | {r['impl']} | {r['mode']} | {r['ms']:.3f} "
+            f"({r['p20']:.3f}-{r['p80']:.3f}) | {r['tflops']:.0f} | {ratio:.2f}x | {r['peak']:.0f} "
+            f"| {r['err']:.1e} | {r['derr']:.1e} | {r['ref']} |"
+        )
+    table = (
+        "\n".join(lines)
+        + (f"\n\nWhole MoE block:\n\n{block_table}" if block_table else "")
+        + (f"\n\nLaunch-config sweep (ours):\n\n{sweep_table}" if sweep_table else "")
+    )
     print(table)
     if args.out:
         with open(args.out, "w") as fh:

@@ -39,6 +39,7 @@ Also:
 
 ``--smoke`` runs the same code with tiny models on the CPU interpreter (the CPU stands in for the GPU).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,23 +65,61 @@ from tritonspec.nn.detectors import is_fused_experts  # noqa: E402
 
 DEV = torch.device("cpu" if SMOKE else "cuda")
 DT = torch.float32 if SMOKE else torch.bfloat16
-GiB = 2 ** 30
+GiB = 2**30
 
 # name: (config class, model class, config kwargs, GPU budget of our slots, default --new)
 CASES = {
-    "qwen3-30b-a3b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                      dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
-                           head_dim=128, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-                           norm_topk_prob=True, vocab_size=151936, intermediate_size=6144, mlp_only_layers=[],
-                           decoder_sparse_step=1), "16GiB", 32),
-    "mixtral-8x7b": ("MixtralConfig", "MixtralForCausalLM",
-                     dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                          num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000),
-                     "60GiB", 8),
+    "qwen3-30b-a3b": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            hidden_size=2048,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            vocab_size=151936,
+            intermediate_size=6144,
+            mlp_only_layers=[],
+            decoder_sparse_step=1,
+        ),
+        "16GiB",
+        32,
+    ),
+    "mixtral-8x7b": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            vocab_size=32000,
+        ),
+        "60GiB",
+        8,
+    ),
 }
-SMOKE_SIZES = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                   moe_intermediate_size=32, intermediate_size=64, num_experts=8, num_local_experts=8,
-                   num_experts_per_tok=2, vocab_size=128)
+SMOKE_SIZES = dict(
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    moe_intermediate_size=32,
+    intermediate_size=64,
+    num_experts=8,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    vocab_size=128,
+)
 SMOKE_SLOTS = 4  # slots per layer in --smoke (of 8 experts)
 
 
@@ -143,8 +182,8 @@ def fill_repeated(p, block):
     flat, n = p.view(-1), block.numel()
     whole = flat.numel() // n
     if whole:
-        flat[:whole * n].view(whole, n).copy_(block.expand(whole, n))
-    flat[whole * n:].copy_(block[:flat.numel() - whole * n])
+        flat[: whole * n].view(whole, n).copy_(block.expand(whole, n))
+    flat[whole * n :].copy_(block[: flat.numel() - whole * n])
 
 
 def expert_modules(model):
@@ -174,8 +213,10 @@ class DecodeStats:
     def decode(self):
         end = self.handle.stats()
         start = self.at_decode or {k: 0 for k in end}
-        d = {k: end[k] - start[k] for k in ("hits", "misses", "cpu_experts", "bytes_to_device", "predicted",
-                                             "needed_after_guess", "cpu_s")}
+        d = {
+            k: end[k] - start[k]
+            for k in ("hits", "misses", "cpu_experts", "bytes_to_device", "predicted", "needed_after_guess", "cpu_s")
+        }
         served = d["hits"] + d["misses"] + d["cpu_experts"]
         d["hit_rate"] = d["hits"] / served if served else float("nan")
         d["prefetch_recall"] = d["predicted"] / d["needed_after_guess"] if d["needed_after_guess"] else float("nan")
@@ -183,8 +224,9 @@ class DecodeStats:
 
 
 def generate(model, ids, new):
-    return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=new,
-                          max_new_tokens=new)
+    return model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=new, max_new_tokens=new
+    )
 
 
 def measure_row(name, model, args, new, handle=None, warmup_hook=None):
@@ -211,13 +253,21 @@ def measure_row(name, model, args, new, handle=None, warmup_hook=None):
         model(long, logits_to_keep=1)  # the first long batch compiles kernels for its shapes
         t_prefill, _ = timed(lambda: model(long, logits_to_keep=1))
     steps = new - 1
-    row = dict(name=name, decode=steps / max(t_gen - t_prompt, 1e-9), prefill=args.prefill / t_prefill,
-               step_s=(t_gen - t_prompt) / steps,
-               peak=torch.cuda.max_memory_allocated() / GiB if DEV.type == "cuda" else float("nan"))
+    row = dict(
+        name=name,
+        decode=steps / max(t_gen - t_prompt, 1e-9),
+        prefill=args.prefill / t_prefill,
+        step_s=(t_gen - t_prompt) / steps,
+        peak=torch.cuda.max_memory_allocated() / GiB if DEV.type == "cuda" else float("nan"),
+    )
     if counters:
         d = decoded
-        row.update(hit=d["hit_rate"], recall=d["prefetch_recall"], bytes_tok=d["bytes_to_device"] / steps,
-                   cpu_share=d["cpu_s"] / (t_gen - t_prompt))
+        row.update(
+            hit=d["hit_rate"],
+            recall=d["prefetch_recall"],
+            bytes_tok=d["bytes_to_device"] / steps,
+            cpu_share=d["cpu_s"] / (t_gen - t_prompt),
+        )
     log(row)
     return row
 
@@ -235,8 +285,9 @@ def accelerate_row(model, args, budget):
         return None
     no_split = list(getattr(model, "_no_split_modules", None) or [type(model.model.layers[0]).__name__])
     gpu = non_expert_bytes(model) + budget
-    dmap = infer_auto_device_map(model, max_memory={0: gpu, "cpu": 512 * GiB}, no_split_module_classes=no_split,
-                                 dtype=DT)
+    dmap = infer_auto_device_map(
+        model, max_memory={0: gpu, "cpu": 512 * GiB}, no_split_module_classes=no_split, dtype=DT
+    )
     on_gpu = sum(d == 0 for d in dmap.values())
     log(f"accelerate: {on_gpu} of {len(dmap)} device-map entries on the GPU (max_memory {gpu / GiB:.1f} GiB)")
     dispatch_model(model, device_map=dmap)
@@ -256,11 +307,14 @@ def accelerate_row(model, args, budget):
 # ------------------------------------------------------------------------------------------------------------
 def trace_hooks(layers, traces):
     """Forward pre-hooks that append each batch's set of routed experts to ``traces[layer]``."""
+
     def hook(i):
         def fn(module, args, kwargs):
             ids = args[1] if len(args) > 1 else kwargs["top_k_index"]
             traces[i].append(set(ids.reshape(-1).tolist()))
+
         return fn
+
     return lambda: [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, m in enumerate(layers)]
 
 
@@ -305,7 +359,8 @@ def link(nbytes, pinned, reps=10):
 
 
 def load_bandwidth(layer, rows):
-    """GB/s of ``rows`` back-to-back ``_load`` copies (our copy path); the slots are refilled as the cache says after."""
+    """GB/s of ``rows`` back-to-back ``_load`` copies (our copy path); the slots are refilled as the cache
+    says after."""
     S, E = layer.cache.num_slots, layer.num_experts
     saved = layer.stats.bytes_to_device
     layer._load(0, 0)  # warm
@@ -332,7 +387,7 @@ def compute_step(model, layers):
 
 def dram_bandwidth():
     """Host DRAM read GB/s: sum of a 4 GB float32 tensor with all threads, best of 3."""
-    x = torch.ones((2 ** 30) if not SMOKE else 2 ** 24, dtype=torch.float32)
+    x = torch.ones((2**30) if not SMOKE else 2**24, dtype=torch.float32)
     x.sum()
     best = min(timed(x.sum)[0] for _ in range(3))
     return x.numel() * 4 / best / 1e9
@@ -368,8 +423,10 @@ def run_case(case, args):
     per_expert = probe[0].gate_up_proj[0].numel() * DT.itemsize + probe[0].down_proj[0].numel() * DT.itemsize
     L, E, k = len(probe), probe[0].gate_up_proj.shape[0], cfg.num_experts_per_tok
     budget = SMOKE_SLOTS * L * per_expert if SMOKE else parse_bytes(args.budget or default_budget)
-    log(f"{case}: built in {t:.0f} s; experts {L * E * per_expert / 1e9:.1f} GB, rest {non_expert_bytes(model) / 1e9:.1f}"
-        f" GB, budget {budget / GiB:.2f} GiB")
+    log(
+        f"{case}: built in {t:.0f} s; experts {L * E * per_expert / 1e9:.1f} GB, "
+        f"rest {non_expert_bytes(model) / 1e9:.1f} GB, budget {budget / GiB:.2f} GiB"
+    )
     del probe
     rows = []
     acc = accelerate_row(model, args, budget)
@@ -389,8 +446,13 @@ def run_case(case, args):
             m.cpu_compute, m.prefetch = mode, prefetch
         handle.reset_stats()
         ours[mode, prefetch] = measure_row(
-            f"ours (lru, prefetch {'on' if prefetch else 'off'}, cpu_compute={mode})", model, args, new, handle,
-            warmup_hook=trace_hooks(layers, traces) if mode == "auto" else None)
+            f"ours (lru, prefetch {'on' if prefetch else 'off'}, cpu_compute={mode})",
+            model,
+            args,
+            new,
+            handle,
+            warmup_hook=trace_hooks(layers, traces) if mode == "auto" else None,
+        )
         rows.append(ours[mode, prefetch])
 
     # The bound's h is the cache's own hit rate: with prefetch, a guessed expert counts as a hit but was copied.
@@ -407,10 +469,15 @@ def run_case(case, args):
     cpu_rate = cpu_expert_rate(layers[0])
     costs = layers[0].costs()
     log(f"layer 0 costs: {costs}")
-    links = [(f"{what}, {'pinned' if p else 'pageable'}", link(n, pinned=p))
-             for what, n in (("one expert row", per_expert), ("64 MB", 64 * 2 ** 20)) for p in (True, False)]
-    sims = {"random-weight model": replay([t for t in traces if len(t) > 1], slots, E, k),
-            "synthetic Zipf": replay(zipf_traces(L, E, k), slots, E, k)}
+    links = [
+        (f"{what}, {'pinned' if p else 'pageable'}", link(n, pinned=p))
+        for what, n in (("one expert row", per_expert), ("64 MB", 64 * 2**20))
+        for p in (True, False)
+    ]
+    sims = {
+        "random-weight model": replay([t for t in traces if len(t) > 1], slots, E, k),
+        "synthetic Zipf": replay(zipf_traces(L, E, k), slots, E, k),
+    }
 
     if case == "qwen3-30b-a3b":
         log("all on the GPU: revert, move")
@@ -422,31 +489,87 @@ def run_case(case, args):
         model.to(DEV)
         rows.append(measure_row("all on GPU", model, args, new))
 
-    return tables(case, setup, rows, sims, copy["hit"], slots, E, links, bw, t_copy, t_compute, compute_hits,
-                  copy["step_s"], hidden, dram, cpu_rate, costs)
+    return tables(
+        case,
+        setup,
+        rows,
+        sims,
+        copy["hit"],
+        slots,
+        E,
+        links,
+        bw,
+        t_copy,
+        t_compute,
+        compute_hits,
+        copy["step_s"],
+        hidden,
+        dram,
+        cpu_rate,
+        costs,
+    )
 
 
-def tables(case, setup, rows, sims, our_hit, slots, E, links, bw, t_copy, t_compute, compute_hits, t_step, hidden,
-           dram, cpu_rate, costs):
+def tables(
+    case,
+    setup,
+    rows,
+    sims,
+    our_hit,
+    slots,
+    E,
+    links,
+    bw,
+    t_copy,
+    t_compute,
+    compute_hits,
+    t_step,
+    hidden,
+    dram,
+    cpu_rate,
+    costs,
+):
     f = lambda v, p=2: "-" if v is None or v != v else f"{v:.{p}f}"  # noqa: E731
-    out = [f"### {case}", "", setup + ".", "", "| variant | decode tok/s | prefill tok/s | peak GPU GiB | hit rate | prefetch recall | "
-           "MB moved / token | CPU expert share |", "|---|---|---|---|---|---|---|---|"]
+    out = [
+        f"### {case}",
+        "",
+        setup + ".",
+        "",
+        "| variant | decode tok/s | prefill tok/s | peak GPU GiB | hit rate | prefetch recall | "
+        "MB moved / token | CPU expert share |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         mb = r.get("bytes_tok")
-        out.append(f"| {r['name']} | {f(r['decode'])} | {f(r.get('prefill'), 0)} | {f(r.get('peak'), 1)} | "
-                   f"{f(r.get('hit'))} | {f(r.get('recall'))} | {f(mb / 1e6 if mb is not None else None, 1)} | "
-                   f"{f(r.get('cpu_share'))} |")
-    out += ["", f"Routing traces, {slots} slots per layer of {E} experts (hit rate, averaged over layers; "
-            f"ours measured, copy-only, no prefetch: {f(our_hit)})", "", "| trace | LRU | LFU | frequency | Belady optimum |", "|---|---|---|---|---|"]
-    out += [f"| {name} | {f(s['lru'])} | {f(s['lfu'])} | {f(s['frequency'])} | {f(s['belady'])} |"
-            for name, s in sims.items()]
+        out.append(
+            f"| {r['name']} | {f(r['decode'])} | {f(r.get('prefill'), 0)} | {f(r.get('peak'), 1)} | "
+            f"{f(r.get('hit'))} | {f(r.get('recall'))} | {f(mb / 1e6 if mb is not None else None, 1)} | "
+            f"{f(r.get('cpu_share'))} |"
+        )
+    out += [
+        "",
+        f"Routing traces, {slots} slots per layer of {E} experts (hit rate, averaged over layers; "
+        f"ours measured, copy-only, no prefetch: {f(our_hit)})",
+        "",
+        "| trace | LRU | LFU | frequency | Belady optimum |",
+        "|---|---|---|---|---|",
+    ]
+    out += [
+        f"| {name} | {f(s['lru'])} | {f(s['lfu'])} | {f(s['frequency'])} | {f(s['belady'])} |"
+        for name, s in sims.items()
+    ]
     out += ["", "| host -> device copy | GB/s |", "|---|---|"] + [f"| {n} | {v:.3g} |" for n, v in links]
-    out += [f"| our loads (``_load``, rows back to back) | {bw:.3g} |", "",
-            f"Overlap: t_copy {t_copy * 1e3:.1f} ms, t_compute {t_compute * 1e3:.1f} ms (hit rate {compute_hits:.2f}), "
-            f"t_step {t_step * 1e3:.1f} ms: {f(hidden * 100, 0)} % of copy time hidden.", "",
-            f"CPU experts: one-token expert {cpu_rate:.3g} GB/s of weights (the module's cost model: {costs.cpu_stream / 1e9:.3g} GB/s, "
-            f"{costs.cpu_flops / 1e12:.3g} TFLOP/s at 64 tokens, link {costs.host_link / 1e9:.3g} GB/s), "
-            f"DRAM read {dram:.3g} GB/s: {cpu_rate / dram * 100:.0f} % of DRAM bandwidth."]
+    out += [
+        f"| our loads (``_load``, rows back to back) | {bw:.3g} |",
+        "",
+        f"Overlap: t_copy {t_copy * 1e3:.1f} ms, t_compute {t_compute * 1e3:.1f} ms (hit rate {compute_hits:.2f}), "
+        f"t_step {t_step * 1e3:.1f} ms: {f(hidden * 100, 0)} % of copy time hidden.",
+        "",
+        f"CPU experts: one-token expert {cpu_rate:.3g} GB/s of weights "
+        f"(the module's cost model: {costs.cpu_stream / 1e9:.3g} GB/s, "
+        f"{costs.cpu_flops / 1e12:.3g} TFLOP/s at 64 tokens, link {costs.host_link / 1e9:.3g} GB/s), "
+        f"DRAM read {dram:.3g} GB/s: {cpu_rate / dram * 100:.0f} % of DRAM bandwidth.",
+    ]
     return "\n".join(out)
 
 
@@ -468,8 +591,10 @@ def main(argv=None):
     torch.manual_seed(0)
     blocks = [run_case(c, args) for c in cases]
     name = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu (interpreter)"
-    head = (f"## Expert offload, {name}, torch {torch.__version__}, triton {triton.__version__}, "
-            f"transformers {transformers.__version__}, {datetime.date.today()}")
+    head = (
+        f"## Expert offload, {name}, torch {torch.__version__}, triton {triton.__version__}, "
+        f"transformers {transformers.__version__}, {datetime.date.today()}"
+    )
     text = head + "\n\n" + "\n\n".join(blocks)
     print(text)
     if args.out:

@@ -26,6 +26,7 @@ slower, or copies around it, show.
 Usage: python bench/bench_training_step.py [--model llama|qwen3-moe] [--hidden 2048 --layers 8 --batch 4
        --seq 2048 --profile --out FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,19 +41,34 @@ import torch
 from harness import emit
 
 
-MODULES = {"llama": "transformers.models.llama.modeling_llama",
-           "qwen3-moe": "transformers.models.qwen3_moe.modeling_qwen3_moe"}
+MODULES = {
+    "llama": "transformers.models.llama.modeling_llama",
+    "qwen3-moe": "transformers.models.qwen3_moe.modeling_qwen3_moe",
+}
 
 
 def build(args, attn):
     import transformers
-    common = dict(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                  num_key_value_heads=args.kv_heads, vocab_size=args.vocab, max_position_embeddings=max(4096, args.seq))
+
+    common = dict(
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        vocab_size=args.vocab,
+        max_position_embeddings=max(4096, args.seq),
+    )
     if args.model == "qwen3-moe":  # Qwen3-30B-A3B's layer: 128 experts of 768, top-8, head_dim 128
-        cfg = transformers.Qwen3MoeConfig(**common, intermediate_size=args.intermediate, head_dim=128,
-                                          moe_intermediate_size=args.moe_intermediate, num_experts=args.experts,
-                                          num_experts_per_tok=args.top_k, norm_topk_prob=True,
-                                          output_router_logits=True)
+        cfg = transformers.Qwen3MoeConfig(
+            **common,
+            intermediate_size=args.intermediate,
+            head_dim=128,
+            moe_intermediate_size=args.moe_intermediate,
+            num_experts=args.experts,
+            num_experts_per_tok=args.top_k,
+            norm_topk_prob=True,
+            output_router_logits=True,
+        )
         cls = transformers.Qwen3MoeForCausalLM
     else:
         cfg = transformers.LlamaConfig(**common, intermediate_size=args.intermediate)
@@ -64,6 +80,7 @@ def build(args, attn):
 
 def prepare(name, args):
     import tritonspec.nn as tnn
+
     if name == "hf-sdpa":
         return build(args, "sdpa")
     if name == "hf-eager":
@@ -78,10 +95,17 @@ def prepare(name, args):
         return model
     if name in ("liger", "liger-flce"):
         import liger_kernel.transformers as lk
+
         apply = lk.apply_liger_kernel_to_qwen3_moe if args.model == "qwen3-moe" else lk.apply_liger_kernel_to_llama
         model = build(args, "sdpa")
-        apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-              fused_linear_cross_entropy=name == "liger-flce", model=model)
+        apply(
+            rope=True,
+            rms_norm=True,
+            swiglu=True,
+            cross_entropy=False,
+            fused_linear_cross_entropy=name == "liger-flce",
+            model=model,
+        )
         return model
     raise ValueError(name)
 
@@ -89,6 +113,7 @@ def prepare(name, args):
 class Variant:
     def __init__(self, name, args, ids):
         import importlib
+
         modeling = importlib.import_module(MODULES[args.model])
         self.name, self.ids = name, ids
         # Liger rebinds the modeling module's globals (classes, apply_rotary_pos_emb); put them back on release
@@ -101,9 +126,11 @@ class Variant:
             raise
         if name.startswith("ts-"):  # what the front end installed (a kernel that did not apply is absent)
             import tritonspec.nn as tnn
+
             counts = tnn.report(self.model).counts()
-            print(f"{name}: " + ", ".join(f"{k.rsplit('.', 2)[-2]} x{n}" for k, n in sorted(counts.items())),
-                  flush=True)
+            print(
+                f"{name}: " + ", ".join(f"{k.rsplit('.', 2)[-2]} x{n}" for k, n in sorted(counts.items())), flush=True
+            )
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, foreach=True)
         self.times: list[float] = []
 
@@ -152,6 +179,7 @@ _COPY = ("direct_copy", "copy_kernel", "CatArrayBatchedCopy", "contiguous")
 def profile_step(v: Variant, layers: int) -> dict:
     """GPU ms of one step by kernel class; attention per layer. Names of the copy kernels seen are kept."""
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         v.step()
         torch.cuda.synchronize()
@@ -209,6 +237,7 @@ def main():
 
     import transformers
     import triton
+
     g = torch.Generator(device=args.device).manual_seed(0)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=args.device, generator=g)
 
@@ -234,11 +263,19 @@ def main():
             notes.append(f"{name}: failed or skipped ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
             print(notes[-1], flush=True)
         else:
-            results[name] = {"loss": first_loss, "peak": peak, "step_peak": peak - resident, "times": v.times,
-                             "profile": prof}
+            results[name] = {
+                "loss": first_loss,
+                "peak": peak,
+                "step_peak": peak - resident,
+                "times": v.times,
+                "profile": prof,
+            }
             names.append(name)
-            print(f"{name}: first loss {first_loss:.5f}, peak {peak / 2**30:.2f} GiB, "
-                  f"median {statistics.median(v.times):.1f} ms", flush=True)
+            print(
+                f"{name}: first loss {first_loss:.5f}, peak {peak / 2**30:.2f} GiB, "
+                f"median {statistics.median(v.times):.1f} ms",
+                flush=True,
+            )
         if v is not None:
             v.release()
         del v
@@ -262,8 +299,12 @@ def main():
     lines = [
         f"## One training step, {'Qwen3-MoE' if args.model == 'qwen3-moe' else 'Llama'}-style bf16 (hidden "
         f"{args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, "
-        + (f"{args.experts} experts of {args.moe_intermediate}, top-{args.top_k}, " if args.model == "qwen3-moe"
-           else f"intermediate {args.intermediate}, ") + f"vocab {args.vocab}), "
+        + (
+            f"{args.experts} experts of {args.moe_intermediate}, top-{args.top_k}, "
+            if args.model == "qwen3-moe"
+            else f"intermediate {args.intermediate}, "
+        )
+        + f"vocab {args.vocab}), "
         f"batch {args.batch} x seq {args.seq}",
         "",
         f"Device: {dev}; torch {torch.__version__}, triton {triton.__version__}, transformers "
@@ -279,18 +320,26 @@ def main():
         med = statistics.median(r["times"])
         sp = statistics.median(base["times"]) / med if base else float("nan")
         mem = r["peak"] / base["peak"] if base and base["peak"] else float("nan")
-        lines.append(f"| {name} | {med:.1f} | {quantile(r['times'], .2):.1f}-{quantile(r['times'], .8):.1f} | "
-                     f"{tokens / med * 1e3:,.0f} | {sp:.3f}x | {r['peak'] / 2**30:.2f} | "
-                     f"{r['step_peak'] / 2**30:.2f} | {mem:.3f}x | {r['loss']:.5f} |")
+        lines.append(
+            f"| {name} | {med:.1f} | {quantile(r['times'], 0.2):.1f}-{quantile(r['times'], 0.8):.1f} | "
+            f"{tokens / med * 1e3:,.0f} | {sp:.3f}x | {r['peak'] / 2**30:.2f} | "
+            f"{r['step_peak'] / 2**30:.2f} | {mem:.3f}x | {r['loss']:.5f} |"
+        )
     if any(results[n]["profile"] for n in names):
-        lines += ["", "Profile of one step (GPU ms, torch profiler; attention per layer):", "",
-                  "| variant | attention fwd ms/layer | attention bwd ms/layer | copy and cast kernels ms | all kernels ms |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Profile of one step (GPU ms, torch profiler; attention per layer):",
+            "",
+            "| variant | attention fwd ms/layer | attention bwd ms/layer | copy and cast kernels ms | all kernels ms |",
+            "|---|---|---|---|---|",
+        ]
         for name in names:
             pr = results[name]["profile"]
             if pr:
-                lines.append(f"| {name} | {pr['attn_fwd_layer']:.3f} | {pr['attn_bwd_layer']:.3f} | {pr['copy']:.2f} | "
-                             f"{pr['total']:.1f} |")
+                lines.append(
+                    f"| {name} | {pr['attn_fwd_layer']:.3f} | {pr['attn_bwd_layer']:.3f} | {pr['copy']:.2f} | "
+                    f"{pr['total']:.1f} |"
+                )
         for name in names:
             pr = results[name]["profile"]
             if pr and pr["copy_kernels"]:

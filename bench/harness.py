@@ -1,4 +1,5 @@
 """What the kernel benchmarks share: the timer, and launch-config overrides for their sweeps."""
+
 from __future__ import annotations
 
 import contextlib
@@ -32,8 +33,10 @@ def quantiles(fn, *, smoke: bool, warmup: int = 25, rep: int = 100, grad_to_none
         ms = (time.perf_counter() - t) * 1e3
         return ms, ms, ms
     import triton
-    return tuple(triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none,
-                                         quantiles=[0.5, 0.2, 0.8]))
+
+    return tuple(
+        triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, quantiles=[0.5, 0.2, 0.8])
+    )
 
 
 def emit(table: str, path: str | None) -> None:

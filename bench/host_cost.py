@@ -9,6 +9,7 @@ torch profiler's per-op host time.
     python bench/host_cost.py [--shapes]   (--shapes: also eager fwd+bwd at the Llama shapes, launch
     plans on and off, and with autograd running the backward on the calling thread)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -81,6 +82,7 @@ def main():
             for t in leaves:
                 t.grad = None
             fn()
+
         return step
 
     rows["torch.empty(4x4096)"] = per_call_us(lambda: torch.empty((4, 4096), device=DEV, dtype=BF))
@@ -102,12 +104,19 @@ def main():
     runner = compiled[grid]
     rows["CompiledKernel[grid](*args)"] = per_call_us(lambda: compiled[grid](*bound))
     rows["runner(*args) (grid bound)"] = per_call_us(lambda: runner(*bound))
-    rows["CachedLauncher launch"] = per_call_us(lambda: cl[grid[:1]](
-        *args, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, HAS_RESIDUAL=False, LOOPED=False, **cfg.options))
-    rows["JITFunction[grid] launch"] = per_call_us(lambda: rms_mod._rms_norm_fwd_kernel[grid[:1]](
-        *args, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, HAS_RESIDUAL=False, LOOPED=False, **cfg.options))
-    rows["kernel_config hit"] = per_call_us(lambda: launch_config(
-        config, x0.device, lambda: None, N=4096, dtype=str(x0.dtype)))
+    rows["CachedLauncher launch"] = per_call_us(
+        lambda: cl[grid[:1]](
+            *args, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, HAS_RESIDUAL=False, LOOPED=False, **cfg.options
+        )
+    )
+    rows["JITFunction[grid] launch"] = per_call_us(
+        lambda: rms_mod._rms_norm_fwd_kernel[grid[:1]](
+            *args, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, HAS_RESIDUAL=False, LOOPED=False, **cfg.options
+        )
+    )
+    rows["kernel_config hit"] = per_call_us(
+        lambda: launch_config(config, x0.device, lambda: None, N=4096, dtype=str(x0.dtype))
+    )
     rows["rms_norm_forward (allocs+launch)"] = per_call_us(lambda: rms_mod.rms_norm_forward(x0, w0, 1e-6))
     rows["rms_norm_backward (allocs+2 launches)"] = per_call_us(lambda: rms_mod.rms_norm_backward(dy, x0, w0, rstd))
     rows["rms_norm no grad"] = per_call_us(lambda: rms_norm(x0, w0))
@@ -121,6 +130,7 @@ def main():
         rows["rms_norm fwd+bwd, no launch plans"] = per_call_us(rms_fb)
     try:
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
         liger = fb(lambda: LigerRMSNormFunction.apply(x, w, 1e-6).backward(dy), x, w)
         rows["liger rms_norm fwd+bwd"] = per_call_us(liger)
     except ImportError:
@@ -193,6 +203,7 @@ def main():
 
     # where the host time of our fwd+bwd goes, per thread (the backward runs on autograd's device thread)
     from torch.profiler import ProfilerActivity, profile
+
     step = fb(lambda: rms_norm(x, w).backward(dy), x, w)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(200):
@@ -225,13 +236,18 @@ def llama_shapes():
         x = leaf(torch.randn(m, n, device=DEV, dtype=BF))
         w = leaf(torch.randn(n, device=DEV, dtype=BF))
         dy = torch.randn(m, n, device=DEV, dtype=BF)
-        cases.append((f"rms_norm {m}x{n}", lambda x=x, w=w, dy=dy: rms_norm(x, w).backward(dy), [x, w],
-                      5 * m * n * 2))
+        cases.append((f"rms_norm {m}x{n}", lambda x=x, w=w, dy=dy: rms_norm(x, w).backward(dy), [x, w], 5 * m * n * 2))
         try:
             from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-            cases.append((f"liger rms_norm {m}x{n}",
-                          lambda x=x, w=w, dy=dy: LigerRMSNormFunction.apply(x, w, 1e-6).backward(dy), [x, w],
-                          5 * m * n * 2))
+
+            cases.append(
+                (
+                    f"liger rms_norm {m}x{n}",
+                    lambda x=x, w=w, dy=dy: LigerRMSNormFunction.apply(x, w, 1e-6).backward(dy),
+                    [x, w],
+                    5 * m * n * 2,
+                )
+            )
         except ImportError:
             pass
     for b, hq, s in ((4, 32, 4096), (1, 64, 8192)):
@@ -239,14 +255,21 @@ def llama_shapes():
         k = leaf(torch.randn(b, 8, s, 128, device=DEV, dtype=BF))
         cos, sin = torch.randn(b, s, 128, device=DEV, dtype=BF), torch.randn(b, s, 128, device=DEV, dtype=BF)
         dq, dk = torch.randn_like(q), torch.randn_like(k)
-        cases.append((f"rope {b}x{hq}/8x{s}x128",
-                      lambda q=q, k=k, c=cos, s_=sin, dq=dq, dk=dk:
-                      torch.autograd.backward(rope(q, k, c, s_), (dq, dk)),
-                      [q, k], 4 * (q.numel() + k.numel()) * 2))
+        cases.append(
+            (
+                f"rope {b}x{hq}/8x{s}x128",
+                lambda q=q, k=k, c=cos, s_=sin, dq=dq, dk=dk: torch.autograd.backward(rope(q, k, c, s_), (dq, dk)),
+                [q, k],
+                4 * (q.numel() + k.numel()) * 2,
+            )
+        )
     # "one thread": torch.autograd.set_multithreading_enabled(False), so the backward runs on the
     # calling thread instead of autograd's CUDA device thread (no wake-up of another thread and back)
-    variants = {"launch plans on": contextlib.nullcontext, "plans off": plans_off,
-                "plans on, autograd on one thread": lambda: torch.autograd.set_multithreading_enabled(False)}
+    variants = {
+        "launch plans on": contextlib.nullcontext,
+        "plans off": plans_off,
+        "plans on, autograd on one thread": lambda: torch.autograd.set_multithreading_enabled(False),
+    }
     print("| case | " + " | ".join(f"fwd+bwd % of copy, 5 rounds, {v}" for v in variants) + " |")
     print("|---|" + "---|" * len(variants))
     for name, fn, leaves, nbytes in cases:

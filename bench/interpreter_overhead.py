@@ -23,6 +23,7 @@ Target: at most 1.10x stock (``toggled``) on the helper loop and the ops. No GPU
 
     python bench/interpreter_overhead.py [--rounds N] [--launches N] [--pairs N] [--case NAME ...]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -111,7 +112,8 @@ for _ in range(int(sys.argv[2])):
 import cProfile, pstats
 profile = cProfile.Profile()
 profile.runcall(launch)
-active = "tritonspec.specialization.install" in sys.modules and sys.modules["tritonspec.specialization.install"].is_active()
+install = sys.modules.get("tritonspec.specialization.install")
+active = install is not None and install.is_active()
 result = {"ms": statistics.median(times) * 1e3, "calls": pstats.Stats(profile).total_calls, "active": active}
 if active:  # the same launches with the layer switched off and on in turn, in this process
     import tritonspec
@@ -139,16 +141,24 @@ def _same_cpu() -> None:
 
 
 def run(script: str, case: str, launches: int, pairs: int, disable: bool) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", TRITON_DEFAULT_FP_FUSION="1",
-               TRITONSPEC_DISABLE="1" if disable else "0")
-    proc = subprocess.run([sys.executable, script, case, str(launches), str(pairs)], env=env, capture_output=True,
-                          text=True, timeout=900, preexec_fn=_same_cpu)
+    env = dict(
+        os.environ, TRITON_INTERPRET="1", TRITON_DEFAULT_FP_FUSION="1", TRITONSPEC_DISABLE="1" if disable else "0"
+    )
+    proc = subprocess.run(
+        [sys.executable, script, case, str(launches), str(pairs)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        preexec_fn=_same_cpu,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{case} ({'stock' if disable else 'tritonspec'}):\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     if result["active"] == disable:
-        raise RuntimeError(f"{case}: the layer was {'on' if result['active'] else 'off'} with "
-                           f"TRITONSPEC_DISABLE={int(disable)}")
+        raise RuntimeError(
+            f"{case}: the layer was {'on' if result['active'] else 'off'} with TRITONSPEC_DISABLE={int(disable)}"
+        )
     return result
 
 
@@ -160,6 +170,7 @@ def main() -> None:
     parser.add_argument("--case", action="append", choices=CASES, help="(repeatable) default: all")
     args = parser.parse_args()
     import triton
+
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "interpreted.py")  # interpreted @jit functions need a source file
@@ -169,23 +180,38 @@ def main() -> None:
             times, calls, toggled = {True: [], False: []}, {}, []
             for i in range(args.rounds):
                 # alternate which goes first: drifts in machine load hit both alike
-                for disable in ((True, False) if i % 2 == 0 else (False, True)):
+                for disable in (True, False) if i % 2 == 0 else (False, True):
                     result = run(script, case, args.launches, args.pairs, disable)
                     times[disable].append(result["ms"])
                     calls[disable] = result["calls"]
                     toggled += result.get("toggled", [])
             stock, ours = statistics.median(times[True]), statistics.median(times[False])
-            rows.append((case, stock, ours, ours / stock, min(times[False]) / min(times[True]),
-                         statistics.median(toggled), calls[False] / calls[True]))
-    print(f"triton {triton.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} CPUs; {args.rounds} rounds "
-          f"of fresh processes timing {args.launches} launches, {args.pairs} off/on pairs in each with the layer")
-    print(f"{'kernel':16s} {'stock ms':>9s} {'tritonspec ms':>14s} {'ratio':>6s} {'of bests':>9s} {'toggled':>8s} "
-          f"{'calls':>6s}")
+            rows.append(
+                (
+                    case,
+                    stock,
+                    ours,
+                    ours / stock,
+                    min(times[False]) / min(times[True]),
+                    statistics.median(toggled),
+                    calls[False] / calls[True],
+                )
+            )
+    print(
+        f"triton {triton.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} CPUs; {args.rounds} rounds "
+        f"of fresh processes timing {args.launches} launches, {args.pairs} off/on pairs in each with the layer"
+    )
+    print(
+        f"{'kernel':16s} {'stock ms':>9s} {'tritonspec ms':>14s} {'ratio':>6s} {'of bests':>9s} {'toggled':>8s} "
+        f"{'calls':>6s}"
+    )
     for case, stock, ours, ratio, ratio_best, ratio_toggled, calls_ratio in rows:
         target = TARGETS[case]
         flag = f"  > {target:.2f}" if target is not None and ratio_toggled > target else ""
-        print(f"{case:16s} {stock:9.1f} {ours:14.1f} {ratio:6.2f} {ratio_best:9.2f} {ratio_toggled:8.2f} "
-              f"{calls_ratio:6.3f}{flag}")
+        print(
+            f"{case:16s} {stock:9.1f} {ours:14.1f} {ratio:6.2f} {ratio_best:9.2f} {ratio_toggled:8.2f} "
+            f"{calls_ratio:6.3f}{flag}"
+        )
 
 
 if __name__ == "__main__":

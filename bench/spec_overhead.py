@@ -10,6 +10,7 @@ Targets (the issue that asked for this): import <= +30 ms, first compiles <= +5 
 
     python bench/spec_overhead.py [--rounds N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,8 +64,9 @@ print(json.dumps(result))
 
 def run(disable: bool, torch_first: bool, compile_: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, TRITONSPEC_DISABLE="1" if disable else "0", TRITON_CACHE_DIR=tmp,
-                   TRITON_DEFAULT_FP_FUSION="1")
+        env = dict(
+            os.environ, TRITONSPEC_DISABLE="1" if disable else "0", TRITON_CACHE_DIR=tmp, TRITON_DEFAULT_FP_FUSION="1"
+        )
         env.pop("TRITON_INTERPRET", None)
         script = os.path.join(tmp, "child.py")  # @jit functions must live in a file
         with open(script, "w") as f:
@@ -85,8 +87,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=11)
     args = parser.parse_args()
     import triton
-    cases = [("import triton", False, False, "import_ms"), ("2 sm90 compiles, torch not imported", False, True,
-             "compile_ms"), ("2 sm90 compiles, torch imported first", True, True, "compile_ms")]
+
+    cases = [
+        ("import triton", False, False, "import_ms"),
+        ("2 sm90 compiles, torch not imported", False, True, "compile_ms"),
+        ("2 sm90 compiles, torch imported first", True, True, "compile_ms"),
+    ]
     rows = []
     for name, torch_first, compile_, key in cases:
         times = {True: [], False: []}
@@ -99,12 +105,24 @@ def main() -> None:
                     loaded.update(r.get("loaded", []))
         stock, ours = statistics.median(times[True]), statistics.median(times[False])
         extra = [] if torch_first else sorted(loaded)
-        rows.append((name, summary(times[True]), summary(times[False]), ours - stock, (ours / stock - 1) * 100,
-                     ", ".join(extra) or "-"))
-    print(f"triton {triton.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
-          f"{args.rounds} rounds; ms, median [quartiles]")
-    print(f"{'case':40s} {'stock (disabled)':>22s} {'tritonspec':>22s} {'delta ms':>9s} {'delta %':>8s}  "
-          "pulled in by the layer")
+        rows.append(
+            (
+                name,
+                summary(times[True]),
+                summary(times[False]),
+                ours - stock,
+                (ours / stock - 1) * 100,
+                ", ".join(extra) or "-",
+            )
+        )
+    print(
+        f"triton {triton.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
+        f"{args.rounds} rounds; ms, median [quartiles]"
+    )
+    print(
+        f"{'case':40s} {'stock (disabled)':>22s} {'tritonspec':>22s} {'delta ms':>9s} {'delta %':>8s}  "
+        "pulled in by the layer"
+    )
     for name, stock, ours, delta, pct, extra in rows:
         print(f"{name:40s} {stock:>22s} {ours:>22s} {delta:+9.1f} {pct:+7.1f}%  {extra}")
 

@@ -2,6 +2,7 @@
 
 Fixtures used by several test files live here; the plain helpers they use are in helpers.py.
 """
+
 import os
 import sys
 
@@ -16,6 +17,7 @@ if "TRITON_CACHE_DIR" not in os.environ:
     import atexit
     import shutil
     import tempfile
+
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="tritonspec-test-cache-")
     atexit.register(shutil.rmtree, os.environ["TRITON_CACHE_DIR"], ignore_errors=True)
 # tests/gpu imports helpers (and offline, test_one_source) by name whatever pytest's import mode.
@@ -45,6 +47,7 @@ def registry():
     """Register test specs freely; the real providers and the default selection come back afterwards."""
     import tritonspec
     from tritonspec import PROVIDERS
+
     saved = dict(PROVIDERS._registered), dict(PROVIDERS._loaded)
     default = tritonspec.default_backend()
     yield PROVIDERS
@@ -59,6 +62,7 @@ def registry():
 def gen():
     """A torch.Generator seeded with this run's seed (printed: see helpers.SEED)."""
     from helpers import generator
+
     return generator()
 
 
@@ -68,6 +72,7 @@ def spy(monkeypatch):
     (``add_rms_norm``: the fused decoder layers)."""
     import importlib
     from tritonspec.nn.hub import layers as hub_layers
+
     counts = {}
 
     def wrap(modname, fn_name, *also):
@@ -77,6 +82,7 @@ def spy(monkeypatch):
         def counted(*a, **k):
             counts[fn_name] = counts.get(fn_name, 0) + 1
             return orig(*a, **k)
+
         monkeypatch.setattr(mod, fn_name, counted)
         for other in also:
             monkeypatch.setattr(importlib.import_module(other), fn_name, counted)

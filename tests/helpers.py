@@ -8,6 +8,7 @@ Importing this module loads nothing that ``import triton`` does not: torch, tran
 are imported inside the helpers that need them. Subprocess scripts that check what a process loads
 (test_spec_providers: no torch for a first compile, no tritonspec under TRITONSPEC_DISABLE=1) import it.
 """
+
 import contextlib
 import os
 import random
@@ -39,6 +40,7 @@ def compile_for(fn, signature, constexprs=None, target=CUDA, **options):
 
 # -- spec modules -----------------------------------------------------------------------------------
 
+
 def make_spec(name, **exports):
     """A spec module exporting ``exports`` (``__all__`` lists them all), as a vendor package would.
 
@@ -57,6 +59,7 @@ def set_interpreting(monkeypatch, value: bool) -> None:
     Whether it is is read once per process (``tritonspec.devices``); the CPU suite interprets, so this
     is how a test sees what a CPU without the interpreter (or a GPU process) gets."""
     import tritonspec.devices
+
     monkeypatch.setattr(tritonspec.devices, "_interpreting", value)
 
 
@@ -79,6 +82,7 @@ def _announce(seed):
 def generator(seed=None, device="cpu"):
     """A torch.Generator seeded with this run's SEED (or ``seed``), the seed printed."""
     import torch
+
     seed = SEED if seed is None else seed
     _announce(seed)
     return torch.Generator(device=device).manual_seed(seed)
@@ -93,6 +97,7 @@ def py_random(seed=None):
 
 # -- autograd ---------------------------------------------------------------------------------------
 
+
 def run_together(work, args, timeout=600) -> None:
     """``work(arg)`` for every arg, each in a thread of its own, all starting at once; their errors re-raised."""
     start = threading.Barrier(len(args), timeout=120)
@@ -105,7 +110,7 @@ def run_together(work, args, timeout=600) -> None:
         except BaseException as e:  # noqa: BLE001  (re-raised below, in the test's thread)
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(arg, )) for arg in args]
+    threads = [threading.Thread(target=run, args=(arg,)) for arg in args]
     for t in threads:
         t.start()
     for t in threads:
@@ -121,25 +126,58 @@ def leaf(t):
 
 # -- transformers models (random weights, built from config classes: nothing is downloaded) ---------
 
-ARCHITECTURES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-                 "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
 
 # MoE causal LMs: (config class, model class, the architecture's settings: 4 experts, top-2, every layer
 # sparse; DeepSeek's latent attention has as many key/value heads as query heads).
 MOE_ARCHITECTURES = {
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, head_dim=8, mlp_only_layers=[])),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                  dict(moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4,
-                       num_experts_per_tok=2, mlp_only_layers=[])),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, head_dim=8, mlp_only_layers=[]),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            num_experts=4,
+            num_experts_per_tok=2,
+            mlp_only_layers=[],
+        ),
+    ),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, eos_token_id=None)),
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
-                dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, layer_types=["full_attention"])),
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
-                    dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=0,
-                         n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
-                         qk_nope_head_dim=8, v_head_dim=8, n_shared_experts=1, num_key_value_heads=4)),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, layer_types=["full_attention"]),
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            first_k_dense_replace=0,
+            n_group=2,
+            topk_group=1,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            n_shared_experts=1,
+            num_key_value_heads=4,
+        ),
+    ),
 }
 
 # The YAML rules a dense model's tests apply: decoder layers with the residual add fused into the post-attention
@@ -156,15 +194,26 @@ RULES = r"""
 
 
 # The CPU tests' sizes: every code path of a real model, in milliseconds on the interpreter.
-TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
-            max_position_embeddings=64, num_hidden_layers=1)
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=96,
+    max_position_embeddings=64,
+    num_hidden_layers=1,
+)
 
 
 def available_models(architectures=None):
     """The names in ``architectures`` (default ARCHITECTURES) that the installed transformers has."""
     import transformers
-    return [name for name, (_, model_cls, *_) in (architectures or ARCHITECTURES).items()
-            if hasattr(transformers, model_cls)]
+
+    return [
+        name
+        for name, (_, model_cls, *_) in (architectures or ARCHITECTURES).items()
+        if hasattr(transformers, model_cls)
+    ]
 
 
 def model_config(name, moe=None, **sizes):
@@ -174,6 +223,7 @@ def model_config(name, moe=None, **sizes):
     qwen3's head_dim defaults to 128 whatever the hidden size, the others' to hidden_size / heads: qwen3
     gets the others' rule unless ``head_dim`` is given, so one set of sizes fits every architecture."""
     import transformers
+
     if name in MOE_ARCHITECTURES:
         config_cls, _, tiny = MOE_ARCHITECTURES[name]
         return getattr(transformers, config_cls)(**{**sizes, **tiny, **(moe or {})})  # the architecture's needs win
@@ -189,6 +239,7 @@ def build_model(name, dtype, attn="sdpa", *, seed, device=None, init_dtype=None,
     ``device`` is where the weights are created."""
     import torch
     import transformers
+
     cfg = model_config(name, moe, **sizes)
     torch.manual_seed(seed)
     kwargs = {} if init_dtype is None else {"dtype": init_dtype}
@@ -207,6 +258,7 @@ def apply_front_end(front, model, rules):
     """Apply one front end to ``model``: ``"registry"`` (apply_available_kernels), ``"kernelize"`` (training
     mode) or else the YAML ``rules``; returns the model's report."""
     import tritonspec.nn as tnn
+
     if front == "registry":
         tnn.apply_available_kernels(model)
     elif front == "kernelize":
@@ -219,6 +271,7 @@ def apply_front_end(front, model, rules):
 def token_ids(vocab, batch=2, seq=8):
     """Fixed token ids (their own generator, seed 7): every model of a test sees the same batch."""
     import torch
+
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(7))
 
 
@@ -228,6 +281,7 @@ def run_model(model, ids, call=None):
     ``call`` runs the model instead of the model itself (a ``torch.compile``d wrapper). A model whose LM head
     and loss are fused returns no logits when it trains on labels; they come from a label-free call then."""
     import torch
+
     call = model if call is None else call
     model.zero_grad(set_to_none=True)
     out = call(input_ids=ids, labels=ids)
@@ -250,13 +304,15 @@ ULPS = {"torch.float32": 64, "torch.bfloat16": 4}
 def assert_like_reference(name, got, base, ref, dtype, factor=FACTOR):
     """``got`` (kernelized) is as close to ``ref`` (float64) as ``base`` (the original model) is."""
     import torch
+
     ref = ref.double()
     err_got = (got.double() - ref).abs().max().item()
     err_base = (base.double() - ref).abs().max().item()
     floor = ULPS[str(dtype)] * torch.finfo(dtype).eps * max(ref.abs().max().item(), 1e-30)
     assert torch.isfinite(got).all(), f"{name}: non-finite values"
     assert err_got <= factor * err_base + floor, (
-        f"{name}: kernelized error {err_got:.3g} vs original {err_base:.3g} (allowed {factor}x + {floor:.3g})")
+        f"{name}: kernelized error {err_got:.3g} vs original {err_base:.3g} (allowed {factor}x + {floor:.3g})"
+    )
 
 
 def compare_to_original(model_name, got, base, ref, dtype):

@@ -6,6 +6,7 @@ normalized x before the weight, silu before the multiply, x + residual). So an e
 by a few units of roundoff ``u`` of its dtype relative to its own size, plus the same relative to
 the largest element where a sum cancels (dx of RMSNorm, dW partial sums, rotations).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,11 +15,16 @@ import torch
 
 # rtol per output dtype: 4u for the half types (two roundings plus float32 noise); float32 results
 # carry float32 reduction error over up to ~1e5 terms, far below 1e-5 relative.
-RTOL = {torch.float16: 4 * 2.0 ** -11, torch.bfloat16: 4 * 2.0 ** -8, torch.float32: 1e-5}
+RTOL = {torch.float16: 4 * 2.0**-11, torch.bfloat16: 4 * 2.0**-8, torch.float32: 1e-5}
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, name: str, dtype: torch.dtype | None = None,
-                 scale: float | None = None):
+def assert_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    name: str,
+    dtype: torch.dtype | None = None,
+    scale: float | None = None,
+):
     """``actual`` (any dtype) matches the float64 ``expected`` within the model above; NaN never matches.
 
     ``scale`` overrides the magnitude the absolute tolerance is relative to: for a sum over rows
@@ -30,8 +36,13 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, name: str, dtype:
     expected = expected.detach().double()
     if scale is None:
         scale = expected.abs().max().item() if expected.numel() else 0.0
-    torch.testing.assert_close(actual.detach().double(), expected, rtol=rtol, atol=rtol * max(scale, 1e-30),
-                               msg=lambda m: f"{name} ({dtype}): {m}")
+    torch.testing.assert_close(
+        actual.detach().double(),
+        expected,
+        rtol=rtol,
+        atol=rtol * max(scale, 1e-30),
+        msg=lambda m: f"{name} ({dtype}): {m}",
+    )
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ The test session sets TRITON_INTERPRET=1 before triton.language is imported, whi
 ``@jit`` helpers (tl.sum, tl.zeros, ...) into interpreted functions that cannot be compiled. Compile
 checks therefore run in a subprocess without it and report a JSON dict back on one line.
 """
+
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ _TAG = "RESULTS "
 def run_checks(checks: dict) -> None:
     """Called in the subprocess: run each ``name -> fn()`` and hand back "ok" or its traceback."""
     import traceback
+
     results = {}
     for name, fn in checks.items():
         try:
@@ -32,4 +34,4 @@ def run_without_interpreter(module: str, function: str, timeout: int = 900) -> d
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(_TAG)]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len(_TAG):])
+    return json.loads(lines[-1][len(_TAG) :])

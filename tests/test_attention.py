@@ -5,6 +5,7 @@ block multiples, seq_q != seq_k, GQA/MQA, padded head dims. A test spec shrinks 
 every path runs several blocks: the unmasked/masked loop split, the GQA loop in dK/dV, TMA
 descriptors (interpreted) and the atomic dQ variant.
 """
+
 import math
 
 import pytest
@@ -26,13 +27,20 @@ _SMALL = dict(BLOCK_M=16, BLOCK_N=16)
 CONFIGS = {
     "default": None,  # the op's own portable defaults
     "small": {"attention_fwd": _SMALL, "attention_bwd_dkdv": _SMALL, "attention_bwd_dq": _SMALL},
-    "small_tma": {"attention_fwd": dict(_SMALL, TMA=True), "attention_bwd_dkdv": dict(_SMALL, TMA=True),
-                  "attention_bwd_dq": dict(_SMALL, TMA=True)},
-    "mixed_atomic": {"attention_fwd": dict(BLOCK_M=32, BLOCK_N=16),
-                     "attention_bwd_dkdv": dict(BLOCK_M=16, BLOCK_N=32, DQ_ATOMIC=True),
-                     "attention_bwd_preprocess": dict(BLOCK_M=16)},
-    "wide_n_tma_atomic": {"attention_fwd": dict(BLOCK_M=16, BLOCK_N=32, TMA=True),
-                          "attention_bwd_dkdv": dict(BLOCK_M=32, BLOCK_N=16, TMA=True, DQ_ATOMIC=True)},
+    "small_tma": {
+        "attention_fwd": dict(_SMALL, TMA=True),
+        "attention_bwd_dkdv": dict(_SMALL, TMA=True),
+        "attention_bwd_dq": dict(_SMALL, TMA=True),
+    },
+    "mixed_atomic": {
+        "attention_fwd": dict(BLOCK_M=32, BLOCK_N=16),
+        "attention_bwd_dkdv": dict(BLOCK_M=16, BLOCK_N=32, DQ_ATOMIC=True),
+        "attention_bwd_preprocess": dict(BLOCK_M=16),
+    },
+    "wide_n_tma_atomic": {
+        "attention_fwd": dict(BLOCK_M=16, BLOCK_N=32, TMA=True),
+        "attention_bwd_dkdv": dict(BLOCK_M=32, BLOCK_N=16, TMA=True, DQ_ATOMIC=True),
+    },
 }
 
 
@@ -88,8 +96,10 @@ def _assert_close(name, got, ref, tol):
     # scale the tolerance by the reference's magnitude: gradients grow with seq_k and head_dim
     bound = tol * max(1.0, ref.abs().max().item())
     err = (got - ref).abs()
-    assert err.max().item() <= bound, (f"{name}: max error {err.max().item():.3e} > {bound:.3e} at "
-                                       f"{tuple(int(i) for i in (err == err.max()).nonzero()[0])}")
+    assert err.max().item() <= bound, (
+        f"{name}: max error {err.max().item():.3e} > {bound:.3e} at "
+        f"{tuple(int(i) for i in (err == err.max()).nonzero()[0])}"
+    )
 
 
 def _check_against_reference(got, q, k, v, do, causal, scale=None):
@@ -274,12 +284,13 @@ def _own_kernels_spec(calls, written, run):
     """A spec whose ``attention_forward`` / ``attention_backward`` record each call and, when ``run``,
     compute in float64 from exactly what the hooks promise (the forward writes out and the base-2
     logsumexp; the backward reads that lse and delta = rowsum(dO * O)), keeping copies in ``written``."""
+
     def attention_forward(q, k, v, o, lse, causal, scale):
         calls.append(("forward", tuple(q.shape), tuple(k.shape), causal, scale))
         if run:
             s = _scores(q, k, causal, scale)
             o.copy_(torch.softmax(s, -1) @ v.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1))
-            lse[..., :q.shape[2]] = torch.logsumexp(s, -1) / math.log(2)
+            lse[..., : q.shape[2]] = torch.logsumexp(s, -1) / math.log(2)
             written["out"] = o.clone()
         return run
 
@@ -292,14 +303,18 @@ def _own_kernels_spec(calls, written, run):
             ds = p * (dp - delta[..., :sq, None].double())
             fold = lambda t: t.unflatten(1, (k.shape[1], group)).sum(2)  # noqa: E731 (sum a group's q heads)
             assert dqa.dtype == torch.float32 and not dqa.any()  # the op's accumulator, zeroed
-            dqa[..., :q.shape[3]] += ds @ k.double().repeat_interleave(group, dim=1) * scale
+            dqa[..., : q.shape[3]] += ds @ k.double().repeat_interleave(group, dim=1) * scale
             dv.copy_(fold(p.transpose(-1, -2) @ do.double()))
             dk.copy_(fold(ds.transpose(-1, -2) @ q.double()) * scale)
-            written["dq"], written["dk"], written["dv"] = dqa[..., :q.shape[3]].clone(), dk.clone(), dv.clone()
+            written["dq"], written["dk"], written["dv"] = dqa[..., : q.shape[3]].clone(), dk.clone(), dv.clone()
         return run
 
-    return make_spec("own_kernels_spec", kernel_config=lambda kernel, **problem: CONFIGS["small"].get(kernel),
-                     attention_forward=attention_forward, attention_backward=attention_backward)
+    return make_spec(
+        "own_kernels_spec",
+        kernel_config=lambda kernel, **problem: CONFIGS["small"].get(kernel),
+        attention_forward=attention_forward,
+        attention_backward=attention_backward,
+    )
 
 
 @pytest.mark.parametrize("run", [True, False], ids=["runs", "declines"])
@@ -322,22 +337,29 @@ def _t(*shape, dtype=torch.float32):
     return torch.randn(*shape).to(dtype)
 
 
-@pytest.mark.parametrize("args,kwargs,exc,match", [
-    ((_t(2, 8, 16), _t(1, 2, 8, 16), _t(1, 2, 8, 16)), {}, ValueError, r"argument 'q' must have 4 dimensions"),
-    ((_t(1, 2, 8, 16), [1], _t(1, 2, 8, 16)), {}, TypeError, r"argument 'k' must be a torch.Tensor"),
-    ((_t(1, 2, 8, 16), _t(1, 2, 8, 16, dtype=torch.float16), _t(1, 2, 8, 16)), {}, TypeError,
-     r"argument 'k' has dtype torch.float16 but 'q' has torch.float32"),
-    ((_t(1, 2, 8, 16, dtype=torch.float64),) * 3, {}, TypeError, r"argument 'q' has dtype torch.float64"),
-    ((_t(1, 3, 8, 16), _t(1, 2, 8, 16), _t(1, 2, 8, 16)), {}, ValueError, r"'q' has 3 heads, which is not"),
-    ((_t(1, 2, 8, 16), _t(1, 2, 8, 32), _t(1, 2, 8, 32)), {}, ValueError, r"argument 'k' has head_dim 32"),
-    ((_t(1, 2, 8, 16), _t(1, 2, 8, 16), _t(1, 2, 9, 16)), {}, ValueError, r"'k' and 'v' must have the same shape"),
-    ((_t(1, 2, 8, 16), _t(2, 2, 8, 16), _t(2, 2, 8, 16)), {}, ValueError, r"argument 'k' has batch 2"),
-    ((_t(1, 2, 8, 16), _t(1, 2, 0, 16), _t(1, 2, 0, 16)), {}, ValueError, r"argument 'k' has seq_k = 0"),
-    ((_t(1, 2, 8, 300), _t(1, 2, 8, 300), _t(1, 2, 8, 300)), {}, ValueError, r"'q' has head_dim 300"),
-    ((_t(1, 2, 8, 16),) * 3, {"scale": float("nan")}, ValueError, r"argument 'scale' must be a finite"),
-    ((_t(1, 2, 8, 16),) * 3, {"scale": "0.5"}, ValueError, r"argument 'scale' must be a finite"),
-    ((_t(1, 2, 8, 16),) * 3, {"causal": 1}, TypeError, r"argument 'causal' must be a bool"),
-])
+@pytest.mark.parametrize(
+    "args,kwargs,exc,match",
+    [
+        ((_t(2, 8, 16), _t(1, 2, 8, 16), _t(1, 2, 8, 16)), {}, ValueError, r"argument 'q' must have 4 dimensions"),
+        ((_t(1, 2, 8, 16), [1], _t(1, 2, 8, 16)), {}, TypeError, r"argument 'k' must be a torch.Tensor"),
+        (
+            (_t(1, 2, 8, 16), _t(1, 2, 8, 16, dtype=torch.float16), _t(1, 2, 8, 16)),
+            {},
+            TypeError,
+            r"argument 'k' has dtype torch.float16 but 'q' has torch.float32",
+        ),
+        ((_t(1, 2, 8, 16, dtype=torch.float64),) * 3, {}, TypeError, r"argument 'q' has dtype torch.float64"),
+        ((_t(1, 3, 8, 16), _t(1, 2, 8, 16), _t(1, 2, 8, 16)), {}, ValueError, r"'q' has 3 heads, which is not"),
+        ((_t(1, 2, 8, 16), _t(1, 2, 8, 32), _t(1, 2, 8, 32)), {}, ValueError, r"argument 'k' has head_dim 32"),
+        ((_t(1, 2, 8, 16), _t(1, 2, 8, 16), _t(1, 2, 9, 16)), {}, ValueError, r"'k' and 'v' must have the same shape"),
+        ((_t(1, 2, 8, 16), _t(2, 2, 8, 16), _t(2, 2, 8, 16)), {}, ValueError, r"argument 'k' has batch 2"),
+        ((_t(1, 2, 8, 16), _t(1, 2, 0, 16), _t(1, 2, 0, 16)), {}, ValueError, r"argument 'k' has seq_k = 0"),
+        ((_t(1, 2, 8, 300), _t(1, 2, 8, 300), _t(1, 2, 8, 300)), {}, ValueError, r"'q' has head_dim 300"),
+        ((_t(1, 2, 8, 16),) * 3, {"scale": float("nan")}, ValueError, r"argument 'scale' must be a finite"),
+        ((_t(1, 2, 8, 16),) * 3, {"scale": "0.5"}, ValueError, r"argument 'scale' must be a finite"),
+        ((_t(1, 2, 8, 16),) * 3, {"causal": 1}, TypeError, r"argument 'causal' must be a bool"),
+    ],
+)
 def test_bad_inputs_raise(args, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         attention(*args, **kwargs)
@@ -360,6 +382,7 @@ def test_scale_default_is_inverse_sqrt_head_dim(use_configs):
 
 def _library_ops():
     from tritonspec.ops.attention import ATTENTION
+
     return ATTENTION.forward_op, ATTENTION.backward_op
 
 
@@ -368,15 +391,18 @@ def test_library_op_schemas():
     _library_ops()  # registers them
     ops = torch.ops.tritonspec
     assert str(ops.attention_fwd.default._schema) == (
-        "tritonspec::attention_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)")
+        "tritonspec::attention_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)"
+    )
     assert str(ops.attention_bwd.default._schema) == (
         "tritonspec::attention_bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, "
-        "float scale) -> (Tensor, Tensor, Tensor)")
+        "float scale) -> (Tensor, Tensor, Tensor)"
+    )
 
 
 def test_library_op_path_in_eager(monkeypatch, use_configs):
     """The registered ops (what torch.compile calls) and their autograd, without compiling."""
     from tritonspec.ops import _library
+
     monkeypatch.setattr(_library, "FORCE_LIBRARY_OP", True)
     q, k, v, do = _inputs(1, 4, 2, 33, 33, 32, torch.float32, seed=3)
     with use_configs(CONFIGS["small"]):
@@ -397,8 +423,12 @@ def test_torch_compile_fullgraph(use_configs):
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     ref = attention_ref(q64 * 0.5, k64, v64, causal=True) + q64
     ref.backward(do.double())
-    for name, g, r in [("out", out, ref), ("dq", ql.grad, q64.grad), ("dk", kl.grad, k64.grad),
-                       ("dv", vl.grad, v64.grad)]:
+    for name, g, r in [
+        ("out", out, ref),
+        ("dq", ql.grad, q64.grad),
+        ("dk", kl.grad, k64.grad),
+        ("dv", vl.grad, v64.grad),
+    ]:
         _assert_close(name, g.detach(), r.detach(), _TOL[torch.float32])
 
 

@@ -4,6 +4,7 @@ Language semantics run in the interpreter (conftest sets TRITON_INTERPRET=1) und
 spec (``use_backend``); compiler-side behaviour is checked by compiling offline for the backend's
 target (``JITFunction`` wraps plain functions, since ``triton.jit`` interprets here).
 """
+
 import os
 import pathlib
 import re
@@ -28,8 +29,9 @@ from tritonspec_backends.iluvatar.backend.compiler import IluvatarBackend
 from tritonspec_backends.iluvatar.backend.spec import configs as iluvatar_configs
 from tritonspec_backends.nvidia.backend.spec import configs as nvidia_configs
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="CPU tests: interpreted kernels (TRITON_INTERPRET=1)")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tests: interpreted kernels (TRITON_INTERPRET=1)"
+)
 
 # Offline compiles run in one subprocess without TRITON_INTERPRET: under the interpreter, tl's own
 # @jit helpers (tl.zeros, ...) are interpreted functions and cannot be traced by the compiler.
@@ -55,8 +57,9 @@ def compiled():
 # registration: every backend's spec and where it really runs
 # ------------------------------------------------------------------------------------------------
 
-IN_TREE = sorted(p.parents[2].name for p in
-                 (pathlib.Path(__file__).parents[1] / "third_party").glob("*/backend/spec/__init__.py"))
+IN_TREE = sorted(
+    p.parents[2].name for p in (pathlib.Path(__file__).parents[1] / "third_party").glob("*/backend/spec/__init__.py")
+)
 
 
 @pytest.mark.parametrize("backend", IN_TREE)
@@ -75,6 +78,7 @@ def test_spec_providers_load_and_say_where_they_run(backend):
 def test_new_triton_backends_are_discovered_next_to_the_stock_ones():
     from triton.backends import backends
     from triton.backends.nvidia.compiler import CUDABackend
+
     assert backends["iluvatar"].compiler is IluvatarBackend
     assert backends["ascend"].compiler is ascend_compiler.AscendBackend
     assert backends["nvidia"].compiler is CUDABackend  # the stock CUDA backend, not a second one
@@ -105,6 +109,7 @@ def test_iluvatar_driver_is_active_only_when_selected(monkeypatch):
 # ------------------------------------------------------------------------------------------------
 # iluvatar: 64-bit atomic add from 32-bit atomics, no bf16 atomics, <= 2 stages, its configs
 # ------------------------------------------------------------------------------------------------
+
 
 def _atomic_add_kernel(out_ptr, old_ptr, val_ptr, idx_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -144,10 +149,11 @@ def test_iluvatar_int64_atomic_add_is_exact_across_the_32bit_boundary():
     idx = [rng.randrange(bins) for _ in range(n)]
     init = [(1 << 32) - 3, -1, (1 << 62) + 0xFFFFFFFF, rng.randrange(-(1 << 62), 1 << 62), 0]
     out = torch.tensor(init, dtype=torch.int64)
-    old = torch.full((n, ), -7, dtype=torch.int64)
+    old = torch.full((n,), -7, dtype=torch.int64)
     with tritonspec.use_backend("iluvatar"):
-        triton.jit(_atomic_add_kernel)[(triton.cdiv(n, 64), )](out, old, torch.tensor(vals), torch.tensor(idx), n,
-                                                                BLOCK=64)
+        triton.jit(_atomic_add_kernel)[(triton.cdiv(n, 64),)](
+            out, old, torch.tensor(vals), torch.tensor(idx), n, BLOCK=64
+        )
     expect = list(init)
     for v, i in zip(vals, idx):
         expect[i] = _wrap64(expect[i] + v)
@@ -164,7 +170,7 @@ def test_iluvatar_int64_atomic_add_is_exact_across_the_32bit_boundary():
 def test_iluvatar_int64_atomic_add_on_a_scalar_pointer():
     out = torch.tensor([(1 << 32) - 1], dtype=torch.int64)
     with tritonspec.use_backend("iluvatar"):
-        triton.jit(_atomic_add_scalar)[(3, )](out, (1 << 32) + 1)
+        triton.jit(_atomic_add_scalar)[(3,)](out, (1 << 32) + 1)
     assert out.item() == (1 << 32) - 1 + 3 * ((1 << 32) + 1)
 
 
@@ -208,7 +214,7 @@ def test_iluvatar_rejects_bf16_atomics_where_cuda_accepts_them(compiled):
     assert compiled["check_iluvatar_bf16_atomics_compile"] == "ok"
     x = torch.zeros(16, dtype=torch.bfloat16)
     with tritonspec.use_backend("iluvatar"), pytest.raises(Exception, match="bfloat16 is not supported"):
-        triton.jit(_atomic_bf16)[(1, )](x, torch.ones(16, dtype=torch.bfloat16))
+        triton.jit(_atomic_bf16)[(1,)](x, torch.ones(16, dtype=torch.bfloat16))
 
 
 def _matmul_loop(a_ptr, b_ptr, c_ptr, K, BLOCK: tl.constexpr):
@@ -244,20 +250,28 @@ def test_iluvatar_prunes_autotune_configs_that_clamp_to_the_same_kernel():
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
 def test_iluvatar_attention_configs_fit_its_limits(head_dim):
     from tritonspec import kernel_table as kt
+
     problem = dict(head_dim=head_dim, causal=True, dtype="torch.bfloat16", seq_q=512, seq_k=512, group=1)
     flags = dict(num_stages=4, num_warps=8, BLOCK_M=128, BLOCK_N=128, TMA=True)
-    defaults = [kt.AttentionForward(**flags, WARP_SPECIALIZE=True),
-                kt.AttentionBackwardKV(**flags, DQ_ATOMIC=True, DQ_TMA_REDUCE=True), kt.AttentionBackwardQ(**flags),
-                kt.AttentionPreprocess(BLOCK_M=128, num_warps=8, num_stages=4)]
+    defaults = [
+        kt.AttentionForward(**flags, WARP_SPECIALIZE=True),
+        kt.AttentionBackwardKV(**flags, DQ_ATOMIC=True, DQ_TMA_REDUCE=True),
+        kt.AttentionBackwardQ(**flags),
+        kt.AttentionPreprocess(BLOCK_M=128, num_warps=8, num_stages=4),
+    ]
     with tritonspec.use_backend("iluvatar"):
         for default in defaults:
             cfg = tritonspec.launch_config(type(default), "cuda", default, **problem)
             assert cfg.num_stages <= 2, default.kernel
             if not isinstance(cfg, kt.AttentionPreprocess):
                 assert cfg.TMA is False and cfg.BLOCK_M <= 64 and cfg.BLOCK_N <= 64, default.kernel
-        row = tritonspec.launch_config(kt.RMSNormForward, "cuda", kt.RMSNormForward(num_warps=16, BLOCK_N=4096,
-                                                                                      BLOCK_M=1),
-                                       N=4096, dtype="torch.float16")
+        row = tritonspec.launch_config(
+            kt.RMSNormForward,
+            "cuda",
+            kt.RMSNormForward(num_warps=16, BLOCK_N=4096, BLOCK_M=1),
+            N=4096,
+            dtype="torch.float16",
+        )
         assert row == kt.RMSNormForward(num_warps=8, num_stages=1, BLOCK_N=4096, BLOCK_M=1)
 
 
@@ -273,6 +287,7 @@ def test_iluvatar_host_compiler(monkeypatch):
 # ------------------------------------------------------------------------------------------------
 # nvidia: capability-aware launch parameters, and Hopper's own attention forward
 # ------------------------------------------------------------------------------------------------
+
 
 def test_nvidia_kernel_config_depends_on_the_sm():
     cfg = nvidia_configs.kernel_config
@@ -294,12 +309,13 @@ def test_vendor_tables_name_only_declared_kernels_and_valid_fields():
     """A table by kernel cannot carry a dead entry (a 'matmul' no kernel has) or a misspelled one, and
     every entry of the shipped tables is a valid config of its kernel."""
     from tritonspec import ConfigTable, LaunchConfigError, kernel_table
+
     with pytest.raises(LaunchConfigError, match="'matmul' is not a declared kernel"):
         ConfigTable({"matmul": lambda kernel, **p: None})
     with pytest.raises(LaunchConfigError, match="'rms_norm_fw' is not a declared kernel; did you mean 'rms_norm_fwd'"):
         ConfigTable({"rms_norm_fw": lambda kernel, **p: None})
     types_ = kernel_table.config_types()
-    for table in (nvidia_configs.TABLES, ):
+    for table in (nvidia_configs.TABLES,):
         for kernel, entries in table.items():
             for cfg in entries.values():
                 types_[kernel](**cfg)  # raises on an unknown or invalid field
@@ -315,39 +331,75 @@ def check_hopper_attention_kernels_compile():
     producer warp rounded up to a warpgroup; 16 with the forward's three at d=64 without the mask),
     registers moved between partitions, async wgmma, within the SM's 227 KB of shared memory; both at
     head dims 128 and 64 (the backward with its own swizzle)."""
-    from tritonspec_backends.nvidia.backend.spec.attention_sm90 import backward as backward_sm90, forward as forward_sm90, launchers as launchers_sm90, schedule as schedule_sm90
+    from tritonspec_backends.nvidia.backend.spec.attention_sm90 import (
+        backward as backward_sm90,
+        forward as forward_sm90,
+        launchers as launchers_sm90,
+        schedule as schedule_sm90,
+    )
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def sig(names, descriptors, **scalars):
         kinds = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-        out = {name: f"tensordesc<{kinds[d.base.dtype]}[{','.join(map(str, d.block_shape))}],{d.layout!r}>"
-               for name, d in zip(names, descriptors)}
+        out = {
+            name: f"tensordesc<{kinds[d.base.dtype]}[{','.join(map(str, d.block_shape))}],{d.layout!r}>"
+            for name, d in zip(names, descriptors)
+        }
         return {**out, **scalars, "CAUSAL": "constexpr", "STAGES": "constexpr"}
 
     i32 = dict.fromkeys(("HQ", "GROUP", "SEQ_Q", "SEQ_K"), "i32")
     cases = []
-    for dtype, d, causal in ((torch.bfloat16, 128, True), (torch.float16, 128, False), (torch.bfloat16, 64, True),
-                             (torch.bfloat16, 64, False)):
+    for dtype, d, causal in (
+        (torch.bfloat16, 128, True),
+        (torch.float16, 128, False),
+        (torch.bfloat16, 64, True),
+        (torch.bfloat16, 64, False),
+    ):
         t = torch.empty(1, 2, 256, d, dtype=dtype)
         dqa = torch.empty(1, 2, 256, d, dtype=torch.float32)
         rows = torch.empty(1, 2, 256, dtype=torch.float32)
-        fwd = tuple(launchers_sm90._descriptor(t, rows, d) for rows in (schedule_sm90.HALF_M, schedule_sm90.BLOCK_N, schedule_sm90.BLOCK_N,
-                                                                 schedule_sm90.HALF_M))
-        cases.append((forward_sm90._attn_fwd_ws_kernel, causal, schedule_sm90.fwd_warpgroups(d, causal),
-                      sig(("q_desc", "k_desc", "v_desc", "o_desc"), fwd, LSE="*fp32", SCHED="*i32",
-                          qk_scale="fp32", SEQ_PAD="i32", WGS="constexpr", **i32)))
+        fwd = tuple(
+            launchers_sm90._descriptor(t, rows, d)
+            for rows in (schedule_sm90.HALF_M, schedule_sm90.BLOCK_N, schedule_sm90.BLOCK_N, schedule_sm90.HALF_M)
+        )
+        cases.append(
+            (
+                forward_sm90._attn_fwd_ws_kernel,
+                causal,
+                schedule_sm90.fwd_warpgroups(d, causal),
+                sig(
+                    ("q_desc", "k_desc", "v_desc", "o_desc"),
+                    fwd,
+                    LSE="*fp32",
+                    SCHED="*i32",
+                    qk_scale="fp32",
+                    SEQ_PAD="i32",
+                    WGS="constexpr",
+                    **i32,
+                ),
+            )
+        )
         if not causal and d == 64:
             continue  # the backward's d=64 tiles are the causal case's
         bwd = launchers_sm90._bwd_descriptors(t, t, t, t, t, t, dqa, rows, rows)
         names = ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "dqa_desc", "lse_desc", "delta_desc")
-        cases.append((backward_sm90._attn_bwd_ws_kernel, causal, 2,
-                      sig(names, bwd, HKV="i32", qk_scale="fp32", sm_scale="fp32", **i32)))
+        cases.append(
+            (
+                backward_sm90._attn_bwd_ws_kernel,
+                causal,
+                2,
+                sig(names, bwd, HKV="i32", qk_scale="fp32", sm_scale="fp32", **i32),
+            )
+        )
     for fn, causal, consumers, signature in cases:
         constexprs = {"CAUSAL": causal, "STAGES": schedule_sm90.STAGES}
         if "WGS" in signature:
             constexprs["WGS"] = consumers
-        kernel = triton.compile(GluonASTSource(fn, signature, constexprs=constexprs), target=CUDA,
-                                options={"num_warps": 4, "maxnreg": schedule_sm90.maxnreg(consumers + 1)})
+        kernel = triton.compile(
+            GluonASTSource(fn, signature, constexprs=constexprs),
+            target=CUDA,
+            options={"num_warps": 4, "maxnreg": schedule_sm90.maxnreg(consumers + 1)},
+        )
         ptx = kernel.asm["ptx"]
         assert kernel.metadata.num_warps == 4 * (consumers + 1) and kernel.metadata.shared <= 227 * 1024
         assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)  # the producer warp's budget
@@ -362,7 +414,11 @@ def test_hopper_descriptors():
     """The requested block of rows, the tensor's own strides (HF's transposed layout too), and the
     swizzled layout get_default_for gives, though built once per (rows, dtype)."""
     from triton.experimental.gluon import language as gl
-    from tritonspec_backends.nvidia.backend.spec.attention_sm90 import launchers as launchers_sm90, schedule as schedule_sm90
+    from tritonspec_backends.nvidia.backend.spec.attention_sm90 import (
+        launchers as launchers_sm90,
+        schedule as schedule_sm90,
+    )
+
     for dtype, gl_dtype in ((torch.bfloat16, gl.bfloat16), (torch.float16, gl.float16)):
         t = torch.randn(1, 300, 2, 128).to(dtype).transpose(1, 2)
         for rows in (schedule_sm90.HALF_M, schedule_sm90.BLOCK_N):
@@ -372,21 +428,29 @@ def test_hopper_descriptors():
 
 
 def _schedule_lists(schedule, ctas):
-    offsets = schedule[:ctas + 1]
+    offsets = schedule[: ctas + 1]
     assert offsets[0] == ctas + 1 and offsets[-1] == len(schedule) - 1  # ... then one spare entry
-    return [schedule[offsets[c]:offsets[c + 1]] for c in range(ctas)]
+    return [schedule[offsets[c] : offsets[c + 1]] for c in range(ctas)]
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("batch_heads, group, tiles, seq_k, ctas, kv_per_section",
-                         [(128, 4, 16, 2048, 132, 32), (32, 4, 64, 8192, 132, 8), (256, 1, 16, 2048, 132, 32),
-                          (24, 8, 5, 600, 7, 1), (3, 1, 2, 200, 5, 2)])
+@pytest.mark.parametrize(
+    "batch_heads, group, tiles, seq_k, ctas, kv_per_section",
+    [
+        (128, 4, 16, 2048, 132, 32),
+        (32, 4, 64, 8192, 132, 8),
+        (256, 1, 16, 2048, 132, 32),
+        (24, 8, 5, 600, 7, 1),
+        (3, 1, 2, 200, 5, 2),
+    ],
+)
 def test_hopper_forward_schedule(batch_heads, group, tiles, seq_k, ctas, kv_per_section, causal):
     """The persistent forward's work list takes every query tile once; heads go section by section
     (whole GQA groups); causal tiles go longest first to the least loaded CTA, so at the GQA model shapes
     (one section) the busiest CTA holds at most two key blocks more than the mean (pairing tiles n-1-u and u into 1024
     equal units left it 4 over at 4x32x2048 and 1x32x8192 on 132 SMs)."""
     from tritonspec_backends.nvidia.backend.spec.attention_sm90 import schedule as schedule_sm90
+
     rows = 128
     schedule = schedule_sm90.fwd_schedule(batch_heads, group, tiles, rows, seq_k, causal, ctas, kv_per_section)
     lists = _schedule_lists(schedule, ctas)
@@ -415,12 +479,17 @@ def test_hopper_backward_tiles(d):
     """The backward's tiles follow the op's padded head dim (dqa's), and each warpgroup's dQ reads half
     of it from the K tile: that slice must start on a swizzle atom, so K's (and dK's, staged in K's
     tile) swizzle spans at most half a row."""
-    from tritonspec_backends.nvidia.backend.spec.attention_sm90 import launchers as launchers_sm90, schedule as schedule_sm90
+    from tritonspec_backends.nvidia.backend.spec.attention_sm90 import (
+        launchers as launchers_sm90,
+        schedule as schedule_sm90,
+    )
+
     t = torch.randn(1, 2, 100, d).to(torch.bfloat16)
     pad = 64 if d == 64 else 128
     rows = torch.zeros(1, 2, 256)
-    q, k, v, do, dk, dv, dqa, lse, delta = launchers_sm90._bwd_descriptors(t, t, t, t, t, t, torch.zeros(1, 2, 100, pad),
-                                                                   rows, rows)
+    q, k, v, do, dk, dv, dqa, lse, delta = launchers_sm90._bwd_descriptors(
+        t, t, t, t, t, t, torch.zeros(1, 2, 100, pad), rows, rows
+    )
     assert [x.block_shape[-1] for x in (q, k, v, do, dk, dv)] == [pad] * 6 and dqa.block_shape[-1] == pad // 2
     block_m = schedule_sm90.BWD_BLOCK_M_D64 if d == 64 else schedule_sm90.BWD_BLOCK_M  # d=64: longer steps, same bytes
     assert q.block_shape[2] == do.block_shape[2] == dqa.block_shape[2] == block_m
@@ -432,6 +501,7 @@ def test_hopper_backward_tiles(d):
 
 def test_hopper_attention_kernels_decline_off_gpu():
     from tritonspec_backends.nvidia.backend.spec.attention_sm90 import launchers as launchers_sm90
+
     q = torch.randn(1, 2, 256, 128, dtype=torch.bfloat16)
     o, lse = torch.empty_like(q), torch.empty(1, 2, 256)
     assert not launchers_sm90.eligible(q, q, 0.1, q, o)
@@ -444,9 +514,19 @@ def test_hopper_attention_kernels_decline_off_gpu():
 # ------------------------------------------------------------------------------------------------
 
 UNARY = ["exp", "exp2", "log", "log2", "tanh", "erf", "rsqrt", "sigmoid", "sqrt", "log1p", "expm1"]
-REFS = {"exp": torch.exp, "exp2": torch.exp2, "log": torch.log, "log2": torch.log2, "tanh": torch.tanh,
-        "erf": torch.erf, "rsqrt": torch.rsqrt, "sigmoid": torch.sigmoid, "sqrt": torch.sqrt, "log1p": torch.log1p,
-        "expm1": torch.expm1}
+REFS = {
+    "exp": torch.exp,
+    "exp2": torch.exp2,
+    "log": torch.log,
+    "log2": torch.log2,
+    "tanh": torch.tanh,
+    "erf": torch.erf,
+    "rsqrt": torch.rsqrt,
+    "sigmoid": torch.sigmoid,
+    "sqrt": torch.sqrt,
+    "log1p": torch.log1p,
+    "expm1": torch.expm1,
+}
 
 
 @triton.jit
@@ -471,7 +551,7 @@ def test_cpu_libdevice_unary_math(gen, dtype, tol):
     n = 32
     x = (torch.rand(n, generator=gen, dtype=torch.float64) * 3 + 0.05).to(dtype)
     out = torch.full((len(UNARY), n), float("nan"), dtype=dtype)
-    _libdevice_unary[(1, )](x, out, N=n)
+    _libdevice_unary[(1,)](x, out, N=n)
     for i, name in enumerate(UNARY):
         torch.testing.assert_close(out[i].double(), REFS[name](x.double()), rtol=tol, atol=tol, msg=name)
 
@@ -498,7 +578,7 @@ def test_cpu_libdevice_binary_math_and_predicates(gen):
     y[5] = 0.0  # inf
     out = torch.full((4, n), float("nan"))
     flags = torch.full((2, n), -1, dtype=torch.int32)
-    _libdevice_binary[(1, )](x, y, out, flags, N=n)
+    _libdevice_binary[(1,)](x, y, out, flags, N=n)
     xd, yd = x.double(), y.double()
     ok = torch.ones(n, dtype=torch.bool)
     ok[[3, 5]] = False
@@ -513,12 +593,13 @@ def test_cpu_libdevice_binary_math_and_predicates(gen):
 def test_cpu_libdevice_keeps_cuda_dtype_rules():
     x = torch.rand(32).half()
     with pytest.raises(Exception, match=r"libdevice.exp has no variant for argument dtypes \(fp16"):
-        _libdevice_unary[(1, )](x, torch.empty(len(UNARY), 32).half(), N=32)
+        _libdevice_unary[(1,)](x, torch.empty(len(UNARY), 32).half(), N=32)
 
 
 # ------------------------------------------------------------------------------------------------
 # ascend: language extensions, NPU math rules, arange without the power-of-two rule
 # ------------------------------------------------------------------------------------------------
+
 
 def _slices(x_ptr, ext_ptr, ins_ptr, elem_ptr, off, N: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr):
     r = tl.arange(0, N)
@@ -537,24 +618,24 @@ def test_ascend_slices_match_torch_indexing(gen, sizes):
     x = torch.randn(n, n, generator=gen)
     ext = torch.full((s0, s1), float("nan"))
     ins = torch.full((n, n), float("nan"))
-    elem = torch.full((1, ), float("nan"))
+    elem = torch.full((1,), float("nan"))
     with tritonspec.use_backend("ascend"):
-        triton.jit(_slices)[(1, )](x, ext, ins, elem, off, N=n, S0=s0, S1=s1)
-    ref_ext = x[off:off + 2 * s0:2, 1:1 + 2 * s1:2]
+        triton.jit(_slices)[(1,)](x, ext, ins, elem, off, N=n, S0=s0, S1=s1)
+    ref_ext = x[off : off + 2 * s0 : 2, 1 : 1 + 2 * s1 : 2]
     ref_ins = x.clone()
-    ref_ins[1:1 + s0, off:off + 2 * s1:2] = ref_ext * 10.0
+    ref_ins[1 : 1 + s0, off : off + 2 * s1 : 2] = ref_ext * 10.0
     assert torch.equal(ext, ref_ext) and torch.equal(ins, ref_ins) and elem.item() == x[off, 5].item()
 
 
 def _bad_slice(x_ptr, out_ptr):
     r = tl.arange(0, 8)
-    s = tl.extract_slice(tl.load(x_ptr + r), (6, ), (2, ), (2, ))
+    s = tl.extract_slice(tl.load(x_ptr + r), (6,), (2,), (2,))
     tl.store(out_ptr + tl.arange(0, 2), s)
 
 
 def _bad_sizes(x_ptr, out_ptr):
     r = tl.arange(0, 8)
-    s = tl.extract_slice(tl.load(x_ptr + r), (0, ), (2, 2), (1, ))
+    s = tl.extract_slice(tl.load(x_ptr + r), (0,), (2, 2), (1,))
     tl.store(out_ptr + tl.arange(0, 2), s)
 
 
@@ -562,9 +643,9 @@ def test_ascend_slice_arguments_are_checked():
     x, out = torch.randn(8), torch.empty(2)
     with tritonspec.use_backend("ascend"):
         with pytest.raises(Exception, match="extract_slice: along dim 0 the slice 6:9:2 leaves the tensor"):
-            triton.jit(_bad_slice)[(1, )](x, out)
+            triton.jit(_bad_slice)[(1,)](x, out)
         with pytest.raises(Exception, match="extract_slice: sizes has 2 entries but the tensor has rank 1"):
-            triton.jit(_bad_sizes)[(1, )](x, out)
+            triton.jit(_bad_sizes)[(1,)](x, out)
 
 
 def _gather_rows(src_ptr, idx_ptr, out_ptr, N: tl.constexpr):
@@ -582,9 +663,9 @@ def test_ascend_gather_replaces_mainline_with_the_npu_dtype_rule(gen):
     mainline = tl.gather
     with tritonspec.use_backend("ascend"):
         assert tl.gather is not mainline
-        triton.jit(_gather_rows)[(1, )](src, idx, out, N=n)
+        triton.jit(_gather_rows)[(1,)](src, idx, out, N=n)
         with pytest.raises(Exception, match="gather \\(ascend\\): src dtype must be fp16, bf16 or fp32, got int32"):
-            triton.jit(_gather_rows)[(1, )](idx, idx, idx.clone(), N=n)
+            triton.jit(_gather_rows)[(1,)](idx, idx, idx.clone(), N=n)
     assert torch.equal(out, torch.gather(src, 0, idx.long()))
     assert tl.gather is mainline  # leaving the backend restores mainline's object
     assert not hasattr(tl, "extract_slice") and not hasattr(tl.math, "isnan")
@@ -601,10 +682,10 @@ def test_ascend_math_runs_fp16_and_flags_nan_inf(gen):
     n = 10
     x = torch.randn(n, generator=gen).half()
     x[2], x[7] = float("nan"), float("-inf")
-    out = torch.full((n, ), float("nan")).half()
-    flags = torch.full((n, ), -1, dtype=torch.int32)
+    out = torch.full((n,), float("nan")).half()
+    flags = torch.full((n,), -1, dtype=torch.int32)
     with tritonspec.use_backend("ascend"):
-        triton.jit(_npu_math)[(1, )](x, out, flags, N=n)
+        triton.jit(_npu_math)[(1,)](x, out, flags, N=n)
     finite = torch.isfinite(x)
     xd = x.double()
     torch.testing.assert_close(out[finite].double(), (xd.exp() + xd.tanh())[finite], rtol=2e-3, atol=2e-3)
@@ -619,10 +700,12 @@ def _exp_only(x_ptr, out_ptr, N: tl.constexpr):
 def test_ascend_exp_dtype_rule_differs_from_mainline():
     x16, x64 = torch.rand(16).half(), torch.rand(16).double()
     with pytest.raises(Exception, match=r"Expected dtype \['fp32', 'fp64'\] but got fp16"):
-        triton.jit(_exp_only)[(1, )](x16, x16.clone(), N=16)  # mainline: no fp16 exp
+        triton.jit(_exp_only)[(1,)](x16, x16.clone(), N=16)  # mainline: no fp16 exp
     with tritonspec.use_backend("ascend"):
-        with pytest.raises(Exception, match="exp \\(ascend\\): argument dtype must be one of fp16, bf16, fp32, got fp64"):
-            triton.jit(_exp_only)[(1, )](x64, x64.clone(), N=16)
+        with pytest.raises(
+            Exception, match="exp \\(ascend\\): argument dtype must be one of fp16, bf16, fp32, got fp64"
+        ):
+            triton.jit(_exp_only)[(1,)](x64, x64.clone(), N=16)
 
 
 def test_ascend_ir_binds_the_npu_symbols_and_odd_aranges_fail_at_trace_time(compiled):
@@ -639,9 +722,12 @@ def check_ascend_ir():
     # ascend lifts the power-of-two rule, but stock Triton's tt.make_range verifier (C++) still
     # demands one, so a compiled kernel fails while it is traced, naming hook, backend and reason
     # (not later, in the MLIR parser, with "error encountered during parsing").
-    with pytest.raises(Exception, match="tl.arange\\(0, 10\\): backend 'ascend' specializes "
-                                        "'arange_disable_check_power_of_two', which applies to interpreted "
-                                        "kernels only: .*powers of two"):
+    with pytest.raises(
+        Exception,
+        match="tl.arange\\(0, 10\\): backend 'ascend' specializes "
+        "'arange_disable_check_power_of_two', which applies to interpreted "
+        "kernels only: .*powers of two",
+    ):
         compile_for(_npu_math, sig, {"N": 10}, target=ASCEND)
 
 
@@ -652,6 +738,7 @@ def _scale(x_ptr, out_ptr, N: tl.constexpr):
 
 def _launch(kernel, *args):
     from triton.runtime.driver import driver
+
     previous = driver._active
     driver.set_active(AscendDriver())
     try:
@@ -663,6 +750,7 @@ def _launch(kernel, *args):
 @compile_check
 def check_ascend_without_toolchain():
     import tempfile
+
     with tempfile.TemporaryDirectory() as empty:
         os.environ["PATH"] = empty  # surely no bishengir-compile
         kernel = compile_for(_scale, {"x_ptr": "*fp32", "out_ptr": "*fp32", "N": "constexpr"}, {"N": 16}, target=ASCEND)
@@ -679,11 +767,14 @@ def test_ascend_without_toolchain_compiles_ttir_and_launch_names_the_tool(compil
 def check_ascend_with_toolchain():
     import pathlib
     import tempfile
+
     with tempfile.TemporaryDirectory() as tmp:
         tool = pathlib.Path(tmp) / "bishengir-compile"
-        tool.write_text(f"#!{sys.executable}\nimport sys\nsrc = open(sys.argv[1]).read()\n"
-                        "assert 'tt.func' in src and sys.argv[2] == '-o'\n"
-                        "open(sys.argv[3], 'wb').write(b'NPUBIN:' + str(len(src)).encode())\n")
+        tool.write_text(
+            f"#!{sys.executable}\nimport sys\nsrc = open(sys.argv[1]).read()\n"
+            "assert 'tt.func' in src and sys.argv[2] == '-o'\n"
+            "open(sys.argv[3], 'wb').write(b'NPUBIN:' + str(len(src)).encode())\n"
+        )
         tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
         os.environ["PATH"] = tmp
         kernel = compile_for(_scale, {"x_ptr": "*fp32", "out_ptr": "*fp32", "N": "constexpr"}, {"N": 16}, target=ASCEND)
@@ -701,9 +792,14 @@ def test_ascend_hands_ttir_to_the_toolchain_when_present(compiled):
 def test_iluvatar_moe_configs_fit_its_limits(tokens_per_expert):
     from tritonspec import kernel_table as kt
     from tritonspec.ops import moe
+
     problem = dict(tokens_per_expert=tokens_per_expert, H=2048, I=768, E=128, dtype="torch.bfloat16")
-    defaults = [moe._up_default(tokens_per_expert), moe._rows_default(tokens_per_expert),
-                moe._weight_grad_default(tokens_per_expert), moe._COMBINE_DEFAULT]
+    defaults = [
+        moe._up_default(tokens_per_expert),
+        moe._rows_default(tokens_per_expert),
+        moe._weight_grad_default(tokens_per_expert),
+        moe._COMBINE_DEFAULT,
+    ]
     with tritonspec.use_backend("iluvatar"):
         for default in defaults:
             cfg = tritonspec.launch_config(type(default), "cuda", default, **problem)

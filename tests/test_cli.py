@@ -4,6 +4,7 @@
 The commands run in subprocesses, as ``python -m tritonspec.cli`` (what the ``tritonspec`` script runs), with
 ``TRITON_INTERPRET`` unset as in a user's shell: check starts its own interpreter subprocess.
 """
+
 import os
 import subprocess
 import sys
@@ -16,16 +17,25 @@ TITLES = ("Spec providers", "Hook points", "Install points", "Kernels", "Launch 
 
 
 def _run(*args, timeout=600, **env):
-    clean = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_DEFAULT_FP_FUSION")
-             and not k.startswith("TRITONSPEC_")}
-    return subprocess.run([sys.executable, "-m", "tritonspec.cli", *args], env={**clean, **env},
-                          capture_output=True, text=True, timeout=timeout)
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TRITON_INTERPRET", "TRITON_DEFAULT_FP_FUSION") and not k.startswith("TRITONSPEC_")
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "tritonspec.cli", *args],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _fits(text: str) -> None:
     wide = [line for line in text.splitlines() if len(line) > WIDTH]
-    assert not wide, f"{len(wide)} lines wider than {WIDTH} columns, the widest {max(map(len, wide))}:\n" + \
-        "\n".join(wide[:5])
+    assert not wide, f"{len(wide)} lines wider than {WIDTH} columns, the widest {max(map(len, wide))}:\n" + "\n".join(
+        wide[:5]
+    )
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ both runs, so the only difference is where sums are split: see ``_close`` for th
 The dispatch/combine test is exact: integer-valued float64 rows and weights, so every routed row, its
 expert's local id, the combined output and the backward's gradients are checked for equality.
 """
+
 import functools
 import importlib
 import socket
@@ -26,8 +27,14 @@ transformers = pytest.importorskip("transformers")
 
 WORLD = 2
 DEADLINE_S = 300  # a hang guard (a collective mismatch never returns), far above the slowest run
-SIZES = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
-             max_position_embeddings=64)
+SIZES = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=96,
+    max_position_embeddings=64,
+)
 BATCH, SEQ = 4, 8  # global batch: each rank runs BATCH // WORLD sequences
 MOE_RULES = """
 - match: {class: transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts, kernel: moe}
@@ -38,6 +45,7 @@ MOE_RULES = """
 
 
 # -- process plumbing --------------------------------------------------------------------------------------
+
 
 def _free_port():
     with socket.socket() as s:
@@ -79,6 +87,7 @@ def _seed():
 
 # -- model steps -------------------------------------------------------------------------------------------
 
+
 def _model(name, seed, front_end=None, moe=None, **sizes):
     model = build_model(name, torch.float32, seed=seed, moe=moe, **dict(SIZES, **sizes))
     if front_end == "kernelize":
@@ -114,7 +123,7 @@ def _step(model, ids, call=None, distributed=True):
 
 def _local(ids, rank):
     per = ids.shape[0] // WORLD
-    return ids[rank * per:(rank + 1) * per]
+    return ids[rank * per : (rank + 1) * per]
 
 
 def _close(what, got, want, rel=1e-5):
@@ -153,11 +162,13 @@ class _Counted:
         def counted(*a, **k):
             self.n += 1
             return orig(*a, **k)
+
         for m in modules:
             setattr(m, attr, counted)
 
 
 # -- dispatch / combine: exact -----------------------------------------------------------------------------
+
 
 def _routing(seed, rank, tokens, top_k, experts):
     """Rank ``rank``'s (ids, weights): ids in [-1, experts] (the ends are sentinels), small integer weights."""
@@ -168,11 +179,13 @@ def _routing(seed, rank, tokens, top_k, experts):
 
 def _dispatch_worker(rank, seed):
     from tritonspec.distributed import combine, dispatch
+
     E, K, H = 4, 3, 5
     group = dist.group.WORLD
     # (tokens on rank 0, on rank 1); case 1: rank 1 has none; case 2: rank 1 sends nothing to its own experts.
     # Empty splits must work both ways.
     for case, tokens in enumerate(((7, 4), (6, 0), (5, 3))):
+
         def rows(r):  # integer rows that say where they come from
             t = torch.arange(tokens[r], dtype=torch.float64)[:, None]
             return 1000 * (r + 1) + 10 * t + torch.arange(H, dtype=torch.float64)
@@ -212,11 +225,13 @@ def test_dispatch_combine_round_trip_is_exact():
 
 # -- FSDP2: a tiny Llama through all three front ends; checkpointing, torch.compile, bf16 --------------------
 
+
 def _llama_worker(rank, seed):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from tritonspec.distributed import fully_shard_model
+
     mesh = init_device_mesh("cpu", (WORLD,))
     ids = _batch(seed)
     rms = _Counted("rms_norm", "tritonspec.ops.rms_norm", "tritonspec.nn.modules")
@@ -259,6 +274,7 @@ def _moe_worker(rank, seed):
     from torch.distributed.device_mesh import init_device_mesh
 
     from tritonspec.distributed import expert_parallel, fully_shard_model
+
     ids = _batch(seed)
     experts = _Counted("moe_experts", "tritonspec.ops.moe")
     per = MOE["moe"]["num_experts"] // WORLD
@@ -292,7 +308,11 @@ def _moe_worker(rank, seed):
 
     # FSDP2 over both ranks for the dense part, experts split over the same two ranks (mesh dp=1 x ep=2)
     for front_end in ("kernelize", "registry", "rules"):
-        ref = want if front_end == "kernelize" else _step(_model("qwen3_moe", seed, front_end, **MOE), ids, distributed=False)
+        ref = (
+            want
+            if front_end == "kernelize"
+            else _step(_model("qwen3_moe", seed, front_end, **MOE), ids, distributed=False)
+        )
         mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "ep"))
         model = _model("qwen3_moe", seed, front_end, **MOE)
         expert_parallel(model, mesh, "ep")
@@ -308,12 +328,14 @@ def test_fsdp2_and_expert_parallel_qwen3_moe_match_single_process():
 
 # -- errors ------------------------------------------------------------------------------------------------
 
+
 def _errors_worker(rank):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from tritonspec import ops
     from tritonspec.distributed import expert_parallel, fully_shard_model
+
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("ep",))
     x, w = torch.randn(4, 8), torch.ones(8)
     for placement in (Shard(0), Replicate()):

@@ -5,6 +5,7 @@ those patches; the layer gives them to the grid's scope, each attribute once, an
 per grid. Counting what a grid patches and looks up (not timing it) keeps a per-helper-call cost from
 coming back: ``bench/interpreter_overhead.py`` times it.
 """
+
 import contextlib
 import os
 import types
@@ -21,8 +22,9 @@ from triton.language.extra.hip import libdevice as hip_libdevice
 
 import tritonspec
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="CPU tests: interpreted kernels (TRITON_INTERPRET=1)")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tests: interpreted kernels (TRITON_INTERPRET=1)"
+)
 
 
 @triton.jit
@@ -38,7 +40,7 @@ def _centered(x, N: tl.constexpr):
 @triton.jit
 def _helper_loop(x_ptr, out_ptr, ITERS: tl.constexpr, N: tl.constexpr):
     offs = tl.arange(0, N)
-    acc = tl.zeros((N, ), dtype=tl.float32)
+    acc = tl.zeros((N,), dtype=tl.float32)
     for i in range(ITERS):
         x = tl.load(x_ptr + (tl.program_id(0) * ITERS + i) * N + offs)
         acc += _centered(_soft_sign(x.to(tl.float16).to(tl.float32)), N)
@@ -66,7 +68,7 @@ def _fails_in_a_helper(x_ptr, N: tl.constexpr):
 def _run_helper_loop(gen, programs: int, iters: int, n: int = 16):
     x = torch.randn(programs, iters, n, generator=gen)
     out = torch.full((programs, n), float("nan"))
-    _helper_loop[(programs, )](x, out, ITERS=iters, N=n)
+    _helper_loop[(programs,)](x, out, ITERS=iters, N=n)
     torch.testing.assert_close(out.double(), _helper_loop_ref(x), rtol=1e-5, atol=1e-5)
 
 
@@ -90,14 +92,16 @@ def restored_scopes(monkeypatch):
 
 def test_a_grid_patches_once_however_many_helpers_it_calls(gen, registry, restored_scopes):
     from tritonspec_backends.cpu.language.cpu import libdevice as cpu_libdevice
+
     lookups = []
 
     def interpreter_libdevice():
         lookups.append(1)
         return cpu_libdevice
 
-    tritonspec.register_spec("counting_libdevice", make_spec("counting_libdevice_spec",
-                                                             interpreter_libdevice=interpreter_libdevice))
+    tritonspec.register_spec(
+        "counting_libdevice", make_spec("counting_libdevice_spec", interpreter_libdevice=interpreter_libdevice)
+    )
     counts = {}
     with tritonspec.use_backend("counting_libdevice"):
         for programs, iters in ((1, 1), (3, 6)):  # 1 and 18 iterations, each calling 3 @jit helpers
@@ -111,8 +115,7 @@ def test_a_grid_patches_once_however_many_helpers_it_calls(gen, registry, restor
 
 def _namespaces():
     core = tl.core
-    return [tl, core, tl.math, core.tensor, core.dtype, core.condition, core.tensor_descriptor_base,
-            *LIBDEVICE_MODULES]
+    return [tl, core, tl.math, core.tensor, core.dtype, core.condition, core.tensor_descriptor_base, *LIBDEVICE_MODULES]
 
 
 def _snapshot() -> dict:
@@ -121,8 +124,11 @@ def _snapshot() -> dict:
 
 def _changed(before: dict) -> list:
     after = _snapshot()
-    return sorted(f"{getattr(ns, '__name__', ns)}.{name}" for (ns, name) in before.keys() | after.keys()
-                  if before.get((ns, name), "absent") is not after.get((ns, name), "absent"))
+    return sorted(
+        f"{getattr(ns, '__name__', ns)}.{name}"
+        for (ns, name) in before.keys() | after.keys()
+        if before.get((ns, name), "absent") is not after.get((ns, name), "absent")
+    )
 
 
 def test_tl_and_libdevice_are_stock_after_a_grid_with_helpers(gen):
@@ -131,7 +137,7 @@ def test_tl_and_libdevice_are_stock_after_a_grid_with_helpers(gen):
     _run_helper_loop(gen, 2, 3)
     assert _changed(before) == []
     with pytest.raises(Exception, match="refused by the helper"):  # a grid failing in a helper restores too
-        _fails_in_a_helper[(2, )](torch.randn(4, generator=gen), N=4)
+        _fails_in_a_helper[(2,)](torch.randn(4, generator=gen), N=4)
     assert _changed(before) == []
 
 
@@ -144,6 +150,7 @@ def _tanh_kernel(x_ptr, out_ptr, N: tl.constexpr):
 def test_threads_each_get_their_backends_libdevice(gen, registry):
     """A thread selecting a backend whose libdevice ``tanh`` is ``exp`` gets exp; the others keep the cpu one."""
     from tritonspec_backends.cpu.language.cpu import libdevice as cpu_libdevice
+
     swapped = types.ModuleType("swapped_libdevice")
     swapped.tanh = cpu_libdevice.exp
     tritonspec.register_spec("swapped_libdevice", make_spec("swapped_libdevice_spec", interpreter_libdevice=swapped))
@@ -154,9 +161,9 @@ def test_threads_each_get_their_backends_libdevice(gen, registry):
 
     def work(backend):
         for _ in range(3):
-            out = torch.full((16, ), float("nan"))
+            out = torch.full((16,), float("nan"))
             with tritonspec.use_backend(backend) if backend else contextlib.nullcontext():
-                _tanh_kernel[(1, )](x, out, N=16)
+                _tanh_kernel[(1,)](x, out, N=16)
             results.append((backend, out))
 
     run_together(work, list(expected))
@@ -168,12 +175,13 @@ def test_threads_each_get_their_backends_libdevice(gen, registry):
 def test_libdevice_modules_changed_between_grids_are_served_and_put_back(gen, monkeypatch):
     """What a grid serves and restores follows changes made to either module between grids."""
     from tritonspec_backends.cpu.language.cpu import libdevice as cpu_libdevice
+
     x = torch.randn(16, generator=gen)
     rest = torch.where(x > 0, x, torch.exp(x) - 1)
 
     def run():
-        out = torch.full((16, ), float("nan"))
-        _tanh_kernel[(1, )](x, out, N=16)
+        out = torch.full((16,), float("nan"))
+        _tanh_kernel[(1,)](x, out, N=16)
         return out
 
     torch.testing.assert_close(run(), torch.tanh(x) + rest, rtol=1e-6, atol=1e-6)

@@ -5,6 +5,7 @@ The proof is a toy kernel declared here: a few lines of Triton, its op, its hub-
 launch-config type and one table entry, and nothing else of tritonspec edited. Every front end
 then finds it.
 """
+
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.skipif(not interpreting(), reason="interpreter tests: C
 
 
 # -- the toy kernel: y = x * weight (the weight broadcast over the last dim) -------------------------
+
 
 @dataclass(frozen=True, kw_only=True)
 class ToyScaleConfig(LaunchConfig):
@@ -47,8 +49,9 @@ def toy_scale(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     LAUNCHES.append(cfg.BLOCK)
     x = x.contiguous()
     y = torch.empty_like(x)
-    _toy_scale_kernel[(triton.cdiv(x.numel(), cfg.BLOCK),)](x, weight, y, x.numel(), x.shape[-1], BLOCK=cfg.BLOCK,
-                                                            **cfg.options)
+    _toy_scale_kernel[(triton.cdiv(x.numel(), cfg.BLOCK),)](
+        x, weight, y, x.numel(), x.shape[-1], BLOCK=cfg.BLOCK, **cfg.options
+    )
     return y
 
 
@@ -61,11 +64,18 @@ class ToyScaleLayer(nn.Module):
         return toy_scale(x, self.weight)
 
 
-TOY = Kernel("toy_scale", __name__, ("toy_scale",), "module",
-             Layer("ToyScale", ToyScaleLayer, classes=("ToyScale",)), (ToyScaleConfig,))
+TOY = Kernel(
+    "toy_scale",
+    __name__,
+    ("toy_scale",),
+    "module",
+    Layer("ToyScale", ToyScaleLayer, classes=("ToyScale",)),
+    (ToyScaleConfig,),
+)
 
 
 # -- a model with a place for it ------------------------------------------------------------------------
+
 
 class ToyScale(nn.Module):
     def __init__(self, n):
@@ -93,6 +103,7 @@ def toy():
     yield TOY
     kernel_table.withdraw(TOY.name)
     from tritonspec.nn import registry_kernels
+
     registry_kernels.sync()
 
 
@@ -106,6 +117,7 @@ def _check_replaced(model, report):
 
 def test_kernelize_picks_up_a_declared_kernel(toy):
     from tritonspec import nn as tnn
+
     model = _model()
     tnn.kernelize(model, mode=tnn.Mode.INFERENCE, device="cpu")
     _check_replaced(model, tnn.report(model))
@@ -115,6 +127,7 @@ def test_kernelize_picks_up_a_declared_kernel(toy):
 def test_the_registry_picks_up_a_declared_kernel(toy):
     from tritonspec import nn as tnn
     from tritonspec.nn import registry_kernels
+
     model = _model()
     found = tnn.discover_kernels(model)
     assert registry_kernels.CpuTritonToyScaleKernel in found
@@ -125,6 +138,7 @@ def test_the_registry_picks_up_a_declared_kernel(toy):
 
 def test_yaml_rules_pick_up_a_declared_kernel(toy):
     from tritonspec import nn as tnn
+
     model = _model()
     report = tnn.apply_rules(model, "- match: {kernel: toy_scale}\n  replace: {kernel: toy_scale}\n")
     _check_replaced(model, report)
@@ -132,6 +146,7 @@ def test_yaml_rules_pick_up_a_declared_kernel(toy):
 
 def test_check_and_vendor_tables_pick_up_a_declared_kernel(toy, registry):
     from tritonspec.specialization import check
+
     rows, failures = check.kernel_rows(registry.providers())
     assert ["toy_scale", "toy_scale", "module: ToyScale", "toy_scale", "default", "ok"] in rows and not failures
     # a backend may now tune it, as data checked against the table
@@ -147,6 +162,7 @@ def test_check_and_vendor_tables_pick_up_a_declared_kernel(toy, registry):
 def test_check_lists_the_moe_layers(registry):
     """The MoE experts and router are module-site layers like the others (no site of their own)."""
     from tritonspec.specialization import check
+
     rows, failures = check.kernel_rows(registry.providers())
     assert not failures
     sites = {row[0]: (row[1], row[2]) for row in rows}
@@ -158,6 +174,7 @@ def test_check_lists_the_moe_layers(registry):
 def test_withdrawn_and_undeclared_kernels_are_gone_everywhere():
     from tritonspec import nn as tnn
     from tritonspec.nn import registry_kernels
+
     assert "toy_scale" not in kernel_table.KERNELS
     assert not hasattr(registry_kernels, "CpuTritonToyScaleKernel")
     with pytest.raises(tritonspec.LaunchConfigError, match="'toy_scale' is not a declared kernel"):
@@ -166,14 +183,24 @@ def test_withdrawn_and_undeclared_kernels_are_gone_everywhere():
         tnn.load_rules("- match: {name: x}\n  replace: {kernel: toy_scale}\n")
 
 
-@pytest.mark.parametrize("bad,match", [
-    (dict(name="rmsnorm"), "kernel 'rmsnorm' is already declared"),
-    (dict(layer=Layer("RMSNorm", ToyScaleLayer)), "layer name 'RMSNorm' of kernel 'toy2' already belongs to 'rmsnorm'"),
-    (dict(configs=(kernel_table.RMSNormForward,)), "launch config 'rms_norm_fwd' of kernel 'toy2' is already declared"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(name="rmsnorm"), "kernel 'rmsnorm' is already declared"),
+        (
+            dict(layer=Layer("RMSNorm", ToyScaleLayer)),
+            "layer name 'RMSNorm' of kernel 'toy2' already belongs to 'rmsnorm'",
+        ),
+        (
+            dict(configs=(kernel_table.RMSNormForward,)),
+            "launch config 'rms_norm_fwd' of kernel 'toy2' is already declared",
+        ),
+    ],
+)
 def test_a_declaration_that_clashes_is_refused(bad, match):
-    fields = dict(name="toy2", module=__name__, ops=("toy_scale",), site="module",
-                  layer=Layer("Toy2", ToyScaleLayer), configs=())
+    fields = dict(
+        name="toy2", module=__name__, ops=("toy_scale",), site="module", layer=Layer("Toy2", ToyScaleLayer), configs=()
+    )
     with pytest.raises(ValueError, match=match):
         kernel_table.declare(Kernel(**{**fields, **bad}))
     assert "toy2" not in kernel_table.KERNELS
@@ -184,6 +211,7 @@ def test_every_front_end_reads_the_same_declarations():
     from tritonspec import ops
     from tritonspec.nn import KernelType
     from tritonspec.nn.hub import LAYER_NAMES
+
     for kernel in kernel_table.KERNELS.values():
         assert KernelType(kernel.name) == kernel.name
         for op in kernel.ops:

@@ -8,6 +8,7 @@ cache for a CUDA sm90 target, only the driver, the compiler and the launch faked
 argument kind Triton specializes on, seeded per run (the seed is printed; TRITONSPEC_TEST_SEED replays
 it), must launch the binary Triton itself chooses. On a CUDA machine, the same against real compiles.
 """
+
 import enum
 import types
 
@@ -43,8 +44,9 @@ def _kernel_fn(X, n, Y, BLOCK: int = 4, FLAG: bool = False):  # the signature Ca
 class FakeKernel:
     """Triton's JITFunction as CachedLauncher sees it: params, fn, and kernel[grid](...)."""
 
-    params = [types.SimpleNamespace(name=n, is_constexpr=n.isupper() and len(n) > 1)
-              for n in ("X", "n", "Y", "BLOCK", "FLAG")]
+    params = [
+        types.SimpleNamespace(name=n, is_constexpr=n.isupper() and len(n) > 1) for n in ("X", "n", "Y", "BLOCK", "FLAG")
+    ]
     fn = staticmethod(_kernel_fn)
 
     def __init__(self):
@@ -55,6 +57,7 @@ class FakeKernel:
         def launch(*args, **kwargs):
             self.misses.append((grid, args, kwargs))
             return self.compiled
+
         return launch
 
 
@@ -77,7 +80,8 @@ def test_a_hit_calls_the_compiled_launcher_with_every_argument(launcher):
     # grid padded to 3-D, the driver's stream, no launch hooks, then positional args + trailing
     # params in order (BLOCK from the call, FLAG from the signature's default; num_warps is an option)
     assert kernel.compiled.launches == [
-        ("run", (3, 1, 1, 1234, "function-handle", "packed-metadata", None, None, None, x, 64, y, 8, False))]
+        ("run", (3, 1, 1, 1234, "function-handle", "packed-metadata", None, None, None, x, 64, y, 8, False))
+    ]
 
 
 @pytest.mark.parametrize("change", ["dtype", "int_residue", "int64", "constexpr", "option"])
@@ -91,7 +95,7 @@ def test_what_triton_specializes_on_is_a_different_key(launcher, change):
     elif change == "int_residue":
         args[1] = 33  # not a multiple of 16 any more
     elif change == "int64":
-        args[1] = 2 ** 32 + 32  # same residue, but needs 64 bits
+        args[1] = 2**32 + 32  # same residue, but needs 64 bits
     elif change == "constexpr":
         kwargs["BLOCK"] = 16
     else:
@@ -102,6 +106,7 @@ def test_what_triton_specializes_on_is_a_different_key(launcher, change):
 
 def _descriptor(t, block):
     from triton.tools.tensor_descriptor import TensorDescriptor
+
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
 
@@ -186,7 +191,8 @@ def test_a_plan_relaunches_with_new_tensors_and_the_recorded_arguments(launcher)
     x2, y2 = torch.randn(64), torch.randn(64)
     assert plan(x2, y2)
     assert kernel.compiled.launches == [
-        ("run", (3, 1, 1, 1234, "function-handle", "packed-metadata", None, None, None, x2, 64, y2, 8, False))]
+        ("run", (3, 1, 1, 1234, "function-handle", "packed-metadata", None, None, None, x2, 64, y2, 8, False))
+    ]
     assert len(kernel.misses) == 1
 
 
@@ -209,6 +215,7 @@ def test_a_plan_declines_what_it_may_not_reuse(launcher, monkeypatch, change):
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     elif change == "spec":  # another selection (the registry's generation is part of it)
         from tritonspec import PROVIDERS
+
         monkeypatch.setattr(PROVIDERS, "generation", PROVIDERS.generation + 1)
     elif change == "hook":
         monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
@@ -218,6 +225,7 @@ def test_a_plan_declines_what_it_may_not_reuse(launcher, monkeypatch, change):
 
 def test_a_plan_keeps_no_tensor_of_the_recorded_call_alive(launcher):
     import weakref
+
     cl, kernel = launcher
     x, y = torch.randn(64), torch.randn(64)
     cl[(1,)](x, 64, y)
@@ -232,6 +240,7 @@ def test_an_ops_plan_cache_is_bounded_and_dropped_with_the_spec_registry(monkeyp
     """Dropped when the registry changes; a plan made under another selection declines (see above)."""
     import tritonspec
     from tritonspec.ops._library import PlanCache
+
     monkeypatch.setattr(PlanCache, "LIMIT", 3)
     plans = PlanCache()
     for shape in range(3):
@@ -247,6 +256,7 @@ def test_an_ops_plan_cache_is_bounded_and_dropped_with_the_spec_registry(monkeyp
 def test_plans_are_not_used_while_cached_launches_are_off(monkeypatch):
     """USE_CACHED_LAUNCH=False means Triton's launch path everywhere: an op's recorded plans stay unused."""
     from tritonspec.ops import _library
+
     plans = _library.PlanCache()
     plans["problem"] = "plan"
     assert plans.get("problem") == "plan"
@@ -261,6 +271,7 @@ def test_plans_are_not_used_while_cached_launches_are_off(monkeypatch):
 # only the GPU faked: the driver (device, stream, target), triton.compile (one stand-in binary per
 # compile Triton asks for, recording the signature, constexprs and attributes it was asked for) and the
 # launch (recorded). CachedLauncher drives a real JITFunction, so a miss goes through that same code.
+
 
 def _spec_kernel(X, a, b, Y, c=16, BLOCK: tl.constexpr = 8, FLAG: tl.constexpr = False, ACT: tl.constexpr = None):
     pass  # never compiled: the stand-in triton.compile records what Triton asked for
@@ -287,8 +298,12 @@ class _Binary:
     """A compiled kernel as Triton's launch path and CachedLauncher use it, built for one specialization."""
 
     def __init__(self, src, options, launches):
-        self.built_for = dict(signature=dict(src.signature), constexprs=dict(src.constants), attrs=dict(src.attrs),
-                              options={k: v for k, v in options.items() if k in ("num_warps", "num_stages")})
+        self.built_for = dict(
+            signature=dict(src.signature),
+            constexprs=dict(src.constants),
+            attrs=dict(src.attrs),
+            options={k: v for k, v in options.items() if k in ("num_warps", "num_stages")},
+        )
         self.function, self.packed_metadata, self._launches = object(), object(), launches
 
     def launch_metadata(self, grid, stream, *args):
@@ -306,11 +321,13 @@ def cuda_jit(monkeypatch):
     """Triton's real launch path for a CUDA sm90 target on this CPU; returns the list of launches."""
     import triton.compiler
     from triton.runtime import driver
+
     launches = []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(driver, "_active", _CudaDriver())  # what driver.active returns (private in 3.6 to 3.9)
-    monkeypatch.setattr(triton.compiler, "compile",
-                        lambda src, target=None, options=None, **_: _Binary(src, options, launches))
+    monkeypatch.setattr(
+        triton.compiler, "compile", lambda src, target=None, options=None, **_: _Binary(src, options, launches)
+    )
     return launches
 
 
@@ -324,7 +341,7 @@ _DESC_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def _view(offset, dtype, numel):
     size = torch.empty((), dtype=dtype).element_size()
-    return _BUF[_START + offset:_START + offset + numel * size].view(dtype)
+    return _BUF[_START + offset : _START + offset + numel * size].view(dtype)
 
 
 def _tensor(rng):
@@ -339,22 +356,27 @@ def _tensor(rng):
 def _int(rng):
     kind = rng.choice(["1", "small", "/16", "int32", "int32 edge", "int64", "int64 /16", "uint64", "uint64 edge"])
     sign = rng.choice((1, -1))
-    value = {"1": lambda: 1,
-             "small": lambda: rng.randrange(-15, 16),
-             "/16": lambda: 16 * sign * rng.randrange(1, 1 << 20),
-             "int32": lambda: sign * rng.randrange(17, 1 << 31),
-             "int32 edge": lambda: rng.choice([2**31 - 1, 2**31, 2**31 + 16, -2**31, -2**31 - 1, -2**31 - 16]),
-             "int64": lambda: sign * rng.randrange(1 << 31, 1 << 63),
-             "int64 /16": lambda: 16 * sign * rng.randrange(1 << 27, 1 << 59),
-             "uint64": lambda: rng.randrange(1 << 63, 1 << 64),
-             "uint64 edge": lambda: rng.choice([2**63 - 16, 2**63 - 1, 2**63, 2**63 + 16, 2**64 - 16, 2**64 - 1]),
-             }[kind]()
-    return ("int 1" if value == 1 else "int /16" if value % 16 == 0 else "int", value) if abs(value) < 2**31 \
+    value = {
+        "1": lambda: 1,
+        "small": lambda: rng.randrange(-15, 16),
+        "/16": lambda: 16 * sign * rng.randrange(1, 1 << 20),
+        "int32": lambda: sign * rng.randrange(17, 1 << 31),
+        "int32 edge": lambda: rng.choice([2**31 - 1, 2**31, 2**31 + 16, -(2**31), -(2**31) - 1, -(2**31) - 16]),
+        "int64": lambda: sign * rng.randrange(1 << 31, 1 << 63),
+        "int64 /16": lambda: 16 * sign * rng.randrange(1 << 27, 1 << 59),
+        "uint64": lambda: rng.randrange(1 << 63, 1 << 64),
+        "uint64 edge": lambda: rng.choice([2**63 - 16, 2**63 - 1, 2**63, 2**63 + 16, 2**64 - 16, 2**64 - 1]),
+    }[kind]()
+    return (
+        ("int 1" if value == 1 else "int /16" if value % 16 == 0 else "int", value)
+        if abs(value) < 2**31
         else ("int past int32", value)
+    )
 
 
 def _random_descriptor(rng):
     from triton.tools.tensor_descriptor import TensorDescriptor
+
     dtype = rng.choice(_DESC_DTYPES)
     rows, cols = rng.choice([64, 128]), 64
     base = _view(64 * rng.randrange(16), dtype, rows * cols).view(rows, cols)
@@ -366,6 +388,7 @@ def _random_descriptor(rng):
         return "descriptor", TensorDescriptor(base, [rows, cols], [cols, 1], block, **extra)
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
     swizzle = rng.choice([s for s in (32, 64, 128) if s <= block[-1] * base.element_size()])
     layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=8 * base.element_size(), rank=2)
     return "gluon descriptor", GluonDescriptor(base, [rows, cols], [cols, 1], block, layout, padding=extra["padding"])
@@ -382,12 +405,22 @@ def _unknown(rng):
 
 def _argument(rng, like=None):
     """A random argument, of the kind of ``like`` (an int for a bool and back) when given, else of any kind."""
-    makers = {"tensor": _tensor, "int": _int, "bool": lambda r: ("bool", r.random() < 0.5),
-              "None": lambda r: ("None", None),
-              "float": lambda r: ("float", r.choice([0.0, -0.0, 1.0, 16.0, r.uniform(-1e3, 1e3), 1e300])),
-              "descriptor": _random_descriptor}
-    family = {"misaligned tensor": "tensor", "gluon descriptor": "descriptor", "int 1": "int", "int /16": "int",
-              "int past int32": "int", "unknown": None}.get(like, like)
+    makers = {
+        "tensor": _tensor,
+        "int": _int,
+        "bool": lambda r: ("bool", r.random() < 0.5),
+        "None": lambda r: ("None", None),
+        "float": lambda r: ("float", r.choice([0.0, -0.0, 1.0, 16.0, r.uniform(-1e3, 1e3), 1e300])),
+        "descriptor": _random_descriptor,
+    }
+    family = {
+        "misaligned tensor": "tensor",
+        "gluon descriptor": "descriptor",
+        "int 1": "int",
+        "int /16": "int",
+        "int past int32": "int",
+        "unknown": None,
+    }.get(like, like)
     if family in ("int", "bool", "None") and rng.random() < 0.5:
         family = rng.choice(["int", "bool", "None"])  # the scalars that compare equal in Python or not
     if family is None or rng.random() < 0.15:
@@ -402,8 +435,14 @@ _OPTIONS = {"num_warps": [4, 8], "num_stages": [2, 3]}
 
 
 def _first_call(rng):
-    return {"runtime": [_argument(rng) for _ in _RUNTIME], "named": rng.randrange(len(_RUNTIME) + 1),
-            "keywords": {}, "positional_constexprs": 0, "omit_c": False, "grid": (1,)}
+    return {
+        "runtime": [_argument(rng) for _ in _RUNTIME],
+        "named": rng.randrange(len(_RUNTIME) + 1),
+        "keywords": {},
+        "positional_constexprs": 0,
+        "omit_c": False,
+        "grid": (1,),
+    }
 
 
 def _mutate(rng, call):
@@ -440,8 +479,8 @@ def _arguments(call):
     names = list(_RUNTIME)
     if call["positional_constexprs"]:  # (every runtime argument is then passed, c too)
         constexprs = [call["keywords"].get(n, d) for n, d in (("BLOCK", 8), ("FLAG", False))]
-        args = tuple(values) + tuple(constexprs[:call["positional_constexprs"]])
-        return args, {k: v for k, v in call["keywords"].items() if k not in ("BLOCK", "FLAG")[:len(args) - 5]}
+        args = tuple(values) + tuple(constexprs[: call["positional_constexprs"]])
+        return args, {k: v for k, v in call["keywords"].items() if k not in ("BLOCK", "FLAG")[: len(args) - 5]}
     if call["omit_c"]:
         values, names = values[:-1], names[:-1]
     split = max(0, len(values) - call["named"])
@@ -452,8 +491,10 @@ def _arguments(call):
 def _describe(call):
     args, kwargs = _arguments(call)
     kinds = {name: kind for name, (kind, _) in zip(_RUNTIME, call["runtime"])}
-    return (f"args={[_short(a) for a in args]} kwargs={ {k: _short(v) for k, v in kwargs.items()} } "
-            f"grid={call['grid']} kinds={kinds}")
+    return (
+        f"args={[_short(a) for a in args]} kwargs={ {k: _short(v) for k, v in kwargs.items()} } "
+        f"grid={call['grid']} kinds={kinds}"
+    )
 
 
 def _short(a):
@@ -480,9 +521,14 @@ def _same_arguments(mine, triton_s):
     """The runtime arguments are the call's own; a constexpr (which the launcher skips) may be another value
     that Triton's own cache takes for the same (1 for True: Triton looks its key up by ==, not by type)."""
     n = len(_RUNTIME)
-    return len(mine) == len(triton_s) and mine[n:] == triton_s[n:] and all(
-        a is b or (type(a) is type(b) and not isinstance(a, torch.Tensor) and a == b)
-        for a, b in zip(mine[:n], triton_s[:n]))
+    return (
+        len(mine) == len(triton_s)
+        and mine[n:] == triton_s[n:]
+        and all(
+            a is b or (type(a) is type(b) and not isinstance(a, torch.Tensor) and a == b)
+            for a, b in zip(mine[:n], triton_s[:n])
+        )
+    )
 
 
 @pytest.mark.parametrize("dns", [False, True], ids=["specialized", "do_not_specialize"])
@@ -495,6 +541,7 @@ def test_a_cache_hit_launches_the_binary_tritons_binder_chooses(cuda_jit, dns):
     constexpr passed positionally, a runtime argument left to its default while others go by keyword, an
     argument of another type."""
     from helpers import py_random
+
     rng = py_random()
     options = dict(do_not_specialize=["a"], do_not_specialize_on_alignment=["X"]) if dns else {}
     kernel = JITFunction(_spec_kernel, **options)
@@ -508,11 +555,12 @@ def test_a_cache_hit_launches_the_binary_tritons_binder_chooses(cuda_jit, dns):
             pos, kw = cl._positional(args, kwargs) if kwargs else (args, kwargs)
             key = None if pos is None else cl._key(pos, kw, torch.cuda.current_device())
             omitted = call["omit_c"] and not call["positional_constexprs"]
-            kinds = {kind for kind, _ in call["runtime"][:4 if omitted else 5]}
+            kinds = {kind for kind, _ in call["runtime"][: 4 if omitted else 5]}
             # a runtime argument left to its default takes Triton's path when keywords are passed; with
             # none, the call is keyed like any other (the default is fixed) and checked below like any other
-            must_take_tritons_path = bool(call["positional_constexprs"] or (omitted and kwargs)
-                                          or kinds & {"misaligned tensor", "unknown"})
+            must_take_tritons_path = bool(
+                call["positional_constexprs"] or (omitted and kwargs) or kinds & {"misaligned tensor", "unknown"}
+            )
             assert (key is None) == must_take_tritons_path, _describe(call)
             hit = key is not None and key in cl.compiled
             mine = _outcome(lambda: cl[call["grid"]](*args, **kwargs), cuda_jit)
@@ -522,7 +570,8 @@ def test_a_cache_hit_launches_the_binary_tritons_binder_chooses(cuda_jit, dns):
                 continue
             assert mine[0] is triton_s[0], (
                 f"the cache launched {mine[0]} where Triton chooses {triton_s[0]} for {_describe(call)}; "
-                f"the key was first made by {by_key.get(key, (None, 'no call'))[1]}")
+                f"the key was first made by {by_key.get(key, (None, 'no call'))[1]}"
+            )
             assert mine[1] == triton_s[1] and _same_arguments(mine[2], triton_s[2]), _describe(call)
             if key is not None:
                 first = by_key.setdefault(key, (triton_s[0], _describe(call)))
@@ -531,8 +580,21 @@ def test_a_cache_hit_launches_the_binary_tritons_binder_chooses(cuda_jit, dns):
                 for kind in kinds | {f"{k}={v!r}" for k, v in kwargs.items() if k in _CONSTEXPRS}:
                     hits[kind] = hits.get(kind, 0) + 1
     # not vacuous: every kind of argument was reused from the cache, for keyword constexprs too
-    kinds = {"tensor", "int 1", "int /16", "int", "int past int32", "None", "bool", "float", "descriptor",
-             "gluon descriptor", "BLOCK=32", "FLAG=True", "ACT='relu'"}
+    kinds = {
+        "tensor",
+        "int 1",
+        "int /16",
+        "int",
+        "int past int32",
+        "None",
+        "bool",
+        "float",
+        "descriptor",
+        "gluon descriptor",
+        "BLOCK=32",
+        "FLAG=True",
+        "ACT='relu'",
+    }
     assert kinds <= set(hits), sorted(kinds - set(hits))
 
 
@@ -546,6 +608,7 @@ def test_a_callable_grid_and_a_runtime_parameter_after_a_constexpr_take_tritons_
 
     def late_runtime(X, BLOCK: tl.constexpr, n):
         pass
+
     late = CachedLauncher(JITFunction(late_runtime))
     assert late._positional((x,), dict(BLOCK=16, n=16)) == (None, None)
     for _ in range(2):
@@ -553,8 +616,36 @@ def test_a_callable_grid_and_a_runtime_parameter_after_a_constexpr_take_tritons_
     assert late.compiled == {} and len(cuda_jit) == 4
 
 
-_EDGES = [0, False, 1, True, None, -1, 15, 16, -16, 17, 48, 2**31 - 1, 2**31, -2**31, -2**31 - 1, -2**31 - 16,
-          2**31 + 16, 2**63 - 16, 2**63 - 1, 2**63, 2**63 + 16, 2**64 - 16, 2**64 - 1, -2**63, 0.0, -0.0, 1.0, 16.0]
+_EDGES = [
+    0,
+    False,
+    1,
+    True,
+    None,
+    -1,
+    15,
+    16,
+    -16,
+    17,
+    48,
+    2**31 - 1,
+    2**31,
+    -(2**31),
+    -(2**31) - 1,
+    -(2**31) - 16,
+    2**31 + 16,
+    2**63 - 16,
+    2**63 - 1,
+    2**63,
+    2**63 + 16,
+    2**64 - 16,
+    2**64 - 1,
+    -(2**63),
+    0.0,
+    -0.0,
+    1.0,
+    16.0,
+]
 
 
 def test_scalars_at_the_edges_share_a_key_only_where_triton_shares_a_binary(cuda_jit):
@@ -570,11 +661,14 @@ def test_scalars_at_the_edges_share_a_key_only_where_triton_shares_a_binary(cuda
             args[slot] = value
             binary = _outcome(lambda: kernel[(1,)](*args), cuda_jit)[0]
             first, first_binary = seen.setdefault(cl._key(tuple(args), {}, 0), (value, binary))
-            assert first_binary is binary, (f"{_RUNTIME[slot]}={value!r} has the key of {_RUNTIME[slot]}={first!r}, "
-                                            f"but Triton builds {binary} for it and {first_binary} for the other")
+            assert first_binary is binary, (
+                f"{_RUNTIME[slot]}={value!r} has the key of {_RUNTIME[slot]}={first!r}, "
+                f"but Triton builds {binary} for it and {first_binary} for the other"
+            )
 
 
 # -- on a GPU: the binary a hit launches is the CompiledKernel Triton's own launch returns ---------------
+
 
 def _gpu_kernel(Out, X, a, b, flag, scale, Y, desc, BLOCK: tl.constexpr, TWICE: tl.constexpr = False):
     offs = tl.arange(0, BLOCK)
@@ -593,7 +687,7 @@ def _gpu_reference(X, a, b, flag, scale, Y, desc, BLOCK, TWICE=False):
     if Y is not None:
         v += Y[:BLOCK].double()
     if desc is not None:
-        v += desc.base[:desc.block_shape[0], :desc.block_shape[1]].double().sum()
+        v += desc.base[: desc.block_shape[0], : desc.block_shape[1]].double().sum()
     return (v * 2 if TWICE else v).float()
 
 
@@ -602,6 +696,7 @@ def test_a_hit_launches_the_compiled_kernel_triton_chooses_on_gpu():
     """Each argument kind varied in turn from a base call: CachedLauncher's cached CompiledKernel for the
     call is the very object ``kernel[grid]`` returns for it, and the kernel computes with the call's values."""
     from triton.tools.tensor_descriptor import TensorDescriptor
+
     dev = "cuda"
     kernel = JITFunction(_gpu_kernel)
     cl = CachedLauncher(kernel)
@@ -610,14 +705,30 @@ def test_a_hit_launches_the_compiled_kernel_triton_chooses_on_gpu():
     x, y, out = buf[:128], buf[256:384], torch.empty(128, device=dev)
     tile = torch.randn(64, 64, device=dev, generator=gen)
     base = dict(X=x, a=16, b=32, flag=True, scale=0.5, Y=y, desc=None)
-    variants = [dict(a=48), dict(a=1), dict(a=17), dict(a=2**31 + 16), dict(b=0), dict(b=2**63 + 16), dict(flag=False),
-                dict(flag=1), dict(flag=0), dict(scale=2.0), dict(Y=None), dict(X=x.half()), dict(X=buf[4:132]),
-                dict(X=buf[1:129]), dict(Y=buf[512:640])]
+    variants = [
+        dict(a=48),
+        dict(a=1),
+        dict(a=17),
+        dict(a=2**31 + 16),
+        dict(b=0),
+        dict(b=2**63 + 16),
+        dict(flag=False),
+        dict(flag=1),
+        dict(flag=0),
+        dict(scale=2.0),
+        dict(Y=None),
+        dict(X=x.half()),
+        dict(X=buf[4:132]),
+        dict(X=buf[1:129]),
+        dict(Y=buf[512:640]),
+    ]
     if torch.cuda.get_device_capability()[0] >= 9:  # host TMA descriptors
-        variants += [dict(desc=TensorDescriptor.from_tensor(tile, [16, 32])),
-                     dict(desc=TensorDescriptor.from_tensor(tile[16:], [16, 32])),
-                     dict(desc=TensorDescriptor.from_tensor(tile, [32, 32])),
-                     dict(desc=TensorDescriptor.from_tensor(tile.half(), [16, 32]))]
+        variants += [
+            dict(desc=TensorDescriptor.from_tensor(tile, [16, 32])),
+            dict(desc=TensorDescriptor.from_tensor(tile[16:], [16, 32])),
+            dict(desc=TensorDescriptor.from_tensor(tile, [32, 32])),
+            dict(desc=TensorDescriptor.from_tensor(tile.half(), [16, 32])),
+        ]
     calls = [({**base, **v}, kw) for v in [{}] + variants for kw in (dict(BLOCK=32), dict(BLOCK=64, TWICE=True))]
     binaries = set()
     for named, kw in calls:
@@ -628,7 +739,7 @@ def test_a_hit_launches_the_compiled_kernel_triton_chooses_on_gpu():
             out.fill_(float("nan"))
             cl[(1,)](*args, **kwargs)
             expected = _gpu_reference(**named, **kw)
-            torch.testing.assert_close(out[:kw["BLOCK"]], expected, rtol=1e-5, atol=1e-3)
+            torch.testing.assert_close(out[: kw["BLOCK"]], expected, rtol=1e-5, atol=1e-3)
         pos, kw2 = cl._positional(args, kwargs)
         key = cl._key(pos, kw2, torch.cuda.current_device())
         described = ({k: _short(v) for k, v in named.items()}, kw)

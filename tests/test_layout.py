@@ -1,5 +1,6 @@
 """The package's shape as the README describes it: the spec layer in a package of its own, no import cycle,
 every setting declared once in tritonspec.settings, and the names of earlier layouts still working."""
+
 import ast
 import os
 import pathlib
@@ -34,11 +35,19 @@ def _imports(name: str, path: pathlib.Path, is_package: bool, modules) -> set[st
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            origin = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else [])) \
-                if node.level else node.module
+            origin = (
+                ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
+                if node.level
+                else node.module
+            )
             targets = [f"{origin}.{a.name}" if f"{origin}.{a.name}" in modules else origin for a in node.names]
-        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
-              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             targets = [node.args[0].value]
         for target in targets:
             while target and target not in modules:
@@ -59,7 +68,7 @@ def test_no_import_cycle_inside_tritonspec():
         state[name] = "open"
         for target in sorted(graph[name]):
             if state.get(target) == "open":
-                cycles.append(path[path.index(target):] + [target])
+                cycles.append(path[path.index(target) :] + [target])
             elif target not in state:
                 visit(target, path + [target])
         state[name] = "done"
@@ -74,13 +83,24 @@ def test_the_spec_layer_is_a_package_of_its_own():
     """Hooks, install, resolution and providers live in tritonspec.specialization; only settings, the
     kernel table, launch configs and devices (op support) sit beside it at the top."""
     layer = {p.stem for p in (PACKAGE / "specialization").glob("*.py")} - {"__init__"}
-    assert {"hooks", "backend_info", "providers", "resolve", "inject", "fingerprint", "patches", "check", "install",
-            "import_hook"} <= layer
+    assert {
+        "hooks",
+        "backend_info",
+        "providers",
+        "resolve",
+        "inject",
+        "fingerprint",
+        "patches",
+        "check",
+        "install",
+        "import_hook",
+    } <= layer
     points = {p.stem for p in (PACKAGE / "specialization" / "points").glob("*.py")} - {"__init__"}
     assert points == {"language", "compiler", "runtime", "jit_caches", "interpreter"}
     top = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
     assert not top & layer, top & layer
     from tritonspec.specialization import check, install
+
     # every area's table is installed, each point once, and every hook has its point
     names = [p.name for p in install.INSTALL_POINTS]
     assert len(names) == len(set(names))
@@ -108,13 +128,19 @@ def test_settings_are_read_only_where_they_are_declared():
     assert all(paths <= allowed for paths in readers.values()), readers
     assert set(readers) <= {"TRITONSPEC_DISABLE"}, readers
     declared = settings.ALL
-    assert {"TRITONSPEC_DISABLE", "TRITONSPEC_DEFAULT_BACKEND", "TRITONSPEC_ALLOWED_BACKENDS",
-            "TRITONSPEC_CACHED_LAUNCH", "TRITONSPEC_LOCAL_KERNELS"} <= set(declared)
+    assert {
+        "TRITONSPEC_DISABLE",
+        "TRITONSPEC_DEFAULT_BACKEND",
+        "TRITONSPEC_ALLOWED_BACKENDS",
+        "TRITONSPEC_CACHED_LAUNCH",
+        "TRITONSPEC_LOCAL_KERNELS",
+    } <= set(declared)
     assert all(s.doc and s.name.startswith("TRITONSPEC_") for s in declared.values())
 
 
-@pytest.mark.parametrize("raw, expected", [("1", True), ("yes", True), ("On", True), ("0", False), ("off", False),
-                                           ("", False)])
+@pytest.mark.parametrize(
+    "raw, expected", [("1", True), ("yes", True), ("On", True), ("0", False), ("off", False), ("", False)]
+)
 def test_boolean_settings_read_as_tritons_knobs(monkeypatch, raw, expected):
     monkeypatch.setenv("TRITONSPEC_CACHED_LAUNCH", raw)
     assert settings.CACHED_LAUNCH.get() is expected
@@ -138,21 +164,27 @@ print("ALLOWED", sorted(PROVIDERS.allow_list().names))
 
 @pytest.mark.parametrize("old", [True, False])
 def test_renamed_backend_variables_keep_working_with_a_warning(old):
-    names = ("TRITONSPEC_BACKEND", "TRITONSPEC_BACKENDS") if old else \
-        ("TRITONSPEC_DEFAULT_BACKEND", "TRITONSPEC_ALLOWED_BACKENDS")
+    names = (
+        ("TRITONSPEC_BACKEND", "TRITONSPEC_BACKENDS")
+        if old
+        else ("TRITONSPEC_DEFAULT_BACKEND", "TRITONSPEC_ALLOWED_BACKENDS")
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRITONSPEC_")}
     env.update({names[0]: "cpu", names[1]: "cpu,nvidia", "TRITON_INTERPRET": "1"})
     proc = subprocess.run([sys.executable, "-c", OLD_NAMES], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "DEFAULT cpu" in proc.stdout and "ALLOWED ['cpu', 'nvidia']" in proc.stdout, proc.stdout
-    renamed = ("TRITONSPEC_BACKEND is renamed TRITONSPEC_DEFAULT_BACKEND" in proc.stderr,
-               "TRITONSPEC_BACKENDS is renamed TRITONSPEC_ALLOWED_BACKENDS" in proc.stderr)
+    renamed = (
+        "TRITONSPEC_BACKEND is renamed TRITONSPEC_DEFAULT_BACKEND" in proc.stderr,
+        "TRITONSPEC_BACKENDS is renamed TRITONSPEC_ALLOWED_BACKENDS" in proc.stderr,
+    )
     assert renamed == (old, old), proc.stderr[-3000:]
 
 
 def test_names_of_earlier_layouts_are_the_same_objects_with_a_warning():
     from tritonspec.deprecated import ATTRIBUTES, MODULES
     import importlib
+
     for old, new in MODULES.items():
         sys.modules.pop(old, None)
         with pytest.warns(FutureWarning, match=f"{old} is now {new}"):

@@ -13,6 +13,7 @@ each token's loss by up to ~3u * max|z| (lse, z_y and the smoothing mean) and ea
 per chunk it accumulates over. Sums cancel (softmax - target sums to zero), so gradient tolerances are
 relative to the sums of absolute terms (|G| @ |W| and so on), as quack's weight-gradient tolerances are.
 """
+
 import sys
 
 import pytest
@@ -23,19 +24,26 @@ import torch.nn.functional as F
 import tritonspec
 from tritonspec.ops import _library
 from numerics import assert_close, poisoned_allocations
-from tritonspec.ops.linear_cross_entropy import (LINEAR_CROSS_ENTROPY, LINEAR_CROSS_ENTROPY_NONE, chunk_tokens,
-                                                 linear_cross_entropy, linear_cross_entropy_ref)
+from tritonspec.ops.linear_cross_entropy import (
+    LINEAR_CROSS_ENTROPY,
+    LINEAR_CROSS_ENTROPY_NONE,
+    chunk_tokens,
+    linear_cross_entropy,
+    linear_cross_entropy_ref,
+)
 
 lce = sys.modules["tritonspec.ops.linear_cross_entropy"]
 
-U_BF16 = 2.0 ** -8
+U_BF16 = 2.0**-8
 
 
 @pytest.fixture
 def chunks(monkeypatch):
     """Force chunks of ``n`` tokens (the default rule follows Liger's, tiny at these vocabulary / hidden sizes)."""
+
     def force(n):
         monkeypatch.setattr(lce, "chunk_tokens", lambda tokens: n)
+
     return force
 
 
@@ -43,7 +51,7 @@ def _inputs(gen, device, n=(17,), h=24, v=100, dtype=torch.float32, bias=False, 
     """hidden (*n, h), weight (v, h) scaled so logits are ~N(0, wscale^2), labels with ``ignored`` flat
     positions set to -100, and a bias (or None)."""
     x = torch.randn(*n, h, generator=gen)
-    w = torch.randn(v, h, generator=gen) * (wscale / h ** 0.5)
+    w = torch.randn(v, h, generator=gen) * (wscale / h**0.5)
     b = 0.5 * torch.randn(v, generator=gen) if bias else None
     y = torch.randint(0, v, n, generator=gen)
     y.view(-1)[list(ignored)] = -100
@@ -68,9 +76,11 @@ def _reference(x, w, y, b, go, kw):
     g = zl.grad.abs()
     cap = kw.get("softcap")
     zmax = (cap * torch.tanh(z / cap) if cap else z).abs().max().item()
-    scales = {"hidden": (g @ w64.detach().abs()).max().item(),
-              "weight": (g.t() @ x64.detach().reshape(-1, x.shape[-1]).abs()).max().item(),
-              "bias": g.sum(0).max().item()}
+    scales = {
+        "hidden": (g @ w64.detach().abs()).max().item(),
+        "weight": (g.t() @ x64.detach().reshape(-1, x.shape[-1]).abs()).max().item(),
+        "bias": g.sum(0).max().item(),
+    }
     return loss.detach(), grads, scales, zmax
 
 
@@ -89,8 +99,13 @@ def _close(actual, expected, name, dtype, scale, rtol_bf16):
     if dtype == torch.float32:
         assert_close(actual, expected, name, dtype, scale=scale)
     else:
-        torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol_bf16,
-                                   atol=rtol_bf16 * max(scale, 1e-30), msg=lambda m: f"{name} ({dtype}): {m}")
+        torch.testing.assert_close(
+            actual.double(),
+            expected.double(),
+            rtol=rtol_bf16,
+            atol=rtol_bf16 * max(scale, 1e-30),
+            msg=lambda m: f"{name} ({dtype}): {m}",
+        )
 
 
 def _check(x, w, y, b=None, *, frozen=(), go=None, n_chunks=1, **kw):
@@ -107,8 +122,7 @@ def _check(x, w, y, b=None, *, frozen=(), go=None, n_chunks=1, **kw):
     assert loss.dtype == torch.float32 and loss.shape == ref.shape
     dtype = x.dtype
     weight = _loss_weight(y, kw)
-    _close(loss, ref, "loss", dtype, None if dtype == torch.float32 else weight,
-           rtol_bf16=(3 * zmax + 2) * U_BF16)
+    _close(loss, ref, "loss", dtype, None if dtype == torch.float32 else weight, rtol_bf16=(3 * zmax + 2) * U_BF16)
     rtol = (2 * zmax + 3 + n_chunks) * U_BF16
     for name, t in (("hidden", xl), ("weight", wl), ("bias", bl)):
         if t is None:
@@ -122,6 +136,7 @@ def _check(x, w, y, b=None, *, frozen=(), go=None, n_chunks=1, **kw):
 
 
 # -- the reductions, over dtypes, several chunks and ignored tokens --------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -152,11 +167,16 @@ def test_leading_dims_and_one_chunk(gen, device):
 def test_options_match_reference(case, reduction, gen, chunks, device):
     chunks(6)
     bias = case in ("bias", "all")
-    x, w, y, b = _inputs(gen, device, n=(13,), bias=bias, ignored=(2, 6), wscale=3.0 if case in ("softcap", "all")
-                         else 1.0)
-    kw = {"smoothing": dict(label_smoothing=0.25), "smoothing_1": dict(label_smoothing=1.0),
-          "softcap": dict(softcap=2.0), "bias": {},
-          "all": dict(label_smoothing=0.1, softcap=2.5, ignore_index=7)}[case]
+    x, w, y, b = _inputs(
+        gen, device, n=(13,), bias=bias, ignored=(2, 6), wscale=3.0 if case in ("softcap", "all") else 1.0
+    )
+    kw = {
+        "smoothing": dict(label_smoothing=0.25),
+        "smoothing_1": dict(label_smoothing=1.0),
+        "softcap": dict(softcap=2.0),
+        "bias": {},
+        "all": dict(label_smoothing=0.1, softcap=2.5, ignore_index=7),
+    }[case]
     if case == "all":
         y[y == -100] = 7  # another ignore_index, which is also a class id
     _check(x, w, y, b, reduction=reduction, n_chunks=3, **kw)
@@ -185,15 +205,26 @@ def test_reference_is_torch_and_transformers(gen, device):
     fixed_cross_entropy for num_items_in_batch."""
     x, w, y, _ = _inputs(gen, device, n=(9,), ignored=(4,))
     logits = x.double() @ w.double().t()
-    torch.testing.assert_close(linear_cross_entropy_ref(x, w, y, label_smoothing=0.3),
-                               F.cross_entropy(logits, y, label_smoothing=0.3))
+    torch.testing.assert_close(
+        linear_cross_entropy_ref(x, w, y, label_smoothing=0.3), F.cross_entropy(logits, y, label_smoothing=0.3)
+    )
     loss_utils = pytest.importorskip("transformers.loss.loss_utils")
-    torch.testing.assert_close(linear_cross_entropy_ref(x, w, y, num_items_in_batch=torch.tensor(5)),
-                               loss_utils.fixed_cross_entropy(logits, y, torch.tensor(5)))
+    torch.testing.assert_close(
+        linear_cross_entropy_ref(x, w, y, num_items_in_batch=torch.tensor(5)),
+        loss_utils.fixed_cross_entropy(logits, y, torch.tensor(5)),
+    )
 
 
-@pytest.mark.parametrize("kw", [dict(reduction="mean"), dict(reduction="sum"), dict(reduction="none"),
-                                dict(num_items_in_batch=4), dict(reduction="mean", label_smoothing=0.5)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(reduction="mean"),
+        dict(reduction="sum"),
+        dict(reduction="none"),
+        dict(num_items_in_batch=4),
+        dict(reduction="mean", label_smoothing=0.5),
+    ],
+)
 def test_all_ignored_gives_zero_loss_and_zero_grads(kw, gen, chunks, device):
     """torch (and transformers' ForCausalLMLoss) give NaN for an all-ignored mean; we give 0 and zero grads."""
     chunks(3)
@@ -224,6 +255,7 @@ def test_label_out_of_range_gives_nan_not_a_fault(gen, device):
 
 # -- gradients only where asked for ----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("frozen", [("weight",), ("hidden",), ("bias",), ("hidden", "bias")])
 def test_gradients_only_for_inputs_that_require_them(frozen, reduction, gen, chunks, device, monkeypatch):
@@ -240,9 +272,15 @@ def _spy_chunks(monkeypatch):
     orig = lce.linear_cross_entropy_chunks
 
     def spy(*args, **kwargs):
-        calls.append({"dh": kwargs.get("dh") is not None, "need_dw": kwargs.get("need_dw", False),
-                      "need_db": kwargs.get("need_db", False)})
+        calls.append(
+            {
+                "dh": kwargs.get("dh") is not None,
+                "need_dw": kwargs.get("need_dw", False),
+                "need_db": kwargs.get("need_db", False),
+            }
+        )
         return orig(*args, **kwargs)
+
     monkeypatch.setattr(lce, "linear_cross_entropy_chunks", spy)
     return calls
 
@@ -279,6 +317,7 @@ def test_gradient_buffers_become_grad_without_a_copy(gen, device, monkeypatch):
         dw, db = orig(*args, **kwargs)
         buffers.extend([kwargs["dh"].data_ptr(), dw.data_ptr()])
         return dw, db
+
     monkeypatch.setattr(lce, "linear_cross_entropy_chunks", spy)
     x, w, y, _ = _inputs(gen, device, n=(5,))
     xl, wl = leaf(x), leaf(w)
@@ -316,6 +355,7 @@ def test_autocast_computes_in_its_dtype(gen, device):
 
 # -- launch parameters, chunking --------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def small_blocks(registry):
     """A backend spec forcing BLOCK_V=32: V=100 takes four blocks, the last with 4 logits."""
@@ -350,6 +390,7 @@ def test_chunk_rule():
 
 # -- torch.library and torch.compile ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_library_op_path_in_eager(reduction, gen, chunks, monkeypatch, device):
     """The registered ops (what torch.compile calls) and their autograd, without compiling."""
@@ -382,14 +423,18 @@ def test_torch_compile_fullgraph(reduction, gen, device):
 def test_opcheck(gen, device):
     x, w, y, b = _inputs(gen, device, n=(5,), bias=True, ignored=(2,))
     need = (True, True, True)
-    torch.library.opcheck(LINEAR_CROSS_ENTROPY.forward_op, (leaf(x), leaf(w), y, leaf(b), None, -100, 0.1, 2.0,
-                                                            "mean", *need))
-    torch.library.opcheck(LINEAR_CROSS_ENTROPY.forward_op, (x, leaf(w), y, None, torch.tensor(3.0, device=device),
-                                                            -100, 0.0, 0.0, "mean", False, True, False))
+    torch.library.opcheck(
+        LINEAR_CROSS_ENTROPY.forward_op, (leaf(x), leaf(w), y, leaf(b), None, -100, 0.1, 2.0, "mean", *need)
+    )
+    torch.library.opcheck(
+        LINEAR_CROSS_ENTROPY.forward_op,
+        (x, leaf(w), y, None, torch.tensor(3.0, device=device), -100, 0.0, 0.0, "mean", False, True, False),
+    )
     torch.library.opcheck(LINEAR_CROSS_ENTROPY_NONE.forward_op, (leaf(x), leaf(w), y, leaf(b), -100, 0.0, 0.0, *need))
 
 
 # -- argument errors ----------------------------------------------------------------------------------------------
+
 
 def _call(d, x=(3, 8), w=(10, 8), y=None, **kw):
     x = torch.randn(*x, device=d) if isinstance(x, tuple) else x
@@ -398,36 +443,41 @@ def _call(d, x=(3, 8), w=(10, 8), y=None, **kw):
     return linear_cross_entropy(x, w, y, **kw)
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda d: _call(d, x=[1.0], y=torch.zeros((), dtype=torch.long)), "'hidden' must be a torch.Tensor"),
-    (lambda d: _call(d, x=torch.randn(3, 8, device=d).double()), "'hidden' has dtype torch.float64"),
-    (lambda d: _call(d, w=(10, 8, 1)), "'weight' must have 2 dim"),
-    (lambda d: _call(d, w=(10, 7)), "'weight' has shape \\(10, 7\\) but the hidden size"),
-    (lambda d: _call(d, w=(0, 8)), "'weight' has no rows"),
-    (lambda d: _call(d, x=(3, 0), w=(10, 0)), "'hidden' has an empty last"),
-    (lambda d: _call(d, w=torch.randn(10, 8, device=d).bfloat16()), "'weight' has dtype torch.bfloat16 but 'hidden'"),
-    (lambda d: _call(d, w=torch.randn(10, 8, device="meta")), "'weight' is on meta"),
-    (lambda d: _call(d, bias=torch.randn(9, device=d)), "'bias' has shape \\(9,\\)"),
-    (lambda d: _call(d, bias=torch.randn(10, device=d).half()), "'bias' has dtype torch.float16"),
-    (lambda d: _call(d, y=torch.zeros(3, dtype=torch.int32, device=d)), "'labels' has dtype torch.int32"),
-    (lambda d: _call(d, y=torch.zeros(4, dtype=torch.long, device=d)), "'labels' has shape \\(4,\\)"),
-    (lambda d: _call(d, y=[0, 1, 2]), "'labels' must be a torch.Tensor"),
-    (lambda d: _call(d, reduction="avg"), "'reduction' must be one of 'mean', 'sum', 'none'"),
-    (lambda d: _call(d, label_smoothing=1.5), "'label_smoothing' must be in \\[0, 1\\]"),
-    (lambda d: _call(d, label_smoothing=-0.1), "'label_smoothing' must be in \\[0, 1\\]"),
-    (lambda d: _call(d, label_smoothing="0.1"), "'label_smoothing' must be a float"),
-    (lambda d: _call(d, softcap=0.0), "'softcap' must be a finite number > 0"),
-    (lambda d: _call(d, softcap=-30.0), "'softcap' must be a finite number > 0"),
-    (lambda d: _call(d, ignore_index=-100.0), "'ignore_index' must be an int"),
-    (lambda d: _call(d, ignore_index=True), "'ignore_index' must be an int"),
-    (lambda d: _call(d, ignore_index=2**70), "'ignore_index' must fit in int64"),
-    (lambda d: _call(d, ignore_index=-2**63 - 1), "'ignore_index' must fit in int64"),
-    (lambda d: _call(d, num_items_in_batch=0), "'num_items_in_batch' must be > 0"),
-    (lambda d: _call(d, num_items_in_batch=2.5), "'num_items_in_batch' must be an int or a tensor"),
-    (lambda d: _call(d, num_items_in_batch=torch.ones(2, device=d)), "'num_items_in_batch' must be a one-element"),
-    (lambda d: _call(d, num_items_in_batch=3, reduction="sum"), "'num_items_in_batch' .* needs reduction='mean'"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda d: _call(d, x=[1.0], y=torch.zeros((), dtype=torch.long)), "'hidden' must be a torch.Tensor"),
+        (lambda d: _call(d, x=torch.randn(3, 8, device=d).double()), "'hidden' has dtype torch.float64"),
+        (lambda d: _call(d, w=(10, 8, 1)), "'weight' must have 2 dim"),
+        (lambda d: _call(d, w=(10, 7)), "'weight' has shape \\(10, 7\\) but the hidden size"),
+        (lambda d: _call(d, w=(0, 8)), "'weight' has no rows"),
+        (lambda d: _call(d, x=(3, 0), w=(10, 0)), "'hidden' has an empty last"),
+        (
+            lambda d: _call(d, w=torch.randn(10, 8, device=d).bfloat16()),
+            "'weight' has dtype torch.bfloat16 but 'hidden'",
+        ),
+        (lambda d: _call(d, w=torch.randn(10, 8, device="meta")), "'weight' is on meta"),
+        (lambda d: _call(d, bias=torch.randn(9, device=d)), "'bias' has shape \\(9,\\)"),
+        (lambda d: _call(d, bias=torch.randn(10, device=d).half()), "'bias' has dtype torch.float16"),
+        (lambda d: _call(d, y=torch.zeros(3, dtype=torch.int32, device=d)), "'labels' has dtype torch.int32"),
+        (lambda d: _call(d, y=torch.zeros(4, dtype=torch.long, device=d)), "'labels' has shape \\(4,\\)"),
+        (lambda d: _call(d, y=[0, 1, 2]), "'labels' must be a torch.Tensor"),
+        (lambda d: _call(d, reduction="avg"), "'reduction' must be one of 'mean', 'sum', 'none'"),
+        (lambda d: _call(d, label_smoothing=1.5), "'label_smoothing' must be in \\[0, 1\\]"),
+        (lambda d: _call(d, label_smoothing=-0.1), "'label_smoothing' must be in \\[0, 1\\]"),
+        (lambda d: _call(d, label_smoothing="0.1"), "'label_smoothing' must be a float"),
+        (lambda d: _call(d, softcap=0.0), "'softcap' must be a finite number > 0"),
+        (lambda d: _call(d, softcap=-30.0), "'softcap' must be a finite number > 0"),
+        (lambda d: _call(d, ignore_index=-100.0), "'ignore_index' must be an int"),
+        (lambda d: _call(d, ignore_index=True), "'ignore_index' must be an int"),
+        (lambda d: _call(d, ignore_index=2**70), "'ignore_index' must fit in int64"),
+        (lambda d: _call(d, ignore_index=-(2**63) - 1), "'ignore_index' must fit in int64"),
+        (lambda d: _call(d, num_items_in_batch=0), "'num_items_in_batch' must be > 0"),
+        (lambda d: _call(d, num_items_in_batch=2.5), "'num_items_in_batch' must be an int or a tensor"),
+        (lambda d: _call(d, num_items_in_batch=torch.ones(2, device=d)), "'num_items_in_batch' must be a one-element"),
+        (lambda d: _call(d, num_items_in_batch=3, reduction="sum"), "'num_items_in_batch' .* needs reduction='mean'"),
+    ],
+)
 def test_bad_arguments_raise_naming_the_argument(call, match, device):
     with pytest.raises((TypeError, ValueError), match=match):
         call(device)
-

@@ -1,4 +1,5 @@
 """Runs the lit + FileCheck IR suite (tests/lit) under pytest, with this interpreter as %python."""
+
 import os
 import subprocess
 import sys

@@ -6,6 +6,7 @@ intermediate h) to the input dtype, so each element is off by a few ``u`` relati
 terms' magnitudes. That magnitude is the same reference run on absolute values (``|x|``, ``|W|``,
 ``|w|``): it bounds every term of every sum, activation included.
 """
+
 import pytest
 from helpers import leaf
 import torch
@@ -21,7 +22,7 @@ KINDS = {"silu": dict(activation="silu"), "gpt_oss": dict(activation="gpt_oss", 
 def _weights(E, H, I, layout, dtype, device, gen, bias=False):
     shape_gu, shape_d = ((E, 2 * I, H), (E, H, I)) if layout == "concatenated" else ((E, H, 2 * I), (E, I, H))
     r = lambda *s: torch.randn(*s, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
-    gu, dn = r(*shape_gu) * H ** -0.5, r(*shape_d) * I ** -0.5
+    gu, dn = r(*shape_gu) * H**-0.5, r(*shape_d) * I**-0.5
     gb, db = (r(E, 2 * I) * 0.5, r(E, H) * 0.5) if bias else (None, None)
     return gu, dn, gb, db
 
@@ -57,8 +58,11 @@ def _run(fn, args, kw, dout):
 
 def _reference(args, kw, dout, magnitude=False):
     """float64 output and grads; ``magnitude``: the same on absolute values (the tolerance's scale)."""
-    f = (lambda t: None if t is None else t.double().abs()) if magnitude else \
-        (lambda t: None if t is None else t.double())
+    f = (
+        (lambda t: None if t is None else t.double().abs())
+        if magnitude
+        else (lambda t: None if t is None else t.double())
+    )
     x, ids, w, gu, dn = args
     args64 = (f(x), ids, f(w), f(gu), f(dn))
     kw64 = dict(kw, gate_up_bias=f(kw["gate_up_bias"]), down_bias=f(kw["down_bias"]))
@@ -77,8 +81,7 @@ def _check(args, kw, *, dout=None, gen=None):
     assert grads.keys() == ref_grads.keys()
     for name in grads:
         assert grads[name].dtype == args[0].dtype if name != "top_k_weights" else args[2].dtype
-        assert_close(grads[name], ref_grads[name], f"d{name}", dtype=x.dtype,
-                     scale=mag_grads[name].abs().max().item())
+        assert_close(grads[name], ref_grads[name], f"d{name}", dtype=x.dtype, scale=mag_grads[name].abs().max().item())
     return out, grads
 
 
@@ -107,12 +110,20 @@ def test_grouped_tile_order_covers_every_tile(monkeypatch, device, gen):
     GEMM (8 row blocks, 3 column blocks; weight gradients 5 x 3). Every output element is written (poisoned
     allocations) and right."""
     from tritonspec.ops import moe
-    small = {"moe_up": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=3),
-             "moe_rows": dict(BLOCK_N=16, BLOCK_K=16, GROUP_M=3),
-             "moe_weight_grad": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=3)}
+
+    small = {
+        "moe_up": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=3),
+        "moe_rows": dict(BLOCK_N=16, BLOCK_K=16, GROUP_M=3),
+        "moe_weight_grad": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=3),
+    }
     launch_config = moe.launch_config
-    monkeypatch.setattr(moe, "launch_config", lambda config, device, default, **problem: launch_config(
-        config, device, default, **problem).override(small.get(config.kernel, {})))
+    monkeypatch.setattr(
+        moe,
+        "launch_config",
+        lambda config, device, default, **problem: launch_config(config, device, default, **problem).override(
+            small.get(config.kernel, {})
+        ),
+    )
     args, kw = _problem(37, 40, 40, 3, 2, "concatenated", "silu", _dtypes(device)[0], device, gen)
     _check(args, kw, gen=gen)
 
@@ -164,11 +175,13 @@ def test_sort_by_expert_is_a_stable_padded_sort(T, E, k, block_m, slice_pairs, d
     order from its first row, rows padded to block_m with -1, each block's expert, each pair's row; with
     the pairs scanned in one slice per expert, or in many (token order must hold across slices)."""
     from tritonspec.ops import moe_sort
+
     if slice_pairs is not None:
         monkeypatch.setattr(moe_sort, "_SLICE_PAIRS", slice_pairs)
     ids = torch.randint(-1, E + 2, (T, k), generator=gen)  # with dropped ids on both sides
-    row_pair, block_expert, pair_pos, expert_start, expert_rows = (t.cpu().tolist() for t in moe_sort.sort_by_expert(
-        ids.to(device), E, block_m))
+    row_pair, block_expert, pair_pos, expert_start, expert_rows = (
+        t.cpu().tolist() for t in moe_sort.sort_by_expert(ids.to(device), E, block_m)
+    )
     flat = ids.reshape(-1).tolist()
     want_rows, want_pos, want_blocks, starts, counts = [], [-1] * len(flat), [], [], []
     for e in range(E):
@@ -239,12 +252,15 @@ def test_torch_compile_fullgraph(device, gen):
 def test_opcheck(device, gen):
     args, kw = _problem(5, 32, 16, 4, 2, "interleaved_transposed", "gpt_oss", _dtypes(device)[0], device, gen)
     x, ids, w, gu, dn = args
-    torch.library.opcheck(MOE_EXPERTS.forward_op, (x, ids, w, gu, dn, kw["gate_up_bias"], kw["down_bias"],
-                                                  kw["layout"], kw["activation"], kw["clamp"]))
+    torch.library.opcheck(
+        MOE_EXPERTS.forward_op,
+        (x, ids, w, gu, dn, kw["gate_up_bias"], kw["down_bias"], kw["layout"], kw["activation"], kw["clamp"]),
+    )
 
 
 def _bad(**changes):
     """A call of moe_experts on ``device`` with ``changes`` applied to a valid problem's arguments."""
+
     def call(device):
         gen = torch.Generator().manual_seed(0)
         args, kw = _problem(4, 32, 24, 4, 2, "concatenated", "silu", _dtypes(device)[0], device, gen)
@@ -252,29 +268,35 @@ def _bad(**changes):
         for key, change in changes.items():  # a change to an absent argument gets x (for its device)
             named[key] = change(named[key] if named[key] is not None else named["x"]) if callable(change) else change
         return moe_experts(**named)
+
     return call
 
 
-@pytest.mark.parametrize("call, match", [
-    (_bad(x=lambda t: t[None]), "'x' must have 2"),
-    (_bad(top_k_ids=lambda t: t.float()), "'top_k_ids' must be a 2-D int32 or int64"),
-    (_bad(x=lambda t: t[:3]), "'top_k_ids' has 4 rows but 'x' has 3"),
-    (_bad(top_k_weights=lambda t: t[:, :1]), "'top_k_weights' has shape"),
-    (_bad(gate_up_proj=lambda t: t[:, :, :16]), "'gate_up_proj' has shape"),
-    (_bad(gate_up_proj=lambda t: t.transpose(1, 2)), "'gate_up_proj' has shape"),
-    (_bad(down_proj=lambda t: t[:, :, :8]), "'down_proj' has shape"),
-    (_bad(down_proj=lambda t: t.double()), "'down_proj' has dtype"),
-    (_bad(layout="transposed"), "'layout' must be one of"),
-    (_bad(activation="gelu"), "'activation' must be one of"),
-    (_bad(clamp=7.0), "'clamp' applies to activation 'gpt_oss' only"),
-    (_bad(activation="gpt_oss", clamp=-1.0), "'clamp' must be a positive number"),
-    (_bad(down_bias=lambda x: x.new_zeros(4, 31)), "'down_bias' has shape"),
-    (_bad(down_bias=lambda x: torch.zeros(4, 32, device="meta")), "'down_bias' is on meta"),
-    (_bad(gate_up_proj=lambda t: t.to("meta")), "is on meta"),
-    (_bad(gate_up_proj=lambda t: t[:0], down_proj=lambda t: t[:0], top_k_ids=lambda t: t * 0),
-     "'gate_up_proj' has no experts"),
-    (_bad(gate_up_proj=lambda t: t[:, :0], down_proj=lambda t: t[:, :, :0]), "'gate_up_proj' has shape"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (_bad(x=lambda t: t[None]), "'x' must have 2"),
+        (_bad(top_k_ids=lambda t: t.float()), "'top_k_ids' must be a 2-D int32 or int64"),
+        (_bad(x=lambda t: t[:3]), "'top_k_ids' has 4 rows but 'x' has 3"),
+        (_bad(top_k_weights=lambda t: t[:, :1]), "'top_k_weights' has shape"),
+        (_bad(gate_up_proj=lambda t: t[:, :, :16]), "'gate_up_proj' has shape"),
+        (_bad(gate_up_proj=lambda t: t.transpose(1, 2)), "'gate_up_proj' has shape"),
+        (_bad(down_proj=lambda t: t[:, :, :8]), "'down_proj' has shape"),
+        (_bad(down_proj=lambda t: t.double()), "'down_proj' has dtype"),
+        (_bad(layout="transposed"), "'layout' must be one of"),
+        (_bad(activation="gelu"), "'activation' must be one of"),
+        (_bad(clamp=7.0), "'clamp' applies to activation 'gpt_oss' only"),
+        (_bad(activation="gpt_oss", clamp=-1.0), "'clamp' must be a positive number"),
+        (_bad(down_bias=lambda x: x.new_zeros(4, 31)), "'down_bias' has shape"),
+        (_bad(down_bias=lambda x: torch.zeros(4, 32, device="meta")), "'down_bias' is on meta"),
+        (_bad(gate_up_proj=lambda t: t.to("meta")), "is on meta"),
+        (
+            _bad(gate_up_proj=lambda t: t[:0], down_proj=lambda t: t[:0], top_k_ids=lambda t: t * 0),
+            "'gate_up_proj' has no experts",
+        ),
+        (_bad(gate_up_proj=lambda t: t[:, :0], down_proj=lambda t: t[:, :, :0]), "'gate_up_proj' has shape"),
+    ],
+)
 def test_bad_arguments_raise_naming_the_argument(call, match, device):
     with pytest.raises((TypeError, ValueError), match=match):
         call(device)

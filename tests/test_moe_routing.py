@@ -1,5 +1,6 @@
 """moe_route against the Hugging Face routers it stands for (built from tiny configs, random weights): the same
 experts in the same order, the same weights and the same gradients with respect to the router logits."""
+
 import pytest
 from helpers import leaf
 import torch
@@ -10,13 +11,20 @@ from tritonspec.ops.moe_routing import SCORINGS, moe_route
 HIDDEN = 32
 
 
-ROUTERS = {"qwen2_moe": "Qwen2MoeTopKRouter", "qwen3_moe": "Qwen3MoeTopKRouter", "olmoe": "OlmoeTopKRouter",
-           "mixtral": "MixtralTopKRouter", "gpt_oss": "GptOssTopKRouter", "deepseek_v3": "DeepseekV3TopkRouter"}
+ROUTERS = {
+    "qwen2_moe": "Qwen2MoeTopKRouter",
+    "qwen3_moe": "Qwen3MoeTopKRouter",
+    "olmoe": "OlmoeTopKRouter",
+    "mixtral": "MixtralTopKRouter",
+    "gpt_oss": "GptOssTopKRouter",
+    "deepseek_v3": "DeepseekV3TopkRouter",
+}
 
 
 def _router_class(family):
     """The router module the family's sparse MoE block calls (its ``gate``, GPT-OSS's ``router``)."""
     import importlib
+
     return getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), ROUTERS[family])
 
 
@@ -30,10 +38,12 @@ def _config(family, n_experts, top_k, hidden, *, norm=None, groups=None):
         return getattr(transformers, name)(num_experts=n_experts, **k)
     if family in ("mixtral", "gpt_oss"):
         return getattr(transformers, {"mixtral": "MixtralConfig", "gpt_oss": "GptOssConfig"}[family])(
-            num_local_experts=n_experts, **k)
+            num_local_experts=n_experts, **k
+        )
     n_group, topk_group = groups
-    return transformers.DeepseekV3Config(n_routed_experts=n_experts, n_group=n_group, topk_group=topk_group,
-                                         routed_scaling_factor=2.5, **k)
+    return transformers.DeepseekV3Config(
+        n_routed_experts=n_experts, n_group=n_group, topk_group=topk_group, routed_scaling_factor=2.5, **k
+    )
 
 
 def _route_kwargs(family, router):
@@ -44,8 +54,14 @@ def _route_kwargs(family, router):
         return dict(scoring="softmax", renormalize=True)
     if family == "gpt_oss":
         return dict(scoring="topk_softmax")
-    return dict(scoring="sigmoid", renormalize=router.norm_topk_prob, correction_bias=router.e_score_correction_bias,
-                n_group=router.num_group, topk_group=router.topk_group, scaling_factor=router.routed_scaling_factor)
+    return dict(
+        scoring="sigmoid",
+        renormalize=router.norm_topk_prob,
+        correction_bias=router.e_score_correction_bias,
+        n_group=router.num_group,
+        topk_group=router.topk_group,
+        scaling_factor=router.routed_scaling_factor,
+    )
 
 
 def _router(family, n_experts, top_k, gen, *, hidden=HIDDEN, norm=None, groups=None, weight=None, bias=None):
@@ -81,8 +97,8 @@ def _compare(family, router, hidden_states, gen, device, dtype=torch.float32):
     assert x.grad.dtype == logits.dtype
     if family == "gpt_oss" and dtype != torch.float32:
         # GPT-OSS runs its softmax in the logits' dtype, ours in float32: close to theirs within their rounding.
-        torch.testing.assert_close(w, w_hf.float(), rtol=2 ** -7, atol=2 ** -9)
-        torch.testing.assert_close(x.grad.float(), logits.grad.float(), rtol=2 ** -6, atol=2 ** -8)
+        torch.testing.assert_close(w, w_hf.float(), rtol=2**-7, atol=2**-9)
+        torch.testing.assert_close(x.grad.float(), logits.grad.float(), rtol=2**-6, atol=2**-8)
     else:
         # The same float32 ops: equal within rounding (in practice bit for bit). Where HF casts the weights
         # back to the logits' dtype (Qwen-MoE, OLMoE), the cast of ours is theirs.
@@ -115,8 +131,14 @@ def test_gpt_oss_router(tokens, n_experts, top_k, gen, device):
     _compare("gpt_oss", router, torch.randn(tokens, HIDDEN, generator=gen), gen, device)
 
 
-DEEPSEEK_CASES = [(1, 8, 2, (4, 2)), (3, 16, 4, (4, 2)), (17, 16, 3, (8, 3)), (17, 16, 4, (2, 1)),
-                  (17, 8, 4, (2, 2)), (3, 16, 2, (1, 1))]  # tokens, experts, top_k, (n_group, topk_group)
+DEEPSEEK_CASES = [
+    (1, 8, 2, (4, 2)),
+    (3, 16, 4, (4, 2)),
+    (17, 16, 3, (8, 3)),
+    (17, 16, 4, (2, 1)),
+    (17, 8, 4, (2, 2)),
+    (3, 16, 2, (1, 1)),
+]  # tokens, experts, top_k, (n_group, topk_group)
 
 
 @pytest.mark.parametrize("norm", [True, False])
@@ -150,8 +172,17 @@ def test_ties_pick_what_hf_picks(family, tokens, n_experts, top_k, gen, device):
     torch.topk's order of ties, as HF's routers pick them."""
     logits = _tied_logits(tokens, n_experts, gen)
     tied_bias = torch.randint(0, 2, (n_experts,), generator=gen).float() * 0.5
-    router = _router(family, n_experts, top_k, gen, hidden=n_experts, norm=True, groups=(4, 2),
-                     weight=torch.eye(n_experts), bias=tied_bias)
+    router = _router(
+        family,
+        n_experts,
+        top_k,
+        gen,
+        hidden=n_experts,
+        norm=True,
+        groups=(4, 2),
+        weight=torch.eye(n_experts),
+        bias=tied_bias,
+    )
     _compare(family, router, logits, gen, device)
 
 
@@ -165,8 +196,7 @@ def test_deepseek_bias_and_groups_choose_but_do_not_weigh():
     assert sorted(ids[0].tolist()) == [0, 4]
     torch.testing.assert_close(w[0].sort().values, logits[0, [4, 0]].sigmoid().sort().values)
     # Groups of 2; group {4, 5} is the best (5.5 + 0.52), then {0, 1} (0.88 + 0.87) over {6, 7} (0.73 + 0.73).
-    w, ids = moe_route(logits, 2, scoring="sigmoid", correction_bias=bias, n_group=4, topk_group=1,
-                       scaling_factor=2.0)
+    w, ids = moe_route(logits, 2, scoring="sigmoid", correction_bias=bias, n_group=4, topk_group=1, scaling_factor=2.0)
     assert sorted(ids[0].tolist()) == [4, 5]
     s = logits[0, ids[0]].sigmoid()
     torch.testing.assert_close(w[0], 2.0 * s / s.sum())
@@ -195,15 +225,21 @@ def test_any_float_dtype_is_routed_in_float32(dtype, gen):
 
 
 def test_no_tokens():
-    w, ids = moe_route(torch.zeros(0, 16), 4, scoring="sigmoid", correction_bias=torch.zeros(16), n_group=4,
-                       topk_group=2)
+    w, ids = moe_route(
+        torch.zeros(0, 16), 4, scoring="sigmoid", correction_bias=torch.zeros(16), n_group=4, topk_group=2
+    )
     assert w.shape == ids.shape == (0, 4)
 
 
 def _grouped_kwargs(scoring, gen, device):
     """Every option at once: a random correction bias, 4 groups keeping 2, a scaling factor."""
-    return dict(scoring=scoring, correction_bias=(torch.randn(16, generator=gen) * 0.3).to(device), n_group=4,
-                topk_group=2, scaling_factor=2.5)
+    return dict(
+        scoring=scoring,
+        correction_bias=(torch.randn(16, generator=gen) * 0.3).to(device),
+        n_group=4,
+        topk_group=2,
+        scaling_factor=2.5,
+    )
 
 
 @pytest.mark.parametrize("scoring", SCORINGS)
@@ -249,31 +285,39 @@ def test_cuda_graph_capture(scoring, gen):
 LOGITS = torch.zeros(3, 8)
 
 
-@pytest.mark.parametrize("args,kwargs,error,match", [
-    ((LOGITS.long(), 2), {}, TypeError, "'router_logits' has dtype torch.int64"),
-    ((LOGITS[0], 2), {}, ValueError, "'router_logits' must have 2 dimensions"),
-    ((LOGITS[None], 2), {}, ValueError, "'router_logits' must have 2 dimensions"),
-    (([[0.0, 1.0]], 1), {}, TypeError, "'router_logits' must be a torch.Tensor"),
-    ((LOGITS, 0), {}, ValueError, r"'top_k' must be in 1\.\.8"),
-    ((LOGITS, 9), {}, ValueError, r"'top_k' must be in 1\.\.8"),
-    ((LOGITS, 2.0), {}, TypeError, "'top_k' must be an int"),
-    ((LOGITS, True), {}, TypeError, "'top_k' must be an int"),
-    ((LOGITS, 2), dict(scoring="softmax_topk"), ValueError, "'scoring' must be one of 'softmax', 'sigmoid'"),
-    ((LOGITS, 2), dict(correction_bias=torch.zeros(7)), ValueError, r"'correction_bias' must have shape \(8,\)"),
-    ((LOGITS, 2), dict(correction_bias=torch.zeros(1, 8)), ValueError, "'correction_bias' must have shape"),
-    ((LOGITS, 2), dict(correction_bias=torch.zeros(8, dtype=torch.long)), TypeError, "'correction_bias' has dtype"),
-    ((LOGITS, 2), dict(correction_bias=[0.0] * 8), TypeError, "'correction_bias' must be a torch.Tensor"),
-    ((LOGITS, 2), dict(n_group=3, topk_group=1), ValueError, r"'n_group' must divide the number of experts \(8\)"),
-    ((LOGITS, 2), dict(n_group=0, topk_group=1), ValueError, "'n_group' must divide"),
-    ((LOGITS, 2), dict(n_group=8, topk_group=1), ValueError, "'n_group' leaves 1 expert per group"),
-    ((LOGITS, 2), dict(n_group=2.0, topk_group=1), TypeError, "'n_group' must be an int"),
-    ((LOGITS, 2), dict(n_group=4, topk_group=5), ValueError, r"'topk_group' must be in 1\.\.4"),
-    ((LOGITS, 2), dict(n_group=4, topk_group=0), ValueError, r"'topk_group' must be in 1\.\.4"),
-    ((LOGITS, 2), dict(n_group=4), ValueError, "'topk_group' .* is needed with 'n_group'"),
-    ((LOGITS, 2), dict(topk_group=2), ValueError, "'topk_group' needs 'n_group'"),
-    ((LOGITS, 3), dict(n_group=4, topk_group=1), ValueError, "'topk_group'=1 keeps 2 experts .* fewer than top_k=3"),
-    ((LOGITS, 2), dict(scaling_factor="2"), TypeError, "'scaling_factor' must be a float"),
-])
+@pytest.mark.parametrize(
+    "args,kwargs,error,match",
+    [
+        ((LOGITS.long(), 2), {}, TypeError, "'router_logits' has dtype torch.int64"),
+        ((LOGITS[0], 2), {}, ValueError, "'router_logits' must have 2 dimensions"),
+        ((LOGITS[None], 2), {}, ValueError, "'router_logits' must have 2 dimensions"),
+        (([[0.0, 1.0]], 1), {}, TypeError, "'router_logits' must be a torch.Tensor"),
+        ((LOGITS, 0), {}, ValueError, r"'top_k' must be in 1\.\.8"),
+        ((LOGITS, 9), {}, ValueError, r"'top_k' must be in 1\.\.8"),
+        ((LOGITS, 2.0), {}, TypeError, "'top_k' must be an int"),
+        ((LOGITS, True), {}, TypeError, "'top_k' must be an int"),
+        ((LOGITS, 2), dict(scoring="softmax_topk"), ValueError, "'scoring' must be one of 'softmax', 'sigmoid'"),
+        ((LOGITS, 2), dict(correction_bias=torch.zeros(7)), ValueError, r"'correction_bias' must have shape \(8,\)"),
+        ((LOGITS, 2), dict(correction_bias=torch.zeros(1, 8)), ValueError, "'correction_bias' must have shape"),
+        ((LOGITS, 2), dict(correction_bias=torch.zeros(8, dtype=torch.long)), TypeError, "'correction_bias' has dtype"),
+        ((LOGITS, 2), dict(correction_bias=[0.0] * 8), TypeError, "'correction_bias' must be a torch.Tensor"),
+        ((LOGITS, 2), dict(n_group=3, topk_group=1), ValueError, r"'n_group' must divide the number of experts \(8\)"),
+        ((LOGITS, 2), dict(n_group=0, topk_group=1), ValueError, "'n_group' must divide"),
+        ((LOGITS, 2), dict(n_group=8, topk_group=1), ValueError, "'n_group' leaves 1 expert per group"),
+        ((LOGITS, 2), dict(n_group=2.0, topk_group=1), TypeError, "'n_group' must be an int"),
+        ((LOGITS, 2), dict(n_group=4, topk_group=5), ValueError, r"'topk_group' must be in 1\.\.4"),
+        ((LOGITS, 2), dict(n_group=4, topk_group=0), ValueError, r"'topk_group' must be in 1\.\.4"),
+        ((LOGITS, 2), dict(n_group=4), ValueError, "'topk_group' .* is needed with 'n_group'"),
+        ((LOGITS, 2), dict(topk_group=2), ValueError, "'topk_group' needs 'n_group'"),
+        (
+            (LOGITS, 3),
+            dict(n_group=4, topk_group=1),
+            ValueError,
+            "'topk_group'=1 keeps 2 experts .* fewer than top_k=3",
+        ),
+        ((LOGITS, 2), dict(scaling_factor="2"), TypeError, "'scaling_factor' must be a float"),
+    ],
+)
 def test_bad_arguments(args, kwargs, error, match):
     with pytest.raises(error, match="^moe_route: argument " + match):
         moe_route(*args, **kwargs)

@@ -9,6 +9,7 @@ model adds to it (Qwen3-MoE's load-balancing term), Gemma2's final logit softcap
 labels, the model's own forward runs and returns its logits. Models whose forward rescales the logits
 (Cohere, Granite) are left alone.
 """
+
 import pytest
 from helpers import TINY, apply_front_end, build_model, token_ids
 import torch
@@ -28,13 +29,19 @@ MOE_RULES = RULES.replace("linear_cross_entropy", "moe_linear_cross_entropy")
 
 def _model(name, **extra):
     moe = {"output_router_logits": True} if name == "qwen3_moe" else None
-    return build_model(name, torch.float32, "eager" if name == "gemma2" else "sdpa", seed=99, moe=moe,
-                       **dict(TINY, num_hidden_layers=2), **extra)
+    return build_model(
+        name,
+        torch.float32,
+        "eager" if name == "gemma2" else "sdpa",
+        seed=99,
+        moe=moe,
+        **dict(TINY, num_hidden_layers=2),
+        **extra,
+    )
 
 
 def _gemma2(**extra):
-    cfg = transformers.Gemma2Config(**dict(TINY, num_hidden_layers=2, head_dim=8, final_logit_softcapping=5.0),
-                                    **extra)
+    cfg = transformers.Gemma2Config(**dict(TINY, num_hidden_layers=2, head_dim=8, final_logit_softcapping=5.0), **extra)
     torch.manual_seed(99)
     return transformers.Gemma2ForCausalLM._from_config(cfg, attn_implementation="eager")
 

@@ -12,6 +12,7 @@ compiled kernel may contract that add into an FMA, hence a bound of a few float3
 Where it does not: layers of another structure (Gemma's ``1 + weight`` norms, Gemma2's and OLMo2's extra norms,
 Granite's residual scaling, Phi-3's dropouts, Mixtral's forward signature) are left alone by every front end.
 """
+
 import pytest
 from helpers import TINY, apply_front_end, build_model, no_interpreter, run_model, token_ids
 import torch
@@ -47,8 +48,10 @@ def _revert_built():
 
 
 def _model(name, dtype=torch.float32):
-    moe = {"qwen3_moe": {"output_router_logits": True},  # the router logits reach the loss
-           "gpt_oss": {"layer_types": ["full_attention"] * len(LAYERS)}}.get(name)
+    moe = {
+        "qwen3_moe": {"output_router_logits": True},  # the router logits reach the loss
+        "gpt_oss": {"layer_types": ["full_attention"] * len(LAYERS)},
+    }.get(name)
     attn = "eager" if name == "gpt_oss" else "sdpa"  # transformers has no SDPA path for GPT-OSS's attention sinks
     model = build_model(name, dtype, attn, seed=1234, moe=moe, **dict(TINY, num_hidden_layers=len(LAYERS)))
     _BUILT.append(model)
@@ -80,9 +83,19 @@ def _assert_same(got, want):
 # Every front end on Llama; Qwen3 (RMSNorms inside the attention) and Qwen3-MoE through the fast two (the registry
 # also switches the attention to the Triton kernel, seconds on the interpreter; test_nn_models runs it fused);
 # GPT-OSS, whose MLP returns (output, router scores).
-@pytest.mark.parametrize("name, front", [("llama", "registry"), ("llama", "kernelize"), ("llama", "rules"),
-                                         ("qwen3", "kernelize"), ("qwen3", "rules"),
-                                         ("qwen3_moe", "kernelize"), ("qwen3_moe", "rules"), ("gpt_oss", "kernelize")])
+@pytest.mark.parametrize(
+    "name, front",
+    [
+        ("llama", "registry"),
+        ("llama", "kernelize"),
+        ("llama", "rules"),
+        ("qwen3", "kernelize"),
+        ("qwen3", "rules"),
+        ("qwen3_moe", "kernelize"),
+        ("qwen3_moe", "rules"),
+        ("gpt_oss", "kernelize"),
+    ],
+)
 def test_fused_layers_match_the_unfused_model(name, front, spy):
     ids = token_ids(96)
     fused, unfused = _model(name), _model(name)
@@ -112,8 +125,12 @@ def test_revert_restores_the_original_forward(spy):
 # -- where it must not apply ----------------------------------------------------------------------------------------
 
 REFUSED = [  # (config class, model class, config overrides, why its decoder layers are not the fused layer)
-    ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2),
-     "forward(hidden_states, position_embeddings, attention_mask, ...): another signature"),
+    (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(num_local_experts=4, num_experts_per_tok=2),
+        "forward(hidden_states, position_embeddings, attention_mask, ...): another signature",
+    ),
     ("GemmaConfig", "GemmaForCausalLM", {}, "GemmaRMSNorm scales by 1 + weight"),
     ("Gemma2Config", "Gemma2ForCausalLM", {}, "pre/post feed-forward norms, the post-attention norm before the add"),
     ("GraniteConfig", "GraniteForCausalLM", {}, "its forward scales the residual branches (residual_multiplier)"),
@@ -154,12 +171,26 @@ class _Block(nn.Module):
         self.input_layernorm, self.post_attention_layernorm = LlamaRMSNorm(8), LlamaRMSNorm(8)
         self.self_attn, self.mlp = _Attention(), nn.Linear(8, 8)
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
-                position_embeddings=None, **kwargs):
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        use_cache=False,
+        position_embeddings=None,
+        **kwargs,
+    ):
         residual = hidden_states
         hidden_states, _ = self.self_attn(
-            hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+            hidden_states=self.input_layernorm(hidden_states),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
         hidden_states = residual + hidden_states
         residual = hidden_states
         return residual + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -168,11 +199,25 @@ class _Block(nn.Module):
 class _SandwichNorm(_Block):
     """The same children and signature; the post-attention norm on the attention output (OLMo2's order)."""
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
-                position_embeddings=None, **kwargs):
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        use_cache=False,
+        position_embeddings=None,
+        **kwargs,
+    ):
         attn, _ = self.self_attn(
-            hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+            hidden_states=self.input_layernorm(hidden_states),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
         hidden_states = hidden_states + self.post_attention_layernorm(attn)
         return hidden_states + self.mlp(hidden_states)
 
@@ -180,23 +225,50 @@ class _SandwichNorm(_Block):
 class _Parallel(_Block):
     """Attention and MLP side by side on the same input (GPT-J's order)."""
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
-                position_embeddings=None, **kwargs):
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        use_cache=False,
+        position_embeddings=None,
+        **kwargs,
+    ):
         attn, _ = self.self_attn(
-            hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+            hidden_states=self.input_layernorm(hidden_states),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
         return hidden_states + attn + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
 class _DropsAnArgument(_Block):
     """Llama's order, but ``position_ids`` never reaches the attention."""
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
-                position_embeddings=None, **kwargs):
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        use_cache=False,
+        position_embeddings=None,
+        **kwargs,
+    ):
         residual = hidden_states
         hidden_states, _ = self.self_attn(
-            hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
-            past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+            hidden_states=self.input_layernorm(hidden_states),
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
         hidden_states = residual + hidden_states
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
@@ -207,8 +279,10 @@ class _ExtraChild(_Block):
         self.dropout = nn.Dropout(0.0)
 
 
-@pytest.mark.parametrize("cls, fused", [(_Block, True), (_SandwichNorm, False), (_Parallel, False),
-                                        (_DropsAnArgument, False), (_ExtraChild, False)])
+@pytest.mark.parametrize(
+    "cls, fused",
+    [(_Block, True), (_SandwichNorm, False), (_Parallel, False), (_DropsAnArgument, False), (_ExtraChild, False)],
+)
 def test_detection_reads_the_forward_not_the_name(cls, fused):
     model = nn.Sequential(cls())
     assert is_llama_decoder_layer(model[0]) is fused
@@ -222,6 +296,7 @@ def test_detection_reads_the_forward_not_the_name(cls, fused):
 
 
 # -- where the fused op does not run: the layer's own formula -----------------------------------------------------
+
 
 @pytest.mark.parametrize("case", ["float64", "no interpreter"])
 def test_unsupported_dtype_or_device_falls_back(case, monkeypatch, spy):

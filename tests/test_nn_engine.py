@@ -1,4 +1,5 @@
 """The shared module-replacement engine: install, record, report, undo — with small test layers only."""
+
 import copy
 import functools
 import gc
@@ -178,8 +179,9 @@ def _changed_model():
     engine.replace_forward(m, m[0], _double, path="0", kernel="k", source="t")
     engine.replace_module(m, "1.0", Scale(20.0), kernel="Scale", source="t")
     m.flag = "after"
-    engine.record_custom(m, m, "flag", functools.partial(_set_flag, m, "before"), path="", what="attribute",
-                         kernel="k", source="t")
+    engine.record_custom(
+        m, m, "flag", functools.partial(_set_flag, m, "before"), path="", what="attribute", kernel="k", source="t"
+    )
     return m
 
 

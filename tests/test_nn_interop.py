@@ -7,6 +7,7 @@
   the installed kernels version; transformers 5.23 wants >=0.18.2 and we have 0.17.2, so the tagged path is
   exercised in a subprocess that makes transformers believe kernels is acceptable before it is imported.
 """
+
 import json
 import os
 import subprocess
@@ -42,16 +43,20 @@ def test_written_repository_layout(tmp_path):
         write_layer_repo(tmp_path / "x", variants=("cuda",))
 
 
-@pytest.mark.parametrize("layer_name, hf_class", [
-    ("RMSNorm", "transformers.models.llama.modeling_llama.LlamaRMSNorm"),
-    ("SwiGLUMLP", "transformers.models.llama.modeling_llama.LlamaMLP"),
-    ("MoEExperts", "transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts"),
-    ("MoERouter", "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter"),
-    ("DecoderLayer", "transformers.models.llama.modeling_llama.LlamaDecoderLayer"),
-])
+@pytest.mark.parametrize(
+    "layer_name, hf_class",
+    [
+        ("RMSNorm", "transformers.models.llama.modeling_llama.LlamaRMSNorm"),
+        ("SwiGLUMLP", "transformers.models.llama.modeling_llama.LlamaMLP"),
+        ("MoEExperts", "transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts"),
+        ("MoERouter", "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter"),
+        ("DecoderLayer", "transformers.models.llama.modeling_llama.LlamaDecoderLayer"),
+    ],
+)
 def test_kernels_package_loads_and_validates_our_layers(tmp_path, layer_name, hf_class):
     from kernels.layer.layer import _validate_layer
     import importlib
+
     mod, _, cls = hf_class.rpartition(".")
     ref_cls = getattr(importlib.import_module(mod), cls)
     root = write_layer_repo(tmp_path / "repo")
@@ -65,12 +70,15 @@ def test_kernels_package_loads_and_validates_our_layers(tmp_path, layer_name, hf
 def test_kernels_kernelize_runs_our_triton_layers(tmp_path, monkeypatch, spy):
     """Tag the Llama classes exactly as kernels' decorator would, then let kernels' kernelize do the rest."""
     from transformers.models.llama import modeling_llama as ml
+
     for cls, name in ((ml.LlamaRMSNorm, "RMSNorm"), (ml.LlamaMLP, "SwiGLUMLP")):
         monkeypatch.setattr(cls, "kernel_layer_name", name, raising=False)
         monkeypatch.setattr(cls, "kernel_condition", staticmethod(lambda m: True), raising=False)
     root = write_layer_repo(tmp_path / "repo")
-    mapping = {name: {"cpu": kernels.LocalLayerRepository(repo_path=root, layer_name=name)}
-               for name in ("RMSNorm", "SwiGLUMLP")}
+    mapping = {
+        name: {"cpu": kernels.LocalLayerRepository(repo_path=root, layer_name=name)}
+        for name in ("RMSNorm", "SwiGLUMLP")
+    }
     ids = token_ids(96)
     ref = run_model(tiny_model("llama", torch.float64), ids)
     base = run_model(tiny_model("llama", torch.float32), ids)
@@ -90,7 +98,7 @@ def test_our_local_repository_reads_the_same_tree(tmp_path):
     assert ours.__name__ == "RotaryPosEmb" and ours.__module__.startswith("_tritonspec_hub_")
 
 
-_TAGGED = textwrap.dedent(r'''
+_TAGGED = textwrap.dedent(r"""
     import json, os, sys
     import transformers.utils.import_utils as iu
     iu.is_kernels_available = lambda *a, **k: True   # transformers now tags its layers with kernels' decorators
@@ -126,7 +134,7 @@ _TAGGED = textwrap.dedent(r'''
     compare_to_original("tagged llama, kernels.kernelize", run_model(model, ids), base, ref, torch.float32)
     out["kernels_rope_calls"] = len(calls)
     print("RESULT" + json.dumps(out))
-''')
+""")
 
 
 def test_transformers_tagged_layers_with_ours_and_kernels(tmp_path):

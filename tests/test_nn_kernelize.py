@@ -1,4 +1,5 @@
-"""kernelize front end (seeds 002/003): modes, devices, mappings, layer validation, repositories — test layers only."""
+"""kernelize front end (Hugging Face kernels style): modes, devices, mappings, layer validation, repositories."""
+
 import json
 import logging
 import sys
@@ -9,9 +10,19 @@ import torch
 from torch import nn
 
 import tritonspec.nn as tnn
-from tritonspec.nn import (CUDAProperties, Device, HubUnavailableError, LayerRepository, LocalLayerRepository, Mode,
-                           kernelize, register_kernel_mapping, replace_kernel_forward_from_hub,
-                           use_kernel_forward_from_hub, use_kernel_mapping)
+from tritonspec.nn import (
+    CUDAProperties,
+    Device,
+    HubUnavailableError,
+    LayerRepository,
+    LocalLayerRepository,
+    Mode,
+    kernelize,
+    register_kernel_mapping,
+    replace_kernel_forward_from_hub,
+    use_kernel_forward_from_hub,
+    use_kernel_mapping,
+)
 from tritonspec.nn import kernelizer as kz
 
 CALLS = []  # which replacement forward ran (pure layers may not keep state of their own)
@@ -30,11 +41,16 @@ class ToyNorm(nn.Module):
 
 def _layer(tag, *, has_backward=True, can_torch_compile=False):
     """A pure layer computing ToyNorm's function and recording ``tag`` in CALLS."""
+
     def forward(self, x):
         CALLS.append(tag)
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-    return type(f"Layer_{tag}", (nn.Module,), {"forward": forward, "has_backward": has_backward,
-                                               "can_torch_compile": can_torch_compile})
+
+    return type(
+        f"Layer_{tag}",
+        (nn.Module,),
+        {"forward": forward, "has_backward": has_backward, "can_torch_compile": can_torch_compile},
+    )
 
 
 class Repo:
@@ -76,9 +92,14 @@ def test_mode_combinations():
         Mode.FALLBACK | Mode.TRAINING
 
 
-@pytest.mark.parametrize("mode, match", [(Mode.FALLBACK, "only be used in kernel mappings"),
-                                         (Mode.TORCH_COMPILE, "must contain Mode.INFERENCE or Mode.TRAINING"),
-                                         ("training", "expected a tritonspec.nn.Mode")])
+@pytest.mark.parametrize(
+    "mode, match",
+    [
+        (Mode.FALLBACK, "only be used in kernel mappings"),
+        (Mode.TORCH_COMPILE, "must contain Mode.INFERENCE or Mode.TRAINING"),
+        ("training", "expected a tritonspec.nn.Mode"),
+    ],
+)
 def test_kernelize_rejects_bad_modes(mode, match):
     with pytest.raises((ValueError, TypeError), match=match):
         kernelize(_model(), mode=mode)
@@ -112,8 +133,15 @@ def test_mode_fallback_priority_matches_seed(mode, drop):
 
 
 def test_seed_example_compile_modes_use_fallback():
-    mapping = {"ToyNorm": {"cpu": {F: Repo(_layer("fallback", can_torch_compile=True)),
-                                   I: Repo(_layer("inference")), T: Repo(_layer("training"))}}}
+    mapping = {
+        "ToyNorm": {
+            "cpu": {
+                F: Repo(_layer("fallback", can_torch_compile=True)),
+                I: Repo(_layer("inference")),
+                T: Repo(_layer("training")),
+            }
+        }
+    }
     x = torch.randn(3, 4, dtype=torch.float64)
     with use_kernel_mapping(mapping):
         for mode in (I | C, T | C):
@@ -123,16 +151,24 @@ def test_seed_example_compile_modes_use_fallback():
 
 
 # ------------------------------------------------------------------------------------------------ devices
-@pytest.mark.parametrize("cap, expected", [(86, "sm80_89"), (75, "sm75_89"), (89, "sm80_89"), (90, "sm90_up"),
-                                           (70, None)])
+@pytest.mark.parametrize(
+    "cap, expected", [(86, "sm80_89"), (75, "sm75_89"), (89, "sm80_89"), (90, "sm90_up"), (70, None)]
+)
 def test_narrowest_capability_interval_wins(monkeypatch, cap, expected):
     monkeypatch.setattr(kz, "_capability", lambda: cap)
-    mapping = {"ToyNorm": {
-        Device(type="cuda", properties=CUDAProperties(min_capability=75, max_capability=89)): Repo(_layer("sm75_89")),
-        Device(type="cuda", properties=CUDAProperties(min_capability=80, max_capability=89)): Repo(_layer("sm80_89")),
-        Device(type="cuda", properties=CUDAProperties(min_capability=90, max_capability=sys.maxsize)):
-            Repo(_layer("sm90_up")),
-    }}
+    mapping = {
+        "ToyNorm": {
+            Device(type="cuda", properties=CUDAProperties(min_capability=75, max_capability=89)): Repo(
+                _layer("sm75_89")
+            ),
+            Device(type="cuda", properties=CUDAProperties(min_capability=80, max_capability=89)): Repo(
+                _layer("sm80_89")
+            ),
+            Device(type="cuda", properties=CUDAProperties(min_capability=90, max_capability=sys.maxsize)): Repo(
+                _layer("sm90_up")
+            ),
+        }
+    }
     with use_kernel_mapping(mapping):
         model = kernelize(_model(), mode=Mode.INFERENCE, device="cuda")  # pure-Python layers run on CPU tensors
         _run(model, torch.randn(2, 4, dtype=torch.float64))
@@ -153,16 +189,19 @@ def test_same_interval_replaces_previous_registration(monkeypatch):
     assert CALLS == ["new", "new"]
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda: Device(type="quantum"), "unsupported device type 'quantum'"),
-    (lambda: CUDAProperties(min_capability=90, max_capability=80), "min_capability .90. must be <="),
-    (lambda: CUDAProperties(min_capability="80", max_capability=90), "min_capability: expected a non-negative int"),
-    (lambda: Device(type="cpu", properties=CUDAProperties(80, 90)), "CUDAProperties is only supported for 'cuda'"),
-    (lambda: kernelize(_model(), mode=Mode.INFERENCE, device="tpu9"), "unsupported device type 'tpu9'"),
-    (lambda: kernelize(nn.ReLU(), mode=Mode.INFERENCE), "device: cannot infer the device"),
-    (lambda: register_kernel_mapping({"ToyNorm": {"cpu": object()}}), r"has no load\(\)"),
-    (lambda: register_kernel_mapping({"ToyNorm": {"cpu": {"training": Repo(ToyNorm)}}}), "not a valid mode"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: Device(type="quantum"), "unsupported device type 'quantum'"),
+        (lambda: CUDAProperties(min_capability=90, max_capability=80), "min_capability .90. must be <="),
+        (lambda: CUDAProperties(min_capability="80", max_capability=90), "min_capability: expected a non-negative int"),
+        (lambda: Device(type="cpu", properties=CUDAProperties(80, 90)), "CUDAProperties is only supported for 'cuda'"),
+        (lambda: kernelize(_model(), mode=Mode.INFERENCE, device="tpu9"), "unsupported device type 'tpu9'"),
+        (lambda: kernelize(nn.ReLU(), mode=Mode.INFERENCE), "device: cannot infer the device"),
+        (lambda: register_kernel_mapping({"ToyNorm": {"cpu": object()}}), r"has no load\(\)"),
+        (lambda: register_kernel_mapping({"ToyNorm": {"cpu": {"training": Repo(ToyNorm)}}}), "not a valid mode"),
+    ],
+)
 def test_bad_arguments_are_named(make, match):
     with pytest.raises((ValueError, TypeError), match=match):
         make()
@@ -263,12 +302,17 @@ class _KeywordOnly(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("layer, match", [(_WithInit, "must not define __init__"),
-                                          (_WithHelper, r"members \['helper'\]"),
-                                          (_WithClassVar, r"members \['scale'\]"),
-                                          (_WithExtraArg, "takes 3 parameters, `ToyNorm` takes 2"),
-                                          (_KeywordOnly, "parameter 'x' is keyword-only"),
-                                          (int, "not a torch.nn.Module subclass")])
+@pytest.mark.parametrize(
+    "layer, match",
+    [
+        (_WithInit, "must not define __init__"),
+        (_WithHelper, r"members \['helper'\]"),
+        (_WithClassVar, r"members \['scale'\]"),
+        (_WithExtraArg, "takes 3 parameters, `ToyNorm` takes 2"),
+        (_KeywordOnly, "parameter 'x' is keyword-only"),
+        (int, "not a torch.nn.Module subclass"),
+    ],
+)
 def test_impure_layers_are_rejected(layer, match):
     with use_kernel_mapping({"ToyNorm": {"cpu": Repo(layer)}}):
         with pytest.raises(TypeError, match=match):
@@ -309,7 +353,8 @@ def _write_repo(root, variants, *, layer_src=None, package="toy_kernels", metada
     layer_src = layer_src or (
         "import torch\nfrom torch import nn\nfrom .helpers import rms\n\n"
         "class ToyNorm(nn.Module):\n    has_backward = True\n\n"
-        "    def forward(self, x):\n        return rms(x, self.eps) * self.weight\n")
+        "    def forward(self, x):\n        return rms(x, self.eps) * self.weight\n"
+    )
     for v in variants:
         pkg = root / "build" / v / package
         pkg.mkdir(parents=True)
@@ -317,14 +362,17 @@ def _write_repo(root, variants, *, layer_src=None, package="toy_kernels", metada
         (pkg / "layers.py").write_text(layer_src)
         (pkg / "helpers.py").write_text(
             f"VARIANT = {v!r}\n\ndef rms(x, eps):\n    import torch\n"
-            "    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)\n")
+            "    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)\n"
+        )
         if metadata:
             (root / "build" / v / "metadata.json").write_text(json.dumps({"name": package.replace("_", "-")}))
     return root
 
 
 def test_local_repository_loads_build_variant_package(tmp_path):
-    repo_dir = _write_repo(tmp_path / "r", ["torch-universal", "torch-cpu", "torch-cuda", "torch99-cxx11-cu999-x86_64-linux"])
+    repo_dir = _write_repo(
+        tmp_path / "r", ["torch-universal", "torch-cpu", "torch-cuda", "torch99-cxx11-cu999-x86_64-linux"]
+    )
     repo = LocalLayerRepository(repo_path=repo_dir, package_name="toy_kernels", layer_name="ToyNorm")
     layer = repo.load()
     assert sys.modules[layer.__module__.rsplit(".", 1)[0] + ".helpers"].VARIANT == "torch-cpu"  # noarch backend wins
@@ -344,13 +392,16 @@ def test_local_repository_package_name_from_metadata_or_single_package(tmp_path)
     assert LocalLayerRepository(b, layer_name="ToyNorm").load().__name__ == "ToyNorm"
 
 
-@pytest.mark.parametrize("setup, kwargs, exc, match", [
-    (lambda p: p.mkdir(), {}, FileNotFoundError, "has no build/ directory"),
-    (lambda p: _write_repo(p, ["torch-cuda"]), {}, FileNotFoundError, "torch-cuda: backend cuda does not match"),
-    (lambda p: _write_repo(p, ["torch11-cxx11-cpu-x86_64-linux"]), {}, FileNotFoundError, "built for torch 1.1"),
-    (lambda p: _write_repo(p, ["torch-universal"]), {"package_name": "nope"}, FileNotFoundError, "package_name"),
-    (lambda p: _write_repo(p, ["torch-universal"]), {"layer_name": "Nope"}, ValueError, "layer_name: `Nope`"),
-])
+@pytest.mark.parametrize(
+    "setup, kwargs, exc, match",
+    [
+        (lambda p: p.mkdir(), {}, FileNotFoundError, "has no build/ directory"),
+        (lambda p: _write_repo(p, ["torch-cuda"]), {}, FileNotFoundError, "torch-cuda: backend cuda does not match"),
+        (lambda p: _write_repo(p, ["torch11-cxx11-cpu-x86_64-linux"]), {}, FileNotFoundError, "built for torch 1.1"),
+        (lambda p: _write_repo(p, ["torch-universal"]), {"package_name": "nope"}, FileNotFoundError, "package_name"),
+        (lambda p: _write_repo(p, ["torch-universal"]), {"layer_name": "Nope"}, ValueError, "layer_name: `Nope`"),
+    ],
+)
 def test_local_repository_errors(tmp_path, setup, kwargs, exc, match):
     setup(tmp_path / "r")
     args = {"package_name": "toy_kernels", "layer_name": "ToyNorm", **kwargs}
@@ -373,8 +424,9 @@ def test_hub_repository_local_override(tmp_path, monkeypatch):
     assert LayerRepository("me/toy", layer_name="ToyNorm").load().__name__ == "ToyNorm"
 
 
-@pytest.mark.parametrize("args, match", [(("no-slash",), "repo_id: 'no-slash'"),
-                                         (("a/b",), "revision/version: give at most one")])
+@pytest.mark.parametrize(
+    "args, match", [(("no-slash",), "repo_id: 'no-slash'"), (("a/b",), "revision/version: give at most one")]
+)
 def test_hub_repository_argument_errors(args, match):
     with pytest.raises(ValueError, match=match):
         LayerRepository(*args, layer_name="X", **({"revision": "main", "version": "1"} if args == ("a/b",) else {}))

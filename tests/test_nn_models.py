@@ -8,6 +8,7 @@ error must stay within ``FACTOR`` times the original's error plus a floor of a f
 of the output's magnitude (the floor covers outputs the original happens to round almost exactly). The
 models, the tolerance and the comparison are helpers.py's (test_nn_interop.py uses them too).
 """
+
 import copy
 
 import pytest
@@ -25,9 +26,8 @@ def _assert_reverted(model):
     assert tnn.report(model) == []
     assert all("forward" not in vars(m) for m in model.modules())
     from transformers.models.llama import modeling_llama
+
     assert modeling_llama.apply_rotary_pos_emb.__module__ == modeling_llama.__name__
-
-
 
 
 def _front_end(front, model):
@@ -156,6 +156,7 @@ def test_kernelized_model_copies_pickles_and_collects_cleanly(spy):
     import gc
     import io
     from transformers.models.llama import modeling_llama
+
     stock = modeling_llama.apply_rotary_pos_emb
     ids = token_ids(96)
     model = tnn.kernelize(tiny_model("llama", torch.float32), mode=tnn.Mode.INFERENCE)

@@ -8,11 +8,18 @@ included) must be as close to a float64 run of the model's own eager experts as 
 (helpers.compare_to_original's tolerance model). One layer, so every router sees the same input in every model
 and picks the same experts.
 """
+
 import functools
 
 import pytest
-from helpers import (MOE_ARCHITECTURES, assert_like_reference, available_models, build_model, compare_to_original,
-                     token_ids)
+from helpers import (
+    MOE_ARCHITECTURES,
+    assert_like_reference,
+    available_models,
+    build_model,
+    compare_to_original,
+    token_ids,
+)
 import torch
 import torch.nn.functional as F
 
@@ -25,8 +32,16 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.integrations.moe")
 
 MODELS = available_models(MOE_ARCHITECTURES)
-SIZES = dict(hidden_size=32, intermediate_size=16, num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
-             max_position_embeddings=64, num_hidden_layers=1, output_router_logits=True)
+SIZES = dict(
+    hidden_size=32,
+    intermediate_size=16,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=96,
+    max_position_embeddings=64,
+    num_hidden_layers=1,
+    output_router_logits=True,
+)
 FRONT_ENDS = ("kernelize", "registry", "rules")
 NO_AUX_LOSS = {"deepseek_v3"}  # its causal LM has no load-balancing loss
 
@@ -50,8 +65,11 @@ def _step(model, ids):
     if logits is None:  # the LM head and loss fused (kernel moe_linear_cross_entropy): no logits in training
         with torch.no_grad():
             logits = model(input_ids=ids).logits
-    return ((logits.detach(), out.loss.detach(), grads), None if aux is None else aux.detach(),
-            None if routers is None else [r.detach() for r in routers])
+    return (
+        (logits.detach(), out.loss.detach(), grads),
+        None if aux is None else aux.detach(),
+        None if routers is None else [r.detach() for r in routers],
+    )
 
 
 @functools.cache
@@ -93,12 +111,15 @@ def _install(front_end, model):
         tnn.apply_available_kernels(model)
     else:
         experts = _dotted(type(_modules(model, "Experts")[0][1]))
-        tnn.apply_rules(model, f"""
+        tnn.apply_rules(
+            model,
+            f"""
 - match: {{class: {experts}, kernel: moe}}
   replace: {{kernel: moe}}
 - match: {{name: "\\\\.mlp\\\\.(gate|router)$", kernel: moe_router}}
   replace: {{kernel: moe_router}}
-""")
+""",
+        )
 
 
 def _forward_of(module):
@@ -183,19 +204,25 @@ def test_router_kind_of_each_family():
         "deepseek_v3": ("sigmoid", True, True, False, False, True),
     }
     for name in MODELS:
-        (_, router), = _modules(_model(name, torch.float32), "Router")
+        ((_, router),) = _modules(_model(name, torch.float32), "Router")
         kind = router_kind(router)
         assert kind is not None, name
-        assert (kind.scoring, kind.renormalize, kind.float32_logits, kind.float32_weights, kind.bias,
-                kind.correction_bias) == expected[name], (name, kind)
+        assert (
+            kind.scoring,
+            kind.renormalize,
+            kind.float32_logits,
+            kind.float32_weights,
+            kind.bias,
+            kind.correction_bias,
+        ) == expected[name], (name, kind)
         assert kind.top_k == 2
-    (_, deepseek), = _modules(_model("deepseek_v3", torch.float32), "Router")
+    ((_, deepseek),) = _modules(_model("deepseek_v3", torch.float32), "Router")
     kind = router_kind(deepseek)
     assert (kind.n_group, kind.topk_group, kind.scaling_factor) == (2, 1, deepseek.routed_scaling_factor)
 
 
 def _qwen3_router():
-    (_, router), = _modules(_model("qwen3_moe", torch.float32), "Router")
+    ((_, router),) = _modules(_model("qwen3_moe", torch.float32), "Router")
     return router
 
 
@@ -230,7 +257,7 @@ class UnnormalizedMixtralRouter(transformers.models.mixtral.modeling_mixtral.Mix
 @pytest.mark.parametrize("cls", [TemperedRouter, NeverRenormalizes])
 def test_a_router_whose_math_differs_is_left_alone(cls):
     model = _model("qwen3_moe", torch.float32, norm_topk_prob=True)
-    (path, router), = _modules(model, "Router")
+    ((path, router),) = _modules(model, "Router")
     router.__class__ = cls
     assert router_kind(router) is None and not is_topk_router(router)
     tnn.kernelize(model, mode=tnn.Mode.TRAINING)
@@ -243,7 +270,7 @@ def test_a_router_whose_math_differs_is_left_alone(cls):
 def test_the_probe_overrules_the_attributes(gen):
     """Without norm_topk_prob, renormalizing (Mixtral) is the first candidate; the probe rejects it here."""
     model = _model("mixtral", torch.float32)
-    (_, router), = _modules(model, "Router")
+    ((_, router),) = _modules(model, "Router")
     router.__class__ = UnnormalizedMixtralRouter
     kind = router_kind(router)
     assert kind is not None and kind.renormalize is False and kind.float32_weights
@@ -282,6 +309,7 @@ def test_experts_keep_expert_parallel_sentinels(gen):
     """Ids >= num_experts (transformers' expert-parallel sentinels, with zero weights) add nothing, as in
     transformers' grouped_mm under ``_is_expert_parallel``."""
     from transformers.integrations.moe import grouped_mm_experts_forward
+
     experts = _modules(_model("qwen3_moe", torch.float32), "Experts")[0][1]
     experts._is_expert_parallel = True
     x = torch.randn(6, SIZES["hidden_size"], generator=gen)
@@ -338,6 +366,7 @@ def test_gpt_oss_keeps_its_attention_and_rotary():
     from transformers.models.llama import modeling_llama
 
     from tritonspec.nn.detectors import is_rotate_half_rope
+
     rotary = modeling_gpt_oss.apply_rotary_pos_emb
     assert not is_rotate_half_rope(rotary) and is_rotate_half_rope(modeling_llama.apply_rotary_pos_emb)
     model = _model("gpt_oss", torch.float32)

@@ -1,4 +1,5 @@
 """Registry front end (LLaMA-Factory style): registration, discovery, apply_kernel contract — on small test layers."""
+
 import logging
 
 import pytest
@@ -7,8 +8,17 @@ import torch
 from torch import nn
 
 import tritonspec.nn as tnn
-from tritonspec.nn import (KERNEL_REGISTRY, AutoRegisterKernelMeta, DeviceType, KernelRegistry, KernelType,
-                           MetaKernel, apply_available_kernels, apply_kernel, discover_kernels)
+from tritonspec.nn import (
+    KERNEL_REGISTRY,
+    AutoRegisterKernelMeta,
+    DeviceType,
+    KernelRegistry,
+    KernelType,
+    MetaKernel,
+    apply_available_kernels,
+    apply_kernel,
+    discover_kernels,
+)
 from tritonspec.nn import registry_kernels
 
 
@@ -66,8 +76,10 @@ def test_register_get_and_overwrite_warns(caplog):
     assert KERNEL_REGISTRY.get_kernel(KernelType.MOE, DeviceType.MPS) is _norm_fast
 
 
-@pytest.mark.parametrize("args, match", [(("no_such_kernel", DeviceType.CPU, None), "kernel_type"),
-                                         ((KernelType.RMSNORM, "cpu", None), "device_type")])
+@pytest.mark.parametrize(
+    "args, match",
+    [(("no_such_kernel", DeviceType.CPU, None), "kernel_type"), ((KernelType.RMSNORM, "cpu", None), "device_type")],
+)
 def test_register_rejects_untyped_keys(args, match):
     with pytest.raises(TypeError, match=match):
         KERNEL_REGISTRY.register(*args)
@@ -156,7 +168,9 @@ def test_discover_skips_non_metakernel_entries():
 
 def test_discover_uses_model_device_then_runtime():
     assert registry_kernels.current_device_type(nn.Linear(2, 2)) == DeviceType.CPU
-    assert registry_kernels.current_device_type(nn.Linear(2, 2, device="meta")) == registry_kernels.current_device_type(None)
+    assert registry_kernels.current_device_type(nn.Linear(2, 2, device="meta")) == registry_kernels.current_device_type(
+        None
+    )
 
 
 def test_failed_apply_is_undone():
@@ -178,15 +192,25 @@ def test_failed_apply_is_undone():
 
 
 def test_builtin_kernels_registered_for_cuda_and_cpu():
-    for kt in (KernelType.RMSNORM, KernelType.ADD_RMSNORM, KernelType.SWIGLU, KernelType.ROPE,
-               KernelType.FLASH_ATTENTION, KernelType.MOE, KernelType.MOE_ROUTER):
+    for kt in (
+        KernelType.RMSNORM,
+        KernelType.ADD_RMSNORM,
+        KernelType.SWIGLU,
+        KernelType.ROPE,
+        KernelType.FLASH_ATTENTION,
+        KernelType.MOE,
+        KernelType.MOE_ROUTER,
+    ):
         for dev in (DeviceType.CUDA, DeviceType.CPU):
             k = KERNEL_REGISTRY.get_kernel(kt, dev)
             assert issubclass(k, MetaKernel) and k.type == kt and k.device == dev
     assert KERNEL_REGISTRY.get_kernel(KernelType.MOE, DeviceType.MPS) is None  # Triton does not run there
     from tritonspec.nn import registry_kernels
+
     assert KERNEL_REGISTRY.get_kernel(KernelType.MOE, DeviceType.CUDA) is registry_kernels.CudaTritonMoEExpertsKernel
-    assert KERNEL_REGISTRY.get_kernel(KernelType.MOE_ROUTER, DeviceType.CPU) is registry_kernels.CpuTritonMoERouterKernel
+    assert (
+        KERNEL_REGISTRY.get_kernel(KernelType.MOE_ROUTER, DeviceType.CPU) is registry_kernels.CpuTritonMoERouterKernel
+    )
     decoder = registry_kernels.CpuTritonDecoderLayerKernel
     assert KERNEL_REGISTRY.get_kernel(KernelType.ADD_RMSNORM, DeviceType.CPU) is decoder
 

@@ -1,5 +1,6 @@
 """YAML rule front end (KTransformers' format): parsing errors, matching order, recursion, import safety,
 atomicity, and the bounds on hostile files (regex timeout, nesting depth)."""
+
 import re
 
 import pytest
@@ -63,29 +64,36 @@ def _x():
     return torch.randn(3, 4, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("rules, index, key", [
-    ("[]", None, "rules"),
-    ("- 3", 0, "rule"),
-    ("- {replace: {class: default}}", 0, "match"),
-    ("- {match: {}, replace: {class: default}}", 0, "match"),
-    ("- {match: {name: x, kind: y}, replace: {class: default}}", 0, "match.kind"),
-    ("- {match: {name: '('}, replace: {class: default}}", 0, "match.name"),
-    ("- {match: {name: 3}, replace: {class: default}}", 0, "match.name"),
-    ("- {match: {class: NotDotted}, replace: {class: default}}", 0, "match.class"),
-    ("- {match: {name: a}}", 0, "replace"),
-    ("- {match: {name: a}, replace: {}}", 0, "replace"),
-    ("- {match: {name: a}, replace: {class: default, kernel: rmsnorm}}", 0, "replace"),
-    ("- {match: {name: a}, replace: {kernel: rmsnrom}}", 0, "replace.kernel"),
-    ("- {match: {kernel: flash_attention}, replace: {class: default}}", 0, "match.kernel"),
-    ("- {match: {name: a}, replace: {class: 'os; rm'}}", 0, "replace.class"),
-    ("- {match: {name: a}, replace: {class: default, device: cuda}}", 0, "replace.device"),
-    ("- {match: {name: a}, replace: {class: default, kwargs: [1]}}", 0, "replace.kwargs"),
-    ("- {match: {name: a}, replace: {class: default}}\n- {match: {name: b}, replace: {class: default}, recursive: no_}",
-     1, "recursive"),
-    ("- {match: {name: a}, replace: {class: default}, optional: 1}", 0, "optional"),
-    ("- {match: {name: a}, replace: {class: default}, device: cpu}", 0, "device"),
-    ("- {match: {name: a}\n  replace: [", None, "yaml"),
-])
+@pytest.mark.parametrize(
+    "rules, index, key",
+    [
+        ("[]", None, "rules"),
+        ("- 3", 0, "rule"),
+        ("- {replace: {class: default}}", 0, "match"),
+        ("- {match: {}, replace: {class: default}}", 0, "match"),
+        ("- {match: {name: x, kind: y}, replace: {class: default}}", 0, "match.kind"),
+        ("- {match: {name: '('}, replace: {class: default}}", 0, "match.name"),
+        ("- {match: {name: 3}, replace: {class: default}}", 0, "match.name"),
+        ("- {match: {class: NotDotted}, replace: {class: default}}", 0, "match.class"),
+        ("- {match: {name: a}}", 0, "replace"),
+        ("- {match: {name: a}, replace: {}}", 0, "replace"),
+        ("- {match: {name: a}, replace: {class: default, kernel: rmsnorm}}", 0, "replace"),
+        ("- {match: {name: a}, replace: {kernel: rmsnrom}}", 0, "replace.kernel"),
+        ("- {match: {kernel: flash_attention}, replace: {class: default}}", 0, "match.kernel"),
+        ("- {match: {name: a}, replace: {class: 'os; rm'}}", 0, "replace.class"),
+        ("- {match: {name: a}, replace: {class: default, device: cuda}}", 0, "replace.device"),
+        ("- {match: {name: a}, replace: {class: default, kwargs: [1]}}", 0, "replace.kwargs"),
+        (
+            "- {match: {name: a}, replace: {class: default}}\n"
+            "- {match: {name: b}, replace: {class: default}, recursive: no_}",
+            1,
+            "recursive",
+        ),
+        ("- {match: {name: a}, replace: {class: default}, optional: 1}", 0, "optional"),
+        ("- {match: {name: a}, replace: {class: default}, device: cpu}", 0, "device"),
+        ("- {match: {name: a}\n  replace: [", None, "yaml"),
+    ],
+)
 def test_parse_errors_name_rule_and_key(rules, index, key):
     with pytest.raises(RuleError) as ei:
         load_rules(rules)
@@ -105,8 +113,9 @@ def test_load_from_file_and_missing_file(tmp_path):
 def test_pure_layer_replaces_forward_and_reverts():
     model, x = _model(), _x()
     ref = model(x)
-    rep = apply_rules(model, f"- match: {{class: {HERE}.Act}}\n  replace: {{class: {HERE}.FastAct}}\n",
-                      allowed_modules=[HERE])
+    rep = apply_rules(
+        model, f"- match: {{class: {HERE}.Act}}\n  replace: {{class: {HERE}.FastAct}}\n", allowed_modules=[HERE]
+    )
     assert rep.paths() == ["0.act", "1.act"] and all(c.what == "forward" and c.detail == "rule 0" for c in rep)
     assert model[0].act.forward.__func__ is FastAct.forward
     torch.testing.assert_close(model(x), ref)
@@ -118,9 +127,11 @@ def test_module_replacement_with_kwargs_shares_original():
     model, x = _model(), _x()
     ref = model(x)
     old = model[1].proj
-    rep = apply_rules(model, [{"match": {"name": r"^1\.proj$"},
-                               "replace": {"class": f"{HERE}.Doubler", "kwargs": {"factor": 3.0}}}],
-                      allowed_modules=[HERE])
+    rep = apply_rules(
+        model,
+        [{"match": {"name": r"^1\.proj$"}, "replace": {"class": f"{HERE}.Doubler", "kwargs": {"factor": 3.0}}}],
+        allowed_modules=[HERE],
+    )
     assert rep[0].what == "module" and isinstance(model[1].proj, Doubler) and model[1].proj.inner is old
     assert torch.allclose(model(x), ref) is False
     tnn.revert(model)
@@ -140,15 +151,19 @@ def test_first_match_wins_and_and_semantics():
 
 def test_recursive_false_stops_descent():
     model = _model()
-    rules = [{"match": {"name": r"^0$"}, "replace": {"class": "default"}, "recursive": False},
-             {"match": {"class": f"{HERE}.Act"}, "replace": {"class": f"{HERE}.FastAct"}}]
+    rules = [
+        {"match": {"name": r"^0$"}, "replace": {"class": "default"}, "recursive": False},
+        {"match": {"class": f"{HERE}.Act"}, "replace": {"class": f"{HERE}.FastAct"}},
+    ]
     assert apply_rules(model, rules, allowed_modules=[HERE]).paths() == ["1.act"]
 
 
 def test_child_of_replaced_module_is_found_in_new_parent():
     model = _model()
-    rules = [{"match": {"name": r"^0$"}, "replace": {"class": f"{HERE}.Doubler"}},
-             {"match": {"class": f"{HERE}.Act"}, "replace": {"class": f"{HERE}.FastAct"}}]
+    rules = [
+        {"match": {"name": r"^0$"}, "replace": {"class": f"{HERE}.Doubler"}},
+        {"match": {"class": f"{HERE}.Act"}, "replace": {"class": f"{HERE}.FastAct"}},
+    ]
     rep = apply_rules(model, rules, allowed_modules=[HERE])
     assert rep.paths() == ["0", "0.act", "1.act"]  # Doubler keeps the block under .inner; the rule
     assert model[0].inner.act.forward.__func__ is FastAct.forward  # still reaches the matched Act
@@ -158,8 +173,10 @@ def test_child_of_replaced_module_is_found_in_new_parent():
 
 def test_rule_matching_nothing_fails_unless_optional():
     model = _model()
-    rules = [{"match": {"class": f"{HERE}.Act"}, "replace": {"class": f"{HERE}.FastAct"}},
-             {"match": {"name": "nowhere"}, "replace": {"class": "default"}}]
+    rules = [
+        {"match": {"class": f"{HERE}.Act"}, "replace": {"class": f"{HERE}.FastAct"}},
+        {"match": {"name": "nowhere"}, "replace": {"class": "default"}},
+    ]
     with pytest.raises(RuleError, match="rule 1: match: matched no module"):
         apply_rules(model, rules, allowed_modules=[HERE])
     assert tnn.report(model) == []  # nothing applied
@@ -179,17 +196,22 @@ def test_match_class_imports_nothing():
         apply_rules(_model(), [{"match": {"class": "evil.module.Payload"}, "replace": {"class": "default"}}])
 
 
-@pytest.mark.parametrize("replace, key, match", [
-    ({"class": "tritonspec.nn.engine.Nope"}, "replace.class", "cannot import"),
-    ({"class": "tritonspec.nn.engine.Change"}, "replace.class", "not a torch.nn.Module subclass"),
-    ({"class": f"{HERE}.FastAct", "kwargs": {"a": 1}}, "replace.kwargs", "stateless layer"),
-    ({"class": f"{HERE}.NoBuilder"}, "replace.class", "neither a stateless layer nor has a from_module"),
-    ({"class": f"{HERE}.Doubler", "kwargs": {"bogus": 1}}, "replace.kwargs", "building .*Doubler.* failed"),
-])
+@pytest.mark.parametrize(
+    "replace, key, match",
+    [
+        ({"class": "tritonspec.nn.engine.Nope"}, "replace.class", "cannot import"),
+        ({"class": "tritonspec.nn.engine.Change"}, "replace.class", "not a torch.nn.Module subclass"),
+        ({"class": f"{HERE}.FastAct", "kwargs": {"a": 1}}, "replace.kwargs", "stateless layer"),
+        ({"class": f"{HERE}.NoBuilder"}, "replace.class", "neither a stateless layer nor has a from_module"),
+        ({"class": f"{HERE}.Doubler", "kwargs": {"bogus": 1}}, "replace.kwargs", "building .*Doubler.* failed"),
+    ],
+)
 def test_bad_replacements_name_rule_and_key(replace, key, match):
     model = _model()
-    rules = [{"match": {"name": r"^1\.act$"}, "replace": {"class": "default"}},
-             {"match": {"name": r"act$"}, "replace": replace}]
+    rules = [
+        {"match": {"name": r"^1\.act$"}, "replace": {"class": "default"}},
+        {"match": {"name": r"act$"}, "replace": replace},
+    ]
     with pytest.raises(RuleError, match=f"rule 1: {key}: .*{match}"):
         apply_rules(model, rules, allowed_modules=[HERE])
     assert tnn.report(model) == []
@@ -201,11 +223,15 @@ def test_incompatible_pure_layer_is_rejected():
             return x
 
     import sys
+
     sys.modules[HERE].TwoArgs = TwoArgs
     try:
         with pytest.raises(RuleError, match="rule 0: replace.class: cannot replace 0.act: .*takes 3 parameters"):
-            apply_rules(_model(), [{"match": {"name": r"^0\.act$"}, "replace": {"class": f"{HERE}.TwoArgs"}}],
-                        allowed_modules=[HERE])
+            apply_rules(
+                _model(),
+                [{"match": {"name": r"^0\.act$"}, "replace": {"class": f"{HERE}.TwoArgs"}}],
+                allowed_modules=[HERE],
+            )
     finally:
         del sys.modules[HERE].TwoArgs
 
@@ -220,9 +246,11 @@ def test_register_module_converter(monkeypatch):
     monkeypatch.setattr("tritonspec.nn.rules._CONVERTERS", {})
     tnn.register_module_converter(NoBuilder, build)
     model = _model()
-    apply_rules(model, [{"match": {"name": r"^0\.act$"}, "replace": {"class": f"{HERE}.NoBuilder",
-                                                                    "kwargs": {"factor": 5.0}}}],
-                allowed_modules=[HERE])
+    apply_rules(
+        model,
+        [{"match": {"name": r"^0\.act$"}, "replace": {"class": f"{HERE}.NoBuilder", "kwargs": {"factor": 5.0}}}],
+        allowed_modules=[HERE],
+    )
     assert built == [{"factor": 5.0}] and isinstance(model[0].act, Doubler)
 
 
@@ -244,8 +272,10 @@ class Rebuilt(nn.Module):
 def test_child_module_replacement_lands_in_the_live_parent():
     model, x = _model(), _x()
     ref = model(x)
-    rules = [{"match": {"name": r"^0$"}, "replace": {"class": f"{HERE}.Rebuilt"}},
-             {"match": {"name": r"^0\.proj$"}, "replace": {"class": f"{HERE}.Doubler", "kwargs": {"factor": 1.0}}}]
+    rules = [
+        {"match": {"name": r"^0$"}, "replace": {"class": f"{HERE}.Rebuilt"}},
+        {"match": {"name": r"^0\.proj$"}, "replace": {"class": f"{HERE}.Doubler", "kwargs": {"factor": 1.0}}},
+    ]
     apply_rules(model, rules, allowed_modules=[HERE])
     assert isinstance(model[0], Rebuilt) and isinstance(model[0].proj, Doubler)
     torch.testing.assert_close(model(x), ref)
@@ -261,10 +291,13 @@ def _chain(depth, name="x"):
     return nn.Sequential(model)
 
 
-@pytest.mark.parametrize("pattern, model", [
-    (r"^(a|aa)+$", lambda: nn.ModuleDict({"a" * 40 + "b": nn.Identity()})),  # a long module name
-    (r"^(0|0\.|\.0|\.)+$", lambda: _chain(30)),  # a long dotted path, 0.0.(...).0.x
-])
+@pytest.mark.parametrize(
+    "pattern, model",
+    [
+        (r"^(a|aa)+$", lambda: nn.ModuleDict({"a" * 40 + "b": nn.Identity()})),  # a long module name
+        (r"^(0|0\.|\.0|\.)+$", lambda: _chain(30)),  # a long dotted path, 0.0.(...).0.x
+    ],
+)
 def test_catastrophic_name_regex_raises_instead_of_hanging(pattern, model):
     # re.search backtracks exponentially here (forever, in practice); the regex package gives up at the timeout.
     with pytest.raises(RuleError, match=r"rule 0: match\.name: .* timed out after"):
@@ -274,12 +307,28 @@ def test_catastrophic_name_regex_raises_instead_of_hanging(pattern, model):
 def test_nested_quantifier_that_regex_rejects_fast_terminates():
     # The classic (x+)+X: re never returns on 40 characters; regex sees X is missing and matches nothing at once.
     with pytest.raises(RuleError, match="rule 0: match: matched no module"):
-        apply_rules(nn.ModuleDict({"a" * 40: nn.Identity()}),
-                    [{"match": {"name": "^([a-z_0-9]+)+X$"}, "replace": {"class": "default"}}])
+        apply_rules(
+            nn.ModuleDict({"a" * 40: nn.Identity()}),
+            [{"match": {"name": "^([a-z_0-9]+)+X$"}, "replace": {"class": "default"}}],
+        )
 
 
-@pytest.mark.parametrize("pattern", [r"^0\.act$", r"act$", r"^\d+\.(proj|act)$", r"PROJ", r"(?i)PROJ", r"^1", r"\bact",
-                                     r"^(?:0|1)\.p\w+$", r"^(?!0)", r"\.act$|^0$", r"[^.]+\.[^.]+"])
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        r"^0\.act$",
+        r"act$",
+        r"^\d+\.(proj|act)$",
+        r"PROJ",
+        r"(?i)PROJ",
+        r"^1",
+        r"\bact",
+        r"^(?:0|1)\.p\w+$",
+        r"^(?!0)",
+        r"\.act$|^0$",
+        r"[^.]+\.[^.]+",
+    ],
+)
 def test_ordinary_patterns_match_as_re_search_did(pattern):
     rule = load_rules([{"match": {"name": pattern}, "replace": {"class": "default"}}])[0]
     for path, module in _model().named_modules():
@@ -300,20 +349,35 @@ def _nest_yaml(depth, key=None):
 _R0 = "- match: {name: act}\n  replace: {class: default}\n"
 
 
-@pytest.mark.parametrize("yaml_text, python, index, key", [
-    (_R0 + f"- match: {{name: act}}\n  replace: {{class: default, kwargs: {{x: {_nest_yaml(500)}}}}}\n",
-     [{"match": {"name": "act"}, "replace": {"class": "default"}},
-      {"match": {"name": "act"}, "replace": {"class": "default", "kwargs": {"x": _nest(500)}}}],
-     1, "replace.kwargs.x"),
-    (f"- match: {{name: act}}\n  replace: {{class: default, kwargs: {_nest_yaml(500, 'a')}}}\n",
-     [{"match": {"name": "act"}, "replace": {"class": "default", "kwargs": _nest(500, key="a")}}],
-     0, "replace.kwargs.a"),
-    (_R0 + f"  optional: {_nest_yaml(500)}\n", [{"match": {"name": "act"}, "replace": {"class": "default"},
-                                                 "optional": _nest(500)}], 0, "optional"),
-    (f"- match: {{name: {_nest_yaml(500)}}}\n", [{"match": {"name": _nest(500)}}], 0, "match.name"),
-    (f"- {_nest_yaml(500)}\n", [_nest(500)], 0, "rule"),
-    (_nest_yaml(500, "a"), None, None, "rules"),
-])
+@pytest.mark.parametrize(
+    "yaml_text, python, index, key",
+    [
+        (
+            _R0 + f"- match: {{name: act}}\n  replace: {{class: default, kwargs: {{x: {_nest_yaml(500)}}}}}\n",
+            [
+                {"match": {"name": "act"}, "replace": {"class": "default"}},
+                {"match": {"name": "act"}, "replace": {"class": "default", "kwargs": {"x": _nest(500)}}},
+            ],
+            1,
+            "replace.kwargs.x",
+        ),
+        (
+            f"- match: {{name: act}}\n  replace: {{class: default, kwargs: {_nest_yaml(500, 'a')}}}\n",
+            [{"match": {"name": "act"}, "replace": {"class": "default", "kwargs": _nest(500, key="a")}}],
+            0,
+            "replace.kwargs.a",
+        ),
+        (
+            _R0 + f"  optional: {_nest_yaml(500)}\n",
+            [{"match": {"name": "act"}, "replace": {"class": "default"}, "optional": _nest(500)}],
+            0,
+            "optional",
+        ),
+        (f"- match: {{name: {_nest_yaml(500)}}}\n", [{"match": {"name": _nest(500)}}], 0, "match.name"),
+        (f"- {_nest_yaml(500)}\n", [_nest(500)], 0, "rule"),
+        (_nest_yaml(500, "a"), None, None, "rules"),
+    ],
+)
 def test_deep_nesting_raises_rule_error_naming_the_key(yaml_text, python, index, key):
     for source in (yaml_text, python):
         if source is None:
@@ -355,6 +419,7 @@ def test_regex_with_deeply_nested_groups_is_a_rule_error():
 def test_regex_depth_limit_does_not_depend_on_the_recursion_limit():
     """torch.compile raises the recursion limit; a rule nesting 100 groups fails the same way there."""
     import sys
+
     deep = "(" * 100 + "a" + ")" * 100
     previous = sys.getrecursionlimit()
     sys.setrecursionlimit(20_000)
@@ -377,14 +442,16 @@ def test_the_root_module_matches_too():
     block = Block()
     x = _x()
     want = block(x)
-    made = apply_rules(block, f"- {{match: {{class: {HERE}.Block}}, replace: {{class: {HERE}.FastBlock}}}}",
-                       allowed_modules=[HERE])
+    made = apply_rules(
+        block, f"- {{match: {{class: {HERE}.Block}}, replace: {{class: {HERE}.FastBlock}}}}", allowed_modules=[HERE]
+    )
     assert [c.path for c in made] == [""]
     assert torch.equal(block(x), want * 1.0) and block.forward.__func__ is FastBlock.forward
     tnn.revert(block)
     with pytest.raises(RuleError, match="replace the model object itself"):
-        apply_rules(Block(), f"- {{match: {{class: {HERE}.Block}}, replace: {{class: {HERE}.Doubler}}}}",
-                    allowed_modules=[HERE])
+        apply_rules(
+            Block(), f"- {{match: {{class: {HERE}.Block}}, replace: {{class: {HERE}.Doubler}}}}", allowed_modules=[HERE]
+        )
 
 
 class FastBlock(nn.Module):
@@ -415,21 +482,25 @@ def _norm_rule(kwargs):
     return [{"match": {"class": f"{HERE}.Norm"}, "replace": {"class": "tritonspec.nn.RMSNorm", "kwargs": kwargs}}]
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"eps": [1e-6]}, "TypeError: eps: expected a number, got list"),
-    ({"eps": "1e-6"}, "TypeError: eps: expected a number, got the string '1e-6' .*write 1.0e-6"),
-    ({"eps": float("nan")}, "ValueError: eps: expected a finite number >= 0, got nan"),
-    ({"eps": float("inf")}, "ValueError: eps: expected a finite number >= 0, got inf"),
-    ({"eps": -1e-6}, "ValueError: eps: expected a finite number >= 0, got -1e-06"),
-    ({"eps": True}, "TypeError: eps: expected a number, got bool"),
-    ({"eps": 10**400}, "ValueError: eps: expected a finite number >= 0, got inf"),
-    ({"epsilon": 1e-6}, r"TypeError: unknown kwarg epsilon; did you mean 'eps'\?; it takes eps"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"eps": [1e-6]}, "TypeError: eps: expected a number, got list"),
+        ({"eps": "1e-6"}, "TypeError: eps: expected a number, got the string '1e-6' .*write 1.0e-6"),
+        ({"eps": float("nan")}, "ValueError: eps: expected a finite number >= 0, got nan"),
+        ({"eps": float("inf")}, "ValueError: eps: expected a finite number >= 0, got inf"),
+        ({"eps": -1e-6}, "ValueError: eps: expected a finite number >= 0, got -1e-06"),
+        ({"eps": True}, "TypeError: eps: expected a number, got bool"),
+        ({"eps": 10**400}, "ValueError: eps: expected a finite number >= 0, got inf"),
+        ({"epsilon": 1e-6}, r"TypeError: unknown kwarg epsilon; did you mean 'eps'\?; it takes eps"),
+    ],
+)
 def test_wrong_kwargs_fail_when_the_rule_is_applied(kwargs, match):
     model = _normed()
     norm, before = model["norm"], {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(RuleError, match=f"rule 0: replace.kwargs: building tritonspec.nn.RMSNorm for norm failed: "
-                                        f"{match}"):
+    with pytest.raises(
+        RuleError, match=f"rule 0: replace.kwargs: building tritonspec.nn.RMSNorm for norm failed: {match}"
+    ):
         apply_rules(model, _norm_rule(kwargs))
     assert model["norm"] is norm and tnn.report(model) == []
     assert model.state_dict().keys() == before.keys()
@@ -461,20 +532,40 @@ def test_number_kwargs_become_floats(eps, want):
 def test_builder_without_kwargs_names_the_unknown_one():
     model = nn.ModuleDict({"mlp": nn.Module()})
     with pytest.raises(RuleError, match="rule 0: replace.kwargs: .*unknown kwarg in_place; it takes none"):
-        apply_rules(model, [{"match": {"name": "^mlp$"},
-                             "replace": {"class": "tritonspec.nn.SwiGLUMLP", "kwargs": {"in_place": False}}}])
+        apply_rules(
+            model,
+            [
+                {
+                    "match": {"name": "^mlp$"},
+                    "replace": {"class": "tritonspec.nn.SwiGLUMLP", "kwargs": {"in_place": False}},
+                }
+            ],
+        )
 
 
 def test_real_rule_files_fit_the_regex_bounds():
     """KTransformers-style patterns (lookaheads, layer ranges, a 48-layer alternation, counted repetitions) in one
     file stay far inside the bounds on length and compiled size, and match as re.search does."""
-    patterns = [r"^model\.layers\..*\.mlp\.experts$", r"^model\.layers\.([0-9]|[1-5][0-9]|6[0-3])\.mlp$",
-                r"^model\.layers\.(?!.*self_attn\.kv_b_proj).*$", r"^lm_head$", r"^model\.embed_tokens",
-                r"^model\.layers\.\d{1,3}\.(self_attn|mlp)\.\w+_proj$", r"^model(\.\w+){0,8}\.experts\.\d{1,4}$",
-                r"^model\.layers\.(" + "|".join(str(i) for i in range(0, 96, 2)) + r")\.mlp\.gate$"] * 4
+    patterns = [
+        r"^model\.layers\..*\.mlp\.experts$",
+        r"^model\.layers\.([0-9]|[1-5][0-9]|6[0-3])\.mlp$",
+        r"^model\.layers\.(?!.*self_attn\.kv_b_proj).*$",
+        r"^lm_head$",
+        r"^model\.embed_tokens",
+        r"^model\.layers\.\d{1,3}\.(self_attn|mlp)\.\w+_proj$",
+        r"^model(\.\w+){0,8}\.experts\.\d{1,4}$",
+        r"^model\.layers\.(" + "|".join(str(i) for i in range(0, 96, 2)) + r")\.mlp\.gate$",
+    ] * 4
     rules = load_rules([{"match": {"name": p}, "replace": {"class": "default"}} for p in patterns])
-    paths = ["model.layers.17.mlp.experts", "model.layers.64.mlp", "model.layers.3.self_attn.kv_b_proj", "lm_head",
-             "model.layers.250.self_attn.q_proj", "model.layers.2.mlp.experts.127", "model.layers.94.mlp.gate"]
+    paths = [
+        "model.layers.17.mlp.experts",
+        "model.layers.64.mlp",
+        "model.layers.3.self_attn.kv_b_proj",
+        "lm_head",
+        "model.layers.250.self_attn.q_proj",
+        "model.layers.2.mlp.experts.127",
+        "model.layers.94.mlp.gate",
+    ]
     for rule, pattern in zip(rules, patterns):
         for path in paths:
             assert rule.matches(path, nn.Identity()) == bool(re.search(pattern, path)), (pattern, path)

@@ -5,6 +5,7 @@ Each test runs its cases in a fresh interpreter under an address-space cap, and 
 that starts it: imports and setup (seconds on a loaded CI machine) are not what is tested. A regression fails here
 instead of hanging or swapping CI.
 """
+
 import json
 import os
 import resource
@@ -92,8 +93,9 @@ def _run_hostile(body: str, tmp_path) -> dict:
     script, err_path = tmp_path / "hostile.py", tmp_path / "stderr.txt"
     script.write_text(_PRELUDE + textwrap.dedent(body))
     with open(err_path, "w") as err:
-        child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=err, bufsize=0,
-                                 preexec_fn=_cap_address_space)
+        child = subprocess.Popen(
+            [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=err, bufsize=0, preexec_fn=_cap_address_space
+        )
     out, ended, started = b"", False, []
     deadline = time.monotonic() + IMPORT_S
     try:
@@ -110,10 +112,14 @@ def _run_hostile(body: str, tmp_path) -> dict:
         child.wait()
         child.stdout.close()
     results = [json.loads(x) for x in out.decode().splitlines()]
-    assert ended, (f"case {started[-1]!r} still running {WALL_S}s after it began" if started
-                   else f"imports and setup took over {IMPORT_S}s")
-    assert child.returncode == 0 and ["ready"] in results, \
+    assert ended, (
+        f"case {started[-1]!r} still running {WALL_S}s after it began"
+        if started
+        else f"imports and setup took over {IMPORT_S}s"
+    )
+    assert child.returncode == 0 and ["ready"] in results, (
         f"child failed (rc {child.returncode}): {err_path.read_text()[-3000:]}"
+    )
     accepted = [r[1] for r in results if r[0] == "accepted"]
     assert not accepted, f"accepted without a RuleError: {accepted}"
     return {r[1]: tuple(r[2:]) for r in results if r[0] == "RuleError"}
@@ -181,14 +187,19 @@ _HUGE_PATTERNS = {
 
 
 def test_regexes_that_compile_huge_fail_fast_naming_rule_and_key(tmp_path):
-    many = [{"match": {"name": f"a{{900}}b{{900}}{i}"}, "replace": {"class": "default"}, "optional": True}
-            for i in range(1000)]  # each small, together huge (distinct: regex caches compiled patterns)
-    errors = _run_hostile(f"""
+    many = [
+        {"match": {"name": f"a{{900}}b{{900}}{i}"}, "replace": {"class": "default"}, "optional": True}
+        for i in range(1000)
+    ]  # each small, together huge (distinct: regex caches compiled patterns)
+    errors = _run_hostile(
+        f"""
         for pattern in {list(_HUGE_PATTERNS)!r}:
             run(pattern, [{{"match": {{"name": "^lm_head$"}}, "replace": {{"class": "default"}}}},
                           {{"match": {{"name": pattern}}, "replace": {{"class": "default"}}}}])
         run("many", {many!r})
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     for pattern, says in _HUGE_PATTERNS.items():
         index, key, message, unchanged = errors[pattern]
         assert (index, key) == (1, "match.name") and says in message and unchanged, message
@@ -200,10 +211,13 @@ def test_regexes_that_compile_huge_fail_fast_naming_rule_and_key(tmp_path):
 
 def test_many_slow_patterns_exhaust_the_files_matching_budget(tmp_path):
     """Each search stays under the per-search timeout; together they would run for minutes."""
-    errors = _run_hostile("""
+    errors = _run_hostile(
+        """
         slow = r"^(?:\\w|\\w\\w|\\.){1,24}\\d$"
         run("budget", [{"match": {"name": slow}, "replace": {"class": "default"}} for _ in range(60)])
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     index, key, message, unchanged = errors["budget"]
     assert key == "match.name" and 0 <= index < 60 and unchanged
     assert f"all match.name searches of one apply_rules call may take {rules.MATCH_BUDGET_S}s" in message, message
@@ -212,7 +226,8 @@ def test_many_slow_patterns_exhaust_the_files_matching_budget(tmp_path):
 def test_billion_laughs_in_a_replacement_classes_kwargs(tmp_path):
     """A replacement class's own argument checks quote the value bounded too (offloaded experts' kwargs)."""
     keys = ("experts_per_layer", "storage", "generate_device", "cpu_threads", "policy")
-    errors = _run_hostile(f"""
+    errors = _run_hostile(
+        f"""
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
         import tritonspec.nn.offload
         config = Qwen3MoeConfig(hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_experts=4,
@@ -231,7 +246,9 @@ def test_billion_laughs_in_a_replacement_classes_kwargs(tmp_path):
                 print(json.dumps(["RuleError", key, e.index, e.key, str(e), same]), flush=True)
             else:
                 print(json.dumps(["accepted", key]), flush=True)
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     for key in keys:
         index, got_key, message, unchanged = errors[key]
         assert index == 0 and key in message and len(message) < 1000 and unchanged, (key, message)

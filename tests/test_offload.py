@@ -7,6 +7,7 @@ model it came from (float64 reference, as every kernel of the project is judged)
 KTransformers-style YAML rule, in waves when few slots exist, on the CPU when asked, with ``generate()`` and
 ``torch.compile``; and bad configurations failing with the argument named and the model untouched.
 """
+
 import collections
 import pathlib
 import random
@@ -23,12 +24,21 @@ from tritonspec.nn.offload.host_compute import Costs, choose_cpu
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.integrations.moe")
 
-SIZES = dict(hidden_size=32, intermediate_size=16, num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
-             max_position_embeddings=64, num_hidden_layers=3)
-EXPERTS = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2),
-           "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
-           "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, layer_types=["full_attention"] * 3),
-           "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1)}
+SIZES = dict(
+    hidden_size=32,
+    intermediate_size=16,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=96,
+    max_position_embeddings=64,
+    num_hidden_layers=3,
+)
+EXPERTS = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, layer_types=["full_attention"] * 3),
+    "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1),
+}
 
 
 def _model(name, dtype=torch.float32, seed=4321):
@@ -143,12 +153,18 @@ def test_cost_model_balances_cpu_time_against_what_is_left_to_copy():
 # --------------------------------------------------------------------------------------------------
 # one model against its float64 self
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name,options", [
-    ("qwen3_moe", dict(experts_per_layer=3, cpu_compute=False, policy="lru")),  # waves: 2 tokens x 8 need > 3 slots
-    ("qwen3_moe", dict(gpu_budget=2 * 3 * (2 * 16 * 32 + 32 * 16) * 4, cpu_compute=True, policy="lfu")),  # 2 a layer
-    ("gpt_oss", dict(experts_per_layer=2, cpu_compute=True, policy="frequency")),
-    ("deepseek_v3", dict(experts_per_layer=8, cpu_compute="auto")),
-])
+@pytest.mark.parametrize(
+    "name,options",
+    [
+        ("qwen3_moe", dict(experts_per_layer=3, cpu_compute=False, policy="lru")),  # waves: 2 tokens x 8 need > 3 slots
+        (
+            "qwen3_moe",
+            dict(gpu_budget=2 * 3 * (2 * 16 * 32 + 32 * 16) * 4, cpu_compute=True, policy="lfu"),
+        ),  # 2 a layer
+        ("gpt_oss", dict(experts_per_layer=2, cpu_compute=True, policy="frequency")),
+        ("deepseek_v3", dict(experts_per_layer=8, cpu_compute="auto")),
+    ],
+)
 def test_offloaded_model_matches_the_original(name, options):
     ids = token_ids(96, batch=2, seq=6)
     ref, base = _logits(_model(name, torch.float64), ids), _logits(_model(name), ids)
@@ -241,8 +257,10 @@ def test_disk_tier_reads_only_the_experts_used(name, tmp_path):
     model.save_pretrained(tmp_path)
     ids = token_ids(96, batch=1, seq=5)
     used = collections.defaultdict(set)
-    hooks = [blk.mlp.experts.register_forward_pre_hook(
-        lambda mod, args, i=i: used[i].update(args[1].flatten().tolist())) for i, blk in enumerate(model.model.layers)]
+    hooks = [
+        blk.mlp.experts.register_forward_pre_hook(lambda mod, args, i=i: used[i].update(args[1].flatten().tolist()))
+        for i, blk in enumerate(model.model.layers)
+    ]
     base = _logits(model, ids)
     for h in hooks:
         h.remove()
@@ -304,17 +322,20 @@ def test_yaml_rule_offloads_and_reverts():
 # --------------------------------------------------------------------------------------------------
 # bad configurations: a clear error naming the argument, the model as it was
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(gpu_budget="1KiB"), "gpu_budget: .* less than one expert"),
-    (dict(gpu_budget="lots"), "gpu_budget: expected a positive byte count"),
-    (dict(experts_per_layer=2, policy="mru"), "policy: expected one of lru, lfu, frequency"),
-    (dict(experts_per_layer=2, storage="tape"), "storage: expected one of cpu, disk"),
-    (dict(experts_per_layer=2, cpu_compute="sometimes"), "cpu_compute: expected"),
-    (dict(experts_per_layer=2, storage="disk"), "checkpoint: storage='disk'"),
-    (dict(experts_per_layer=2, storage="disk", checkpoint="/nonexistent/ckpt"), "checkpoint: .* does not exist"),
-    (dict(experts_per_layer=0), "experts_per_layer: expected a positive int"),
-    (dict(), "gpu_budget / experts_per_layer: give exactly one"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(gpu_budget="1KiB"), "gpu_budget: .* less than one expert"),
+        (dict(gpu_budget="lots"), "gpu_budget: expected a positive byte count"),
+        (dict(experts_per_layer=2, policy="mru"), "policy: expected one of lru, lfu, frequency"),
+        (dict(experts_per_layer=2, storage="tape"), "storage: expected one of cpu, disk"),
+        (dict(experts_per_layer=2, cpu_compute="sometimes"), "cpu_compute: expected"),
+        (dict(experts_per_layer=2, storage="disk"), "checkpoint: storage='disk'"),
+        (dict(experts_per_layer=2, storage="disk", checkpoint="/nonexistent/ckpt"), "checkpoint: .* does not exist"),
+        (dict(experts_per_layer=0), "experts_per_layer: expected a positive int"),
+        (dict(), "gpu_budget / experts_per_layer: give exactly one"),
+    ],
+)
 def test_bad_configuration_is_named_and_leaves_the_model(kwargs, match):
     model = _model("qwen3_moe")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -8,6 +8,7 @@ correct result or an error naming the file or argument and the problem, with eve
 model torch.equal to before the call. Deep copies are independent and revertable; pickles are refused.
 The model is a tiny float32 Qwen3-MoE; checkpoints are written by its own ``save_pretrained``.
 """
+
 import copy
 import io
 import json
@@ -29,8 +30,15 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.integrations.moe")
 safetensors = pytest.importorskip("safetensors")
 
-SIZES = dict(hidden_size=32, intermediate_size=16, num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
-             max_position_embeddings=64, num_hidden_layers=3)
+SIZES = dict(
+    hidden_size=32,
+    intermediate_size=16,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=96,
+    max_position_embeddings=64,
+    num_hidden_layers=3,
+)
 MOE = dict(num_experts=8, num_experts_per_tok=2)
 SEED = 4321
 # Fine-tuned since saving: these experts of these layers move far from the checkpoint's (weights are ~0.02).
@@ -102,9 +110,15 @@ def saved(tmp_path_factory):
     return path
 
 
-RULE = [{"match": {"kernel": "moe"},
-         "replace": {"class": "tritonspec.nn.offload.OffloadedExperts",
-                     "kwargs": {"experts_per_layer": 8, "cpu_compute": False}}}]
+RULE = [
+    {
+        "match": {"kernel": "moe"},
+        "replace": {
+            "class": "tritonspec.nn.offload.OffloadedExperts",
+            "kwargs": {"experts_per_layer": 8, "cpu_compute": False},
+        },
+    }
+]
 
 
 def _rule(**kwargs):
@@ -186,8 +200,11 @@ def test_a_rule_file_failing_at_the_last_layer_restores_the_earlier_ones(storage
 def test_offload_experts_checks_every_layer_before_the_first_changes(shallow):
     model = _fine_tune(_model())
     before = _snapshot(model)
-    with pytest.raises(ValueError, match=rf"no tensors for expert 0 of model\.layers\.2\.mlp\.experts in "
-                                         rf"{re.escape(str(shallow))}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"no tensors for expert 0 of model\.layers\.2\.mlp\.experts in "
+        rf"{re.escape(str(shallow))}",
+    ):
         offload_experts(model, experts_per_layer=2, storage="disk", checkpoint=shallow)
     _assert_as_before(model, before)
 
@@ -210,9 +227,12 @@ def test_a_checkpoint_of_other_shapes_is_refused(storage, meta, narrower):
         _empty_experts(model, layers=[0, 1, 2])
     before = _snapshot(model)
     file = re.escape(str(narrower / "model.safetensors"))
-    with pytest.raises(ValueError, match=rf"{file}: model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight has shape "
-                                         r"\[8, 32\], but model\.layers\.0\.mlp\.experts\.gate_up_proj of the model "
-                                         r"needs \[16, 32\]"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{file}: model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight has shape "
+        r"\[8, 32\], but model\.layers\.0\.mlp\.experts\.gate_up_proj of the model "
+        r"needs \[16, 32\]",
+    ):
         offload_experts(model, experts_per_layer=2, storage=storage, checkpoint=narrower)
     _assert_as_before(model, before)
     with pytest.raises(tnn.RuleError, match="has shape"):
@@ -226,7 +246,7 @@ def _rewrite(saved, out, edit):
     n = int.from_bytes(raw[:8], "little")
     out.mkdir()
     (out / "config.json").write_bytes((saved / "config.json").read_bytes())
-    (out / "model.safetensors").write_bytes(edit(json.loads(raw[8:8 + n]), raw[8 + n:]))
+    (out / "model.safetensors").write_bytes(edit(json.loads(raw[8 : 8 + n]), raw[8 + n :]))
     return out
 
 
@@ -293,23 +313,29 @@ def _overlap(header):
 def _duplicate(header):
     """The header's JSON with one key twice (the second copy's data elsewhere)."""
     again = dict(header[_FIRST], data_offsets=[1, 2])
-    return json.dumps(header).encode()[:-1] + b", " + json.dumps(_FIRST).encode() + b": " + json.dumps(again).encode() \
+    return (
+        json.dumps(header).encode()[:-1]
+        + b", "
+        + json.dumps(_FIRST).encode()
+        + b": "
+        + json.dumps(again).encode()
         + b"}"
+    )
 
 
 HOSTILE = {
     "negative offsets": (lambda h, d: _pack(_shift(h, -8), d), "data_offsets must be two non-negative ints"),
     "shifted offsets": (lambda h, d: _pack(_shift(h, 16), d), r"do not start where the previous tensor ends \(0\)"),
     "overlapping offsets": (lambda h, d: _pack(_overlap(h), d), "do not start where the previous tensor ends"),
-    "truncated": (lambda h, d: _pack(h, d[:len(d) // 2]), "truncated"),
+    "truncated": (lambda h, d: _pack(h, d[: len(d) // 2]), "truncated"),
     "trailing bytes": (lambda h, d: _pack(h, d + bytes(16)), "trailing bytes"),
-    "huge header length": (lambda h, d: (2 ** 62).to_bytes(8, "little") + b"{}", "exceeds safetensors' limit"),
-    "header past the end": (lambda h, d: (10 ** 6).to_bytes(8, "little") + b"{}", "runs past the end of the file"),
+    "huge header length": (lambda h, d: (2**62).to_bytes(8, "little") + b"{}", "exceeds safetensors' limit"),
+    "header past the end": (lambda h, d: (10**6).to_bytes(8, "little") + b"{}", "runs past the end of the file"),
     "shorter than a length": (lambda h, d: b"\x01\x02\x03", "less than the 8-byte header length"),
     "not JSON": (lambda h, d: _pack(b"{'weights': 1"), "the header is not valid JSON"),
     "deeply nested JSON": (lambda h, d: _pack(b"[" * 100_000 + b"]" * 100_000), "the header is not valid JSON"),
     "JSON list": (lambda h, d: _pack(b"[1, 2]"), "the header is a JSON list, not an object"),
-    "not UTF-8": (lambda h, d: _pack(b"{\"\xff\": 1}"), "the header is not UTF-8"),
+    "not UTF-8": (lambda h, d: _pack(b'{"\xff": 1}'), "the header is not UTF-8"),
     "duplicate key": (lambda h, d: _pack(_duplicate(h), d), "duplicate key"),
     "unknown dtype": (lambda h, d: _pack(_set(h, "dtype", "F33"), d), "unknown dtype 'F33'"),
     "size against shape": (lambda h, d: _pack(_set(h, "shape", [3, 3]), d), "needs 36"),
@@ -334,6 +360,7 @@ def test_a_malformed_safetensors_file_is_refused_by_name(case, saved, tmp_path):
 
 def test_what_safetensors_accepts_is_accepted(saved, tmp_path):
     """Metadata, an empty tensor and a header padded with spaces (as safetensors' writer pads it) are fine."""
+
     def edit(header, data):
         header["__metadata__"] = {"format": "pt", "note": "padded"}
         header["empty"] = {"dtype": "F32", "shape": [0, 4], "data_offsets": [0, 0]}
@@ -367,8 +394,9 @@ def _all_in(saved, name):
         return {k: name for k in f.keys()}
 
 
-@pytest.mark.parametrize("case", ["parent", "absolute", "no weight_map", "not JSON", "not a name", "missing shard",
-                                  "wrong shard"])
+@pytest.mark.parametrize(
+    "case", ["parent", "absolute", "no weight_map", "not JSON", "not a name", "missing shard", "wrong shard"]
+)
 def test_an_index_is_trusted_for_nothing(case, saved, tmp_path):
     outside = tmp_path / "other" / "model.safetensors"  # a valid file outside the checkpoint folder
     outside.parent.mkdir()
@@ -385,7 +413,7 @@ def test_an_index_is_trusted_for_nothing(case, saved, tmp_path):
         _indexed(saved, folder, text=json.dumps({"metadata": {}}))
         problem = rf"{index} has no weight_map object"
     elif case == "not JSON":
-        _indexed(saved, folder, text="{\"weight_map\": ")
+        _indexed(saved, folder, text='{"weight_map": ')
         problem = rf"{index}: the index is not valid JSON"
     elif case == "not a name":
         _indexed(saved, folder, text=json.dumps({"weight_map": {"a": ["x"]}}))
@@ -396,8 +424,9 @@ def test_an_index_is_trusted_for_nothing(case, saved, tmp_path):
     else:
         weight_map = _all_in(saved, "model-00001-of-00001.safetensors")
         (folder / "extra").mkdir(parents=True, exist_ok=True)
-        (folder / "extra" / "b.safetensors").write_bytes(_pack({"x": {"dtype": "F32", "shape": [1],
-                                                                     "data_offsets": [0, 4]}}, bytes(4)))
+        (folder / "extra" / "b.safetensors").write_bytes(
+            _pack({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, bytes(4))
+        )
         weight_map["x"] = "extra/b.safetensors"
         weight_map[_FIRST] = "extra/b.safetensors"
         _indexed(saved, folder, weight_map)
@@ -453,23 +482,28 @@ _RUNNING = textwrap.dedent("""
 """)
 CHANGES = {
     "truncated": ("os.truncate(file, st.st_size // 2)", r"size \d+ -> \d+"),
-    "rewritten in place": ("with open(file, 'r+b') as f: f.seek(st.st_size - 64); f.write(bytes(64))\n"
-                           "os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))", r"mtime_ns \d+ -> \d+"),
+    "rewritten in place": (
+        "with open(file, 'r+b') as f: f.seek(st.st_size - 64); f.write(bytes(64))\n"
+        "os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))",
+        r"mtime_ns \d+ -> \d+",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(CHANGES))
 def test_a_checkpoint_changed_under_a_running_model_is_an_error_not_a_signal(case, tmp_path):
     change, what = CHANGES[case]
-    script = _RUNNING.format(tests=os.path.dirname(os.path.abspath(__file__)), moe=MOE, sizes=SIZES,
-                             ckpt=str(tmp_path), change=change)
+    script = _RUNNING.format(
+        tests=os.path.dirname(os.path.abspath(__file__)), moe=MOE, sizes=SIZES, ckpt=str(tmp_path), change=change
+    )
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, f"the process died ({run.returncode}):\n{run.stdout}\n{run.stderr[-3000:]}"
     file = re.escape(str(tmp_path / "model.safetensors"))
     for step in ("forward", "revert"):
-        assert re.search(rf"^{step}: .*checkpoint: {file} changed since it was opened \(.*{what}", run.stdout, re.M), \
+        assert re.search(rf"^{step}: .*checkpoint: {file} changed since it was opened \(.*{what}", run.stdout, re.M), (
             run.stdout
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -540,8 +574,11 @@ def test_pickling_an_offloaded_model_is_refused_clearly():
     model = _model()
     before = _snapshot(model)
     handle = offload_experts(model, experts_per_layer=2, storage="cpu")
-    with pytest.raises(TypeError, match=r"model\.layers\.0\.mlp\.experts: a model with offloaded experts cannot be "
-                                        r"pickled .*state_dict\(\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"model\.layers\.0\.mlp\.experts: a model with offloaded experts cannot be "
+        r"pickled .*state_dict\(\)",
+    ):
         pickle.dumps(handle.layers[0][1])
     for save in (pickle.dumps, lambda m: torch.save(m, io.BytesIO())):  # the module's or the engine's refusal
         with pytest.raises(TypeError, match=r"cannot (be )?pickle.*state_dict\(\)"):
@@ -561,6 +598,7 @@ def test_pickling_an_offloaded_model_is_refused_clearly():
 def one_rank_mesh():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -572,11 +610,15 @@ def one_rank_mesh():
 
 def test_an_expert_parallel_model_is_refused_before_any_change(one_rank_mesh):
     from tritonspec.distributed import expert_parallel
+
     model = _model()
     expert_parallel(model, one_rank_mesh)
     before, report = _snapshot(model), [str(c) for c in tnn.report(model)]
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts: its experts are sharded by "
-                                         r"tritonspec\.distributed\.expert_parallel"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.layers\.0\.mlp\.experts: its experts are sharded by "
+        r"tritonspec\.distributed\.expert_parallel",
+    ):
         offload_experts(model, experts_per_layer=2)
     _assert_as_before(model, before, report)
     with pytest.raises(tnn.RuleError, match="expert_parallel"):
@@ -597,12 +639,15 @@ def test_a_handle_after_revert_says_so():
     stale.revert()  # nothing left to do
 
 
-@pytest.mark.parametrize("device,match", [
-    ("cuda", "device: 'cuda' asks for CUDA, but"),
-    ("cuda:7", "device: 'cuda:7'"),
-    ("tpu", "device: expected a device such as"),
-    ("meta", "device: offloaded experts run on 'cpu' or 'cuda', got 'meta'"),
-])
+@pytest.mark.parametrize(
+    "device,match",
+    [
+        ("cuda", "device: 'cuda' asks for CUDA, but"),
+        ("cuda:7", "device: 'cuda:7'"),
+        ("tpu", "device: expected a device such as"),
+        ("meta", "device: offloaded experts run on 'cpu' or 'cuda', got 'meta'"),
+    ],
+)
 def test_the_device_is_checked_first(device, match):
     if torch.cuda.is_available() and device != "meta" and device != "tpu":
         pytest.skip("this machine has CUDA")

@@ -6,6 +6,7 @@ fresh Triton cache and an empty working directory. A block that cannot run here 
 ``# not run: <why>`` (a CUDA GPU, several nodes); those are listed, and there must stay few of them.
 Also: the setup commands CI runs are the README's, and the README lists every setting.
 """
+
 import os
 import pathlib
 import re
@@ -29,7 +30,7 @@ def blocks(language: str) -> list[tuple[int, str]]:
         if start is None and line.strip() == f"```{language}":
             start = number
         elif start is not None and line.strip() == "```":
-            found.append((start, "\n".join(lines[start:number - 1]) + "\n"))
+            found.append((start, "\n".join(lines[start : number - 1]) + "\n"))
             start = None
     assert start is None, f"README.md:{start}: a ```{language} block is never closed"
     return found
@@ -51,13 +52,20 @@ def test_python_block_runs(line, code, tmp_path):
     script = tmp_path / f"readme_line{line}.py"
     script.write_text(code)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRITONSPEC_")}
-    env.update(TRITON_INTERPRET="1", TRITON_CACHE_DIR=str(tmp_path / "triton-cache"), HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1",
-               PYTHONWARNINGS="error:tritonspec:FutureWarning")  # examples use no name of ours that was renamed
-    proc = subprocess.run([sys.executable, script.name], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT)
-    assert proc.returncode == 0, (f"README.md:{line}: exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}"
-                                  f"\n--- stderr\n{proc.stderr[-6000:]}")
+    env.update(
+        TRITON_INTERPRET="1",
+        TRITON_CACHE_DIR=str(tmp_path / "triton-cache"),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONWARNINGS="error:tritonspec:FutureWarning",
+    )  # examples use no name of ours that was renamed
+    proc = subprocess.run(
+        [sys.executable, script.name], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT
+    )
+    assert proc.returncode == 0, (
+        f"README.md:{line}: exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}"
+        f"\n--- stderr\n{proc.stderr[-6000:]}"
+    )
 
 
 def test_few_blocks_are_not_run():
@@ -67,15 +75,18 @@ def test_few_blocks_are_not_run():
     assert len(PYTHON) >= 5, f"only {len(PYTHON)} python blocks found: is the fence still ```python?"
     assert len(skipped) <= MAX_NOT_RUN, f"{len(skipped)} blocks are not run (at most {MAX_NOT_RUN}): {skipped}"
     for line, code in PYTHON:
-        assert "not run" not in "\n".join(code.splitlines()[1:]).lower(), \
+        assert "not run" not in "\n".join(code.splitlines()[1:]).lower(), (
             f"README.md:{line}: a 'not run' marker must be the block's first line"
+        )
 
 
 def test_setup_commands_are_what_ci_runs():
     """The README's first block is the two commands CI (.ci/run) runs, word for word."""
     first = blocks("bash")[0][1].splitlines()
-    assert first == ["python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e '.[test]' && "
-                     ".venv/bin/tritonspec check", "bash tests/run.sh"], first
+    assert first == [
+        "python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e '.[test]' && .venv/bin/tritonspec check",
+        "bash tests/run.sh",
+    ], first
     ci = ROOT / ".ci" / "run"
     if ci.exists():
         commands = [line for line in ci.read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
@@ -88,6 +99,7 @@ def test_every_setting_is_listed():
     import importlib
 
     import tritonspec.settings as settings
+
     importlib.import_module("tritonspec_backends.ascend.backend.settings")  # declares the ascend settings
     text = README.read_text()
     rows = set(re.findall(r"^\| `(TRITONSPEC_\w+)` \|", text, re.M))

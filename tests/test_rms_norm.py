@@ -3,6 +3,7 @@
 Runs on the CPU through the Triton interpreter (shapes kept small); the same tests run on a GPU
 with TRITONSPEC_TEST_DEVICE=cuda.
 """
+
 import pytest
 from helpers import leaf, make_spec
 import torch
@@ -10,8 +11,7 @@ import torch
 import tritonspec
 from tritonspec.ops import _library, add_rms_norm, rms_norm
 from numerics import RTOL, assert_close, poisoned_allocations
-from tritonspec.ops.rms_norm import (ADD_RMS_NORM, MAX_FUSED_N, RMS_NORM,
-                                     add_rms_norm_ref, rms_norm_ref)
+from tritonspec.ops.rms_norm import ADD_RMS_NORM, MAX_FUSED_N, RMS_NORM, add_rms_norm_ref, rms_norm_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -219,6 +219,7 @@ def test_empty_batch(device):
 def test_layer_is_a_drop_in_for_llama_rms_norm(device):
     modeling = pytest.importorskip("transformers.models.llama.modeling_llama")
     from tritonspec.nn.modules import RMSNorm
+
     hf = modeling.LlamaRMSNorm(48, eps=1e-5).to(device)
     with torch.no_grad():
         hf.weight.normal_()
@@ -229,20 +230,29 @@ def test_layer_is_a_drop_in_for_llama_rms_norm(device):
     assert_close(ours(x), hf(x).double(), "RMSNorm vs LlamaRMSNorm")
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda d: rms_norm(torch.randn(2, 8, device=d), torch.randn(7, device=d)), "'weight' has shape"),
-    (lambda d: rms_norm(torch.randn(2, 8, device=d), torch.randn(2, 8, device=d)), "'weight' must have 1 dim"),
-    (lambda d: rms_norm(torch.randn(2, 8, device=d).int(), torch.randn(8, device=d)), "'x' has dtype torch.int32"),
-    (lambda d: rms_norm(torch.randn(2, 8, device=d).double(), torch.randn(8, device=d)), "'x' has dtype"),
-    (lambda d: rms_norm([1.0], torch.randn(8, device=d)), "'x' must be a torch.Tensor"),
-    (lambda d: rms_norm(torch.randn(2, 8, device=d), torch.randn(8, device="meta")), "'weight' is on meta"),
-    (lambda d: rms_norm(torch.randn(2, 8, device=d), torch.randn(8, device=d), eps=-1.0), "'eps' must be >= 0"),
-    (lambda d: rms_norm(torch.randn(2, 0, device=d), torch.randn(0, device=d)), "'x' has an empty last"),
-    (lambda d: add_rms_norm(torch.randn(2, 8, device=d), torch.randn(3, 8, device=d), torch.randn(8, device=d)),
-     "'residual' has shape"),
-    (lambda d: add_rms_norm(torch.randn(2, 8, device=d), torch.randn(2, 8, device=d).half(),
-                            torch.randn(8, device=d)), "'residual' has dtype"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda d: rms_norm(torch.randn(2, 8, device=d), torch.randn(7, device=d)), "'weight' has shape"),
+        (lambda d: rms_norm(torch.randn(2, 8, device=d), torch.randn(2, 8, device=d)), "'weight' must have 1 dim"),
+        (lambda d: rms_norm(torch.randn(2, 8, device=d).int(), torch.randn(8, device=d)), "'x' has dtype torch.int32"),
+        (lambda d: rms_norm(torch.randn(2, 8, device=d).double(), torch.randn(8, device=d)), "'x' has dtype"),
+        (lambda d: rms_norm([1.0], torch.randn(8, device=d)), "'x' must be a torch.Tensor"),
+        (lambda d: rms_norm(torch.randn(2, 8, device=d), torch.randn(8, device="meta")), "'weight' is on meta"),
+        (lambda d: rms_norm(torch.randn(2, 8, device=d), torch.randn(8, device=d), eps=-1.0), "'eps' must be >= 0"),
+        (lambda d: rms_norm(torch.randn(2, 0, device=d), torch.randn(0, device=d)), "'x' has an empty last"),
+        (
+            lambda d: add_rms_norm(torch.randn(2, 8, device=d), torch.randn(3, 8, device=d), torch.randn(8, device=d)),
+            "'residual' has shape",
+        ),
+        (
+            lambda d: add_rms_norm(
+                torch.randn(2, 8, device=d), torch.randn(2, 8, device=d).half(), torch.randn(8, device=d)
+            ),
+            "'residual' has dtype",
+        ),
+    ],
+)
 def test_bad_arguments_raise_naming_the_argument(call, match, device):
     with pytest.raises((TypeError, ValueError), match=match):
         call(device)
@@ -252,6 +262,7 @@ def test_a_declined_dw_plan_never_reruns_the_backward_kernel(monkeypatch):
     """The backward plans launch two kernels. If the dw reduction's plan declines after the main
     kernel's plan ran (in place, dy already holds dx), only the reduction takes the ordinary path."""
     import sys
+
     mod = sys.modules["tritonspec.ops.rms_norm"]
     calls = []
 

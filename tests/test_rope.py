@@ -1,4 +1,5 @@
 """RoPE (HF apply_rotary_pos_emb, rotate-half) against the float64 reference: q_embed, k_embed, dq, dk."""
+
 import pytest
 from helpers import leaf, model_config
 import torch
@@ -14,8 +15,10 @@ def _cos_sin(batch, seq, dim, device, dtype=torch.float32, generic=False):
     """HF-style cos/sin (duplicated halves) from positions; ``generic`` makes the halves differ,
     which checks the backward is the exact transpose and not just the forward with -sin."""
     if generic:
-        return (torch.randn(batch, seq, dim, device=device).to(dtype),
-                torch.randn(batch, seq, dim, device=device).to(dtype))
+        return (
+            torch.randn(batch, seq, dim, device=device).to(dtype),
+            torch.randn(batch, seq, dim, device=device).to(dtype),
+        )
     inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=device).float() / dim))
     pos = torch.randint(0, 4096, (batch, seq), device=device).float()
     emb = torch.cat([pos[..., None] * inv_freq] * 2, dim=-1)
@@ -24,8 +27,10 @@ def _cos_sin(batch, seq, dim, device, dtype=torch.float32, generic=False):
 
 def _qk(b, hq, hk, s, d, dtype, device, hf_layout=False):
     if hf_layout:  # proj(x).view(b, s, h, d).transpose(1, 2), as Llama attention passes them
-        return (torch.randn(b, s, hq, d, device=device).to(dtype).transpose(1, 2),
-                torch.randn(b, s, hk, d, device=device).to(dtype).transpose(1, 2))
+        return (
+            torch.randn(b, s, hq, d, device=device).to(dtype).transpose(1, 2),
+            torch.randn(b, s, hk, d, device=device).to(dtype).transpose(1, 2),
+        )
     return torch.randn(b, hq, s, d, device=device).to(dtype), torch.randn(b, hk, s, d, device=device).to(dtype)
 
 
@@ -47,12 +52,15 @@ def _check(q, k, cos, sin, in_place_backward=False):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("b, hq, hk, s, d, cos_batch", [
-    (2, 4, 2, 5, 16, 1),   # GQA, cos/sin broadcast over the batch
-    (1, 3, 3, 7, 24, 1),   # head_dim/2 = 12 is not a power of two
-    (3, 2, 1, 9, 8, 3),    # MQA, per-batch positions
-    (1, 1, 1, 1, 2, 1),    # the smallest shape
-])
+@pytest.mark.parametrize(
+    "b, hq, hk, s, d, cos_batch",
+    [
+        (2, 4, 2, 5, 16, 1),  # GQA, cos/sin broadcast over the batch
+        (1, 3, 3, 7, 24, 1),  # head_dim/2 = 12 is not a power of two
+        (3, 2, 1, 9, 8, 3),  # MQA, per-batch positions
+        (1, 1, 1, 1, 2, 1),  # the smallest shape
+    ],
+)
 def test_rope_matches_reference(b, hq, hk, s, d, cos_batch, dtype, device):
     torch.manual_seed(hash((b, hq, hk, s, d, str(dtype))) % 2**31)
     _check(*_qk(b, hq, hk, s, d, dtype, device), *_cos_sin(cos_batch, s, d, device, dtype))
@@ -139,26 +147,41 @@ def test_opcheck(device):
     torch.library.opcheck(ROPE.backward_op, (torch.randn_like(q), torch.randn_like(k), cos, sin))
 
 
-def _bad(device, q=(2, 4, 5, 16), k=(2, 2, 5, 16), cs=(1, 5, 16), qdtype=torch.float32, kdtype=torch.float32,
-         sin_shape=None, cos_grad=False):
+def _bad(
+    device,
+    q=(2, 4, 5, 16),
+    k=(2, 2, 5, 16),
+    cs=(1, 5, 16),
+    qdtype=torch.float32,
+    kdtype=torch.float32,
+    sin_shape=None,
+    cos_grad=False,
+):
     cos = torch.randn(cs, device=device, requires_grad=cos_grad)
-    return rope(torch.randn(q, device=device, dtype=qdtype), torch.randn(k, device=device, dtype=kdtype), cos,
-                torch.randn(sin_shape or cs, device=device))
+    return rope(
+        torch.randn(q, device=device, dtype=qdtype),
+        torch.randn(k, device=device, dtype=kdtype),
+        cos,
+        torch.randn(sin_shape or cs, device=device),
+    )
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(q=(2, 5, 16)), "'q' must have 4 dimensions"),
-    (dict(k=(2, 2, 6, 16)), "'k' has shape"),
-    (dict(k=(3, 2, 5, 16)), "'k' has shape"),
-    (dict(q=(2, 4, 5, 15), k=(2, 2, 5, 15), cs=(1, 5, 15)), "head_dim 15"),
-    (dict(cs=(1, 4, 16)), "'cos' has shape"),
-    (dict(cs=(3, 5, 16)), "'cos' has shape"),
-    (dict(cs=(5, 16)), "'cos' must have 3 dimensions"),
-    (dict(sin_shape=(2, 5, 16)), "'sin' has shape"),
-    (dict(kdtype=torch.float16), "'k' has dtype"),
-    (dict(qdtype=torch.float64, kdtype=torch.float64), "'q' has dtype"),
-    (dict(cos_grad=True), "'cos'/'sin' require grad"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(q=(2, 5, 16)), "'q' must have 4 dimensions"),
+        (dict(k=(2, 2, 6, 16)), "'k' has shape"),
+        (dict(k=(3, 2, 5, 16)), "'k' has shape"),
+        (dict(q=(2, 4, 5, 15), k=(2, 2, 5, 15), cs=(1, 5, 15)), "head_dim 15"),
+        (dict(cs=(1, 4, 16)), "'cos' has shape"),
+        (dict(cs=(3, 5, 16)), "'cos' has shape"),
+        (dict(cs=(5, 16)), "'cos' must have 3 dimensions"),
+        (dict(sin_shape=(2, 5, 16)), "'sin' has shape"),
+        (dict(kdtype=torch.float16), "'k' has dtype"),
+        (dict(qdtype=torch.float64, kdtype=torch.float64), "'q' has dtype"),
+        (dict(cos_grad=True), "'cos'/'sin' require grad"),
+    ],
+)
 def test_bad_arguments_raise_naming_the_argument(kwargs, match, device):
     with pytest.raises((TypeError, ValueError), match=match):
         _bad(device, **kwargs)

@@ -6,6 +6,7 @@ spec reaches in a way the module globals do not show. Two processes share one TR
 compile the same kernel for cuda sm90: the first with the helper adding (x + x), then the helper is
 edited to multiply (x * x), and the second must emit the multiplication, never the first one's binary.
 """
+
 import importlib
 import json
 import os
@@ -27,49 +28,68 @@ HELPER = "def combine(x, semantic):\n    return semantic.add(x, x, True)\n"
 # case -> (files of the spec site, whether the fingerprint can follow it). Each spec is package spec_<case>.
 CASES = {
     # importlib.import_module with a name computed when the builtin runs: nothing to follow
-    "computed_import": ({
-        "spec_computed_import/__init__.py": EXP + "import importlib\n_PREFIX = 'helper_'\n"
-        "@core.builtin\ndef exp(x, _semantic=None):\n"
-        "    return importlib.import_module(_PREFIX + 'computed_import').combine(x, _semantic)\n" + SPEC_TAIL,
-        "helper_computed_import.py": HELPER,
-    }, False),
+    "computed_import": (
+        {
+            "spec_computed_import/__init__.py": EXP + "import importlib\n_PREFIX = 'helper_'\n"
+            "@core.builtin\ndef exp(x, _semantic=None):\n"
+            "    return importlib.import_module(_PREFIX + 'computed_import').combine(x, _semantic)\n" + SPEC_TAIL,
+            "helper_computed_import.py": HELPER,
+        },
+        False,
+    ),
     # importlib.import_module with a constant name, not imported before the first compile
-    "constant_import": ({
-        "spec_constant_import/__init__.py": EXP + "import importlib\nHELPER = 'helper_constant_import'\n"
-        "@core.builtin\ndef exp(x, _semantic=None):\n"
-        "    return importlib.import_module(HELPER).combine(x, _semantic)\n" + SPEC_TAIL,
-        "helper_constant_import.py": HELPER,
-    }, True),
+    "constant_import": (
+        {
+            "spec_constant_import/__init__.py": EXP + "import importlib\nHELPER = 'helper_constant_import'\n"
+            "@core.builtin\ndef exp(x, _semantic=None):\n"
+            "    return importlib.import_module(HELPER).combine(x, _semantic)\n" + SPEC_TAIL,
+            "helper_constant_import.py": HELPER,
+        },
+        True,
+    ),
     # getattr(sys.modules[...], name)
-    "sys_modules": ({
-        "spec_sys_modules/__init__.py": EXP + "import sys\nimport helper_sys_modules  # noqa: F401\n"
-        "@core.builtin\ndef exp(x, _semantic=None):\n"
-        "    return getattr(sys.modules['helper_sys_modules'], 'combine')(x, _semantic)\n" + SPEC_TAIL,
-        "helper_sys_modules.py": HELPER,
-    }, True),
+    "sys_modules": (
+        {
+            "spec_sys_modules/__init__.py": EXP + "import sys\nimport helper_sys_modules  # noqa: F401\n"
+            "@core.builtin\ndef exp(x, _semantic=None):\n"
+            "    return getattr(sys.modules['helper_sys_modules'], 'combine')(x, _semantic)\n" + SPEC_TAIL,
+            "helper_sys_modules.py": HELPER,
+        },
+        True,
+    ),
     # a class of a module that has no file (built from source read at import time)
-    "fileless_class": ({
-        "spec_fileless_class/__init__.py": EXP + "import os, types\n"
-        "_helpers = types.ModuleType('helper_fileless_class')\n"
-        "_source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'fileless.txt')\n"
-        "with open(_source) as f:\n    exec(compile(f.read(), '<helper_fileless_class>', 'exec'), vars(_helpers))\n"
-        "Combine = _helpers.Combine\n"
-        "@core.builtin\ndef exp(x, _semantic=None):\n    return Combine.apply(x, _semantic)\n" + SPEC_TAIL,
-        "fileless.txt": "class Combine:\n    @staticmethod\n    def apply(x, semantic):\n"
-                        "        return semantic.add(x, x, True)\n",
-    }, True),
+    "fileless_class": (
+        {
+            "spec_fileless_class/__init__.py": EXP + "import os, types\n"
+            "_helpers = types.ModuleType('helper_fileless_class')\n"
+            "_source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'fileless.txt')\n"
+            "with open(_source) as f:\n    exec(compile(f.read(), '<helper_fileless_class>', 'exec'), vars(_helpers))\n"
+            "Combine = _helpers.Combine\n"
+            "@core.builtin\ndef exp(x, _semantic=None):\n    return Combine.apply(x, _semantic)\n" + SPEC_TAIL,
+            "fileless.txt": "class Combine:\n    @staticmethod\n    def apply(x, semantic):\n"
+            "        return semantic.add(x, x, True)\n",
+        },
+        True,
+    ),
     # a JSON data file of its own package, read when the builtin runs
-    "data_file": ({
-        "spec_data_file/__init__.py": EXP + "import json, os\n_HERE = os.path.dirname(os.path.abspath(__file__))\n"
-        "@core.builtin\ndef exp(x, _semantic=None):\n"
-        "    with open(os.path.join(_HERE, 'op.json')) as f:\n        op = json.load(f)['op']\n"
-        "    return getattr(_semantic, op)(x, x, True)\n" + SPEC_TAIL,
-        "spec_data_file/op.json": '{"op": "add"}\n',
-    }, True),
+    "data_file": (
+        {
+            "spec_data_file/__init__.py": EXP + "import json, os\n_HERE = os.path.dirname(os.path.abspath(__file__))\n"
+            "@core.builtin\ndef exp(x, _semantic=None):\n"
+            "    with open(os.path.join(_HERE, 'op.json')) as f:\n        op = json.load(f)['op']\n"
+            "    return getattr(_semantic, op)(x, x, True)\n" + SPEC_TAIL,
+            "spec_data_file/op.json": '{"op": "add"}\n',
+        },
+        True,
+    ),
 }
-EDITED = {"computed_import": "helper_computed_import.py", "constant_import": "helper_constant_import.py",
-          "sys_modules": "helper_sys_modules.py", "fileless_class": "fileless.txt",
-          "data_file": "spec_data_file/op.json"}
+EDITED = {
+    "computed_import": "helper_computed_import.py",
+    "constant_import": "helper_constant_import.py",
+    "sys_modules": "helper_sys_modules.py",
+    "fileless_class": "fileless.txt",
+    "data_file": "spec_data_file/op.json",
+}
 
 COMPILE_ALL = """
 import importlib, json, sys
@@ -117,7 +137,7 @@ def _compile_all(site, cache) -> dict:
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +171,7 @@ def test_an_edited_helper_never_reuses_the_old_binary(before_and_after, case):
 
 # -- what the fingerprint follows, in this process -------------------------------------------------------
 
+
 def _digest(module, **exposed):
     return fingerprint.digest("fp", module, exposed or {n: getattr(module, n) for n in module.__all__})
 
@@ -167,9 +188,14 @@ def site(tmp_path, monkeypatch):
 
 def test_an_import_in_the_functions_body_is_followed(site):
     """``from helper import combine`` when the hook runs: the helper's file, imported or not yet."""
-    _write(site, {"spec_lazy.py": "def num_stages_cap():\n    from helper_lazy import combine\n"
-                                  "    return combine()\n__all__ = ['num_stages_cap']\n",
-                  "helper_lazy.py": "def combine():\n    return 2\n"})
+    _write(
+        site,
+        {
+            "spec_lazy.py": "def num_stages_cap():\n    from helper_lazy import combine\n"
+            "    return combine()\n__all__ = ['num_stages_cap']\n",
+            "helper_lazy.py": "def combine():\n    return 2\n",
+        },
+    )
     spec = importlib.import_module("spec_lazy")
     first = _digest(spec)
     _edit(site / "helper_lazy.py", "2", "3")
@@ -182,27 +208,38 @@ def test_an_import_in_the_functions_body_is_followed(site):
 
 def test_a_helper_reached_as_an_attribute_of_a_module_is_followed(site):
     """``helpers.combine()``: combine's own helper in a third file changes the digest."""
-    _write(site, {"spec_attr.py": "import helpers_attr\ndef num_stages_cap():\n    return helpers_attr.combine()\n"
-                                  "__all__ = ['num_stages_cap']\n",
-                  "helpers_attr.py": "from deeper_attr import value\ndef combine():\n    return value()\n",
-                  "deeper_attr.py": "def value():\n    return 2\n"})
+    _write(
+        site,
+        {
+            "spec_attr.py": "import helpers_attr\ndef num_stages_cap():\n    return helpers_attr.combine()\n"
+            "__all__ = ['num_stages_cap']\n",
+            "helpers_attr.py": "from deeper_attr import value\ndef combine():\n    return value()\n",
+            "deeper_attr.py": "def value():\n    return 2\n",
+        },
+    )
     spec = importlib.import_module("spec_attr")
     first = _digest(spec)
     _edit(site / "deeper_attr.py", "2", "3")
     assert first.cacheable and _digest(spec).value != first.value
 
 
-@pytest.mark.parametrize("body,why", [
-    ("return getattr(sys.modules[NAME + '_x'], 'cap')()", "looks a module up in sys.modules by a name computed"),
-    ("return importlib.import_module(name)", "importlib.import_module() with a module name computed at run time"),
-    ("return __import__(name).cap", "__import__() with a module name computed at run time"),
-    ("return importlib.util.spec_from_file_location('x', name)", "spec_from_file_location(), which loads a module "
-                                                                   "from a path"),
-])
+@pytest.mark.parametrize(
+    "body,why",
+    [
+        ("return getattr(sys.modules[NAME + '_x'], 'cap')()", "looks a module up in sys.modules by a name computed"),
+        ("return importlib.import_module(name)", "importlib.import_module() with a module name computed at run time"),
+        ("return __import__(name).cap", "__import__() with a module name computed at run time"),
+        (
+            "return importlib.util.spec_from_file_location('x', name)",
+            "spec_from_file_location(), which loads a module from a path",
+        ),
+    ],
+)
 def test_a_module_looked_up_by_a_computed_name_is_not_cacheable(body, why):
     module = types.ModuleType("dyn_spec")
-    exec(f"import importlib, importlib.util, sys\nNAME = 'x'\ndef num_stages_cap(name='m'):\n    {body}\n",
-         vars(module))
+    exec(
+        f"import importlib, importlib.util, sys\nNAME = 'x'\ndef num_stages_cap(name='m'):\n    {body}\n", vars(module)
+    )
     d = _digest(module, num_stages_cap=module.num_stages_cap)
     assert not d.cacheable and d.value.startswith("nonce-") and why in d.reason, d.reason
     assert "dyn_spec.num_stages_cap" in d.reason
@@ -210,12 +247,21 @@ def test_a_module_looked_up_by_a_computed_name_is_not_cacheable(body, why):
 
 def test_reading_files_is_cached_only_inside_the_specs_package(site):
     """A package's own data files are hashed; a file elsewhere (or a top-level module's neighbour) is not."""
-    reader = ("import json, os\n_HERE = os.path.dirname(os.path.abspath(__file__))\n"
-              "def num_stages_cap():\n    with open(os.path.join(_HERE, {path!r})) as f:\n"
-              "        return json.load(f)['cap']\n__all__ = ['num_stages_cap']\n")
-    _write(site, {"pkg_reads/__init__.py": reader.format(path="cap.json"), "pkg_reads/cap.json": '{"cap": 2}',
-                  "pkg_escapes/__init__.py": reader.format(path="../cap.json"), "cap.json": '{"cap": 2}',
-                  "top_reads.py": reader.format(path="cap.json")})
+    reader = (
+        "import json, os\n_HERE = os.path.dirname(os.path.abspath(__file__))\n"
+        "def num_stages_cap():\n    with open(os.path.join(_HERE, {path!r})) as f:\n"
+        "        return json.load(f)['cap']\n__all__ = ['num_stages_cap']\n"
+    )
+    _write(
+        site,
+        {
+            "pkg_reads/__init__.py": reader.format(path="cap.json"),
+            "pkg_reads/cap.json": '{"cap": 2}',
+            "pkg_escapes/__init__.py": reader.format(path="../cap.json"),
+            "cap.json": '{"cap": 2}',
+            "top_reads.py": reader.format(path="cap.json"),
+        },
+    )
     own = importlib.import_module("pkg_reads")
     first = _digest(own)
     _edit(site / "pkg_reads" / "cap.json", "2", "3")
@@ -224,16 +270,24 @@ def test_reading_files_is_cached_only_inside_the_specs_package(site):
         d = _digest(importlib.import_module(name))
         assert not d.cacheable and "reads files (open()) outside the spec's package" in d.reason, (name, d)
     path_reader = types.ModuleType("path_spec")
-    exec("from pathlib import Path\ndef num_stages_cap():\n    return int(Path('/etc/cap').read_text())\n",
-         vars(path_reader))
+    exec(
+        "from pathlib import Path\ndef num_stages_cap():\n    return int(Path('/etc/cap').read_text())\n",
+        vars(path_reader),
+    )
     d = _digest(path_reader, num_stages_cap=path_reader.num_stages_cap)
     assert not d.cacheable and "reads files (.read_text())" in d.reason, d.reason
 
 
 def test_package_files_are_bounded(site, monkeypatch):
-    _write(site, {"pkg_big/__init__.py": "num_stages_cap = 2\n__all__ = ['num_stages_cap']\n",
-                  **{f"pkg_big/data/{i}.bin": "x" for i in range(5)},
-                  "pkg_big/__pycache__/stale.pyc": "ignored", "pkg_big/.git/HEAD": "ignored"})
+    _write(
+        site,
+        {
+            "pkg_big/__init__.py": "num_stages_cap = 2\n__all__ = ['num_stages_cap']\n",
+            **{f"pkg_big/data/{i}.bin": "x" for i in range(5)},
+            "pkg_big/__pycache__/stale.pyc": "ignored",
+            "pkg_big/.git/HEAD": "ignored",
+        },
+    )
     big = importlib.import_module("pkg_big")
     first = _digest(big)
     (site / "pkg_big" / "__pycache__" / "stale.pyc").write_text("changed")
@@ -262,10 +316,15 @@ def test_a_class_without_a_file_counts_by_its_methods():
 
 def test_a_class_built_from_source_elsewhere_counts_by_its_methods(site):
     """Its module has a file, but the class's code came from ``exec`` of another file's text."""
-    _write(site, {"spec_exec.py": "import os\n_src = os.path.join(os.path.dirname(__file__), 'combine.txt')\n"
-                                  "exec(compile(open(_src).read(), '<combine>', 'exec'))\n"
-                                  "def num_stages_cap():\n    return Combine.cap()\n__all__ = ['num_stages_cap']\n",
-                  "combine.txt": "class Combine:\n    @staticmethod\n    def cap():\n        return 2\n"})
+    _write(
+        site,
+        {
+            "spec_exec.py": "import os\n_src = os.path.join(os.path.dirname(__file__), 'combine.txt')\n"
+            "exec(compile(open(_src).read(), '<combine>', 'exec'))\n"
+            "def num_stages_cap():\n    return Combine.cap()\n__all__ = ['num_stages_cap']\n",
+            "combine.txt": "class Combine:\n    @staticmethod\n    def cap():\n        return 2\n",
+        },
+    )
     spec = importlib.import_module("spec_exec")
     first = _digest(spec)
     _edit(site / "combine.txt", "2", "3")
@@ -275,14 +334,18 @@ def test_a_class_built_from_source_elsewhere_counts_by_its_methods(site):
 
 def test_check_says_which_spec_is_not_cached_and_why(registry):
     module = types.ModuleType("uncached_spec")
-    exec("import importlib\ndef num_stages_cap(name='caps'):\n    return importlib.import_module(name).CAP\n",
-         vars(module))
+    exec(
+        "import importlib\ndef num_stages_cap(name='caps'):\n    return importlib.import_module(name).CAP\n",
+        vars(module),
+    )
     module.__all__ = ["num_stages_cap"]
     tritonspec.register_spec("uncached", module)
     _, rows, _ = check.provider_rows()
     row = next(r for r in rows if r[0] == "uncached")
-    assert row[-1].startswith("not cached across processes: uncached_spec.num_stages_cap calls "
-                              "importlib.import_module() with a module name computed at run time"), row
+    assert row[-1].startswith(
+        "not cached across processes: uncached_spec.num_stages_cap calls "
+        "importlib.import_module() with a module name computed at run time"
+    ), row
     assert all(r[-1] == "shared" for r in rows if r[0] in ("cpu", "nvidia", "amd", "ascend", "iluvatar")), rows
 
 

@@ -1,4 +1,5 @@
 """The spec layer over stock Triton: hook table, resolution, injectors, install points, cache keys."""
+
 import os
 import re
 import subprocess
@@ -23,6 +24,7 @@ from tritonspec.specialization.inject import restore as restore_injections
 
 
 # -- kernels (plain functions: wrapped as compiled JITFunctions or interpreted via triton.jit) --
+
 
 def _atomic64(ptr, val_ptr, n, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
@@ -56,6 +58,7 @@ COPY_SIG = ({"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr
 
 # -- spec functions used by test specs ------------------------------------------------------------
 
+
 def xchg_instead_of_add(semantic, ptr, val, mask, sem, scope):
     """Observable stand-in for an int64 lowering: atomic exchange instead of add."""
     return semantic.atomic_xchg(ptr, val, mask, sem, scope)
@@ -74,6 +77,7 @@ def raising_cache_modifier(cm):
 
 
 # ---------------------------------------------------------------------------------------------------
+
 
 def test_every_hook_is_declared_once_with_an_install_point():
     points = {p.name for p in install.INSTALL_POINTS} | check.OWN_POINTS
@@ -111,8 +115,11 @@ def test_resolution_order(registry, monkeypatch):
     for name in ("a", "b"):
         tritonspec.register_spec(name, make_spec(f"{name}_spec"))
     # targets and device types come from each backend's own declaration
-    for name, targets, devices in (("nvidia", ("cuda",), ("cuda",)), ("amd", ("hip",), ("cuda",)),
-                                   ("cpu", (), ("cpu",))):
+    for name, targets, devices in (
+        ("nvidia", ("cuda",), ("cuda",)),
+        ("amd", ("hip",), ("cuda",)),
+        ("cpu", (), ("cpu",)),
+    ):
         info = tritonspec.BackendInfo(runs="real", targets=targets, devices=devices)
         tritonspec.register_spec(name, make_spec(f"{name}_spec", backend_info=info))
     no_interpreter(monkeypatch)
@@ -137,6 +144,7 @@ def test_resolution_order(registry, monkeypatch):
 
 def test_driver_spec_is_used_only_when_a_driver_exists(registry, monkeypatch):
     from triton.runtime.driver import driver
+
     no_interpreter(monkeypatch)
     assert driver._active is None and driver._default is None
     assert tritonspec.spec("num_stages_cap") is None
@@ -150,6 +158,7 @@ def test_driver_spec_is_used_only_when_a_driver_exists(registry, monkeypatch):
 
     monkeypatch.setattr(driver, "_active", FakeDriver())
     from triton.runtime.driver import spec, spec_func  # FlagTree-compatible import path
+
     assert spec("num_stages_cap") == 7
     assert spec_func("num_stages_cap")() == 7
 
@@ -157,7 +166,9 @@ def test_driver_spec_is_used_only_when_a_driver_exists(registry, monkeypatch):
 def test_spec_errors_name_backend_and_hook(registry):
     tritonspec.register_spec("raiser", make_spec("raiser_spec", ext_str_to_load_cache_modifier=raising_cache_modifier))
     with tritonspec.use_backend("raiser"):
-        with pytest.raises(Exception, match="backend .raiser. spec hook .ext_str_to_load_cache_modifier. raised") as info:
+        with pytest.raises(
+            Exception, match="backend .raiser. spec hook .ext_str_to_load_cache_modifier. raised"
+        ) as info:
             compile_for(_load_cm, {"x_ptr": "*fp32", "y_ptr": "*fp32", "BLOCK": "constexpr"}, {"BLOCK": 32})
     chain, e = [], info.value
     while e is not None:
@@ -179,6 +190,7 @@ def test_a_hook_is_wrapped_once_per_spec_function(registry):
 
 def test_injectors_install_and_restore_exact_objects(registry):
     from triton.language import core, math, semantic, standard
+
     orig = {"tl.exp": tl.exp, "math.exp": math.exp, "tl.maximum": tl.maximum}
 
     @core.builtin
@@ -192,9 +204,15 @@ def test_injectors_install_and_restore_exact_objects(registry):
     def ext_semantic_my_neg(self, x):
         return self.minus(x)
 
-    spec = make_spec("inj_spec", my_twice=my_twice, exp=exp, ext_semantic_my_neg=ext_semantic_my_neg,
-                     core_ext_spec_func_list=["my_twice"], math_ext_base_func_list=["exp"],
-                     semantic_ext_spec_func_list=["my_neg"])
+    spec = make_spec(
+        "inj_spec",
+        my_twice=my_twice,
+        exp=exp,
+        ext_semantic_my_neg=ext_semantic_my_neg,
+        core_ext_spec_func_list=["my_twice"],
+        math_ext_base_func_list=["exp"],
+        semantic_ext_spec_func_list=["my_neg"],
+    )
     spec.__all__ = ["core_ext_spec_func_list", "math_ext_base_func_list", "semantic_ext_spec_func_list"]
     tritonspec.register_spec("inj", spec)
     with tritonspec.use_backend("inj"):
@@ -231,8 +249,9 @@ def test_injector_collisions_are_errors(registry):
 
 def test_vendor_spec_round_trip_compiled_and_interpreted(registry):
     """One FlagTree-style spec module changes semantics identically in compiled and interpreted kernels."""
-    vendor = make_spec("vendor_spec", atomic_add_int64=xchg_instead_of_add,
-                       arange_disable_check_power_of_two=always_true)
+    vendor = make_spec(
+        "vendor_spec", atomic_add_int64=xchg_instead_of_add, arange_disable_check_power_of_two=always_true
+    )
     tritonspec.register_spec("vendor", vendor)
     sig = {"ptr": "*i64", "val_ptr": "*i64", "n": "i32", "BLOCK": "constexpr"}
     stock = compile_for(_atomic64, sig, {"BLOCK": 32}).asm["ttir"]
@@ -243,8 +262,8 @@ def test_vendor_spec_round_trip_compiled_and_interpreted(registry):
 
     # interpreted: the same spec turns the add into an exchange (the test session interprets)
     kernel = triton.jit(_atomic64)
-    base = torch.randint(-2**40, 2**40, (20,), dtype=torch.int64)
-    val = torch.randint(-2**40, 2**40, (20,), dtype=torch.int64)
+    base = torch.randint(-(2**40), 2**40, (20,), dtype=torch.int64)
+    val = torch.randint(-(2**40), 2**40, (20,), dtype=torch.int64)
     out = base.clone()
     kernel[(1,)](out, val, 20, BLOCK=32)
     assert torch.equal(out, base + val)
@@ -337,8 +356,7 @@ def test_num_stages_cap_and_autotuner_pruning_and_do_bench(registry):
     def do_bench(fn, *args, **kwargs):
         return 42.0
 
-    tritonspec.register_spec("rt", make_spec("rt_spec", num_stages_cap=2, get_pruned_configs=prune,
-                                             do_bench=do_bench))
+    tritonspec.register_spec("rt", make_spec("rt_spec", num_stages_cap=2, get_pruned_configs=prune, do_bench=do_bench))
     with tritonspec.use_backend("rt"):
         assert compile_for(_copy, *COPY_SIG).metadata.num_stages == 2
         assert triton.testing.do_bench(lambda: None) == 42.0
@@ -379,10 +397,11 @@ def test_get_cc_hook(registry, monkeypatch, tmp_path):
     """The backend's host compiler builds launcher stubs (3.9: _find_compiler; 3.6: $CC inside _build)."""
     import shutil
     import triton.runtime.build as build
+
     monkeypatch.delenv("CC", raising=False)
     marker = tmp_path / "used"
     cc = tmp_path / "vendor-cc"
-    cc.write_text(f"#!/bin/sh\necho used > {marker}\nexec {shutil.which('gcc') or shutil.which('cc')} \"$@\"\n")
+    cc.write_text(f'#!/bin/sh\necho used > {marker}\nexec {shutil.which("gcc") or shutil.which("cc")} "$@"\n')
     cc.chmod(0o755)
     tritonspec.register_spec("cc", make_spec("cc_spec", get_cc=lambda: str(cc)))
     src = f"""#include <Python.h>
@@ -397,6 +416,7 @@ PyMODINIT_FUNC PyInit_ccprobe(void) {{ return PyModule_Create(&m); }}
 
 def test_deactivate_restores_stock_triton_and_reactivates():
     from triton.language.semantic import TritonSemantic
+
     patched = TritonSemantic.__dict__["atomic_add"]
     original = patched.__wrapped__
     compile_before = triton.compile
@@ -423,10 +443,16 @@ print(json.dumps({{s: hashlib.sha256(str(k.asm[s]).encode()).hexdigest() for s i
 """
 
 
-@pytest.mark.parametrize("target,stages", [(("cuda", 90, 32), ("ttir", "ttgir", "llir", "ptx")),
-                                           (("hip", "gfx942", 64), ("ttir", "ttgir", "llir", "amdgcn"))])
+@pytest.mark.parametrize(
+    "target,stages",
+    [
+        (("cuda", 90, 32), ("ttir", "ttgir", "llir", "ptx")),
+        (("hip", "gfx942", 64), ("ttir", "ttgir", "llir", "amdgcn")),
+    ],
+)
 def test_ir_is_byte_identical_to_stock_when_nothing_is_specialized(target, stages):
     import json
+
     code = STOCK_IR.format(testdir=os.path.dirname(__file__), target=target, stages=stages)
     out = {}
     for disable in ("1", "0"):
@@ -447,8 +473,7 @@ print("tritonspec" in sys.modules, hasattr(sys.modules["triton.runtime.driver"],
 def test_import_triton_alone_installs_the_hooks_unless_disabled():
     for disable, expected in (("0", "True"), ("1", "False")):
         env = dict(os.environ, TRITONSPEC_DISABLE=disable)
-        proc = subprocess.run([sys.executable, "-c", ACTIVATION], env=env, capture_output=True, text=True,
-                              timeout=120)
+        proc = subprocess.run([sys.executable, "-c", ACTIVATION], env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.split()[1] == expected.split()[-1], proc.stdout
 
@@ -471,13 +496,17 @@ def test_points_that_cannot_apply_are_reported_not_raised():
 
 def test_check_command_passes_and_claims_only_what_it_did():
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_DEFAULT_FP_FUSION")}
-    proc = subprocess.run([sys.executable, "-m", "tritonspec.cli", "check"], env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tritonspec.cli", "check"], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "all checks passed" in proc.stdout
     for name, provider in PROVIDERS.providers().items():  # every provider, with where it runs and its distribution
-        assert any(line.split()[:6] == [name, provider.info.runs, "entry", "point", "of", "tritonspec"]
-                   for line in proc.stdout.splitlines() if line.strip()), name
+        assert any(
+            line.split()[:6] == [name, provider.info.runs, "entry", "point", "of", "tritonspec"]
+            for line in proc.stdout.splitlines()
+            if line.strip()
+        ), name
     # no binary is claimed that was not built; the reason is named
     samples = {row[0]: row for row in check.parse_tables(proc.stdout)["Sample kernels"]}
     assert samples["ascend"][2] == "ok (source,ttir); npubin: not built (bishengir-compile not on PATH)", samples
@@ -495,12 +524,17 @@ def _exp_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
 
 def test_cross_compiling_uses_the_target_backends_injections(registry):
     """Compiling for hip in the same process applies the amd spec's tl injections, and only then."""
+
     @tl.core.builtin
     def exp(x, _semantic=None):
         return _semantic.mul(x, x, False)
 
-    amd = make_spec("amd_inject_spec", exp=exp, math_ext_base_func_list=["exp"],
-                    backend_info=tritonspec.BackendInfo(runs="compile-only", targets=("hip",)))
+    amd = make_spec(
+        "amd_inject_spec",
+        exp=exp,
+        math_ext_base_func_list=["exp"],
+        backend_info=tritonspec.BackendInfo(runs="compile-only", targets=("hip",)),
+    )
     amd.__all__ = ["math_ext_base_func_list", "backend_info"]
     tritonspec.register_spec("amd", amd)
     stock_exp = tl.exp
@@ -512,25 +546,35 @@ def test_cross_compiling_uses_the_target_backends_injections(registry):
     assert tl.exp is stock_exp
 
 
-@pytest.mark.parametrize("override,match", [
-    ({"BLOCK_N": 2**40}, "BLOCK_N=1099511627776 must be at most 1048576 \\(the most elements a Triton tensor holds\\)"),
-    ({"BLOCK_M": 2**31}, "BLOCK_M=2147483648 must be at most 1048576"),
-    ({"BLOCK_N": -64}, "BLOCK_N=-64 must be >= 1"),
-    ({"BLOCK_N": 96}, "BLOCK_N=96 must be a power of two"),
-    ({"num_warps": 1024}, "num_warps=1024 must be at most 32"),
-    ({"maxnreg": 4096}, "maxnreg=4096 must be at most 255"),
-    ({"num_stages": 2**32}, "num_stages=4294967296 must be at most 2147483647"),
-])
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        (
+            {"BLOCK_N": 2**40},
+            "BLOCK_N=1099511627776 must be at most 1048576 \\(the most elements a Triton tensor holds\\)",
+        ),
+        ({"BLOCK_M": 2**31}, "BLOCK_M=2147483648 must be at most 1048576"),
+        ({"BLOCK_N": -64}, "BLOCK_N=-64 must be >= 1"),
+        ({"BLOCK_N": 96}, "BLOCK_N=96 must be a power of two"),
+        ({"num_warps": 1024}, "num_warps=1024 must be at most 32"),
+        ({"maxnreg": 4096}, "maxnreg=4096 must be at most 255"),
+        ({"num_stages": 2**32}, "num_stages=4294967296 must be at most 2147483647"),
+    ],
+)
 def test_a_launch_config_out_of_tritons_range_fails_where_it_is_looked_up(registry, override, match):
     """Named with backend, hook, kernel and key, before anything launches (not "arange must fit in int32"
     from inside the interpreter); as a function and as a ConfigTable alike."""
     from tritonspec import ConfigTable, LaunchConfigError, ops
+
     x, w = torch.randn(3, 64), torch.randn(64)
-    hooks = {"fn": lambda kernel, **problem: dict(override),
-             "table": ConfigTable({"rms_norm_fwd": lambda kernel, **problem: dict(override)})}
+    hooks = {
+        "fn": lambda kernel, **problem: dict(override),
+        "table": ConfigTable({"rms_norm_fwd": lambda kernel, **problem: dict(override)}),
+    }
     for name, hook in hooks.items():
         tritonspec.register_spec(f"huge-{name}", make_spec(f"huge_{name}_spec", kernel_config=hook))
         with tritonspec.use_backend(f"huge-{name}"):
-            with pytest.raises(LaunchConfigError, match=f"^backend 'huge-{name}' kernel_config\\('rms_norm_fwd'\\): "
-                                                        + match):
+            with pytest.raises(
+                LaunchConfigError, match=f"^backend 'huge-{name}' kernel_config\\('rms_norm_fwd'\\): " + match
+            ):
                 ops.rms_norm(x, w)

@@ -4,6 +4,7 @@ what a process that never asks for a spec pays, and what TRITONSPEC_DISABLE=1 le
 Each case runs in a fresh process: the allow-list and the installed entry points are read once per
 process, and these tests install fake distributions by putting a ``*.dist-info`` on ``PYTHONPATH``.
 """
+
 import json
 import os
 import subprocess
@@ -17,8 +18,7 @@ import triton.language as tl
 STOCK_EXP_3 = 20.085536923187668  # e**3: what tl.exp(3.0) must give unless a trusted spec says otherwise
 
 
-def fake_distribution(site, name, entry_points: dict, modules: dict, record=True, version="1.0",
-                      folder=None) -> None:
+def fake_distribution(site, name, entry_points: dict, modules: dict, record=True, version="1.0", folder=None) -> None:
     """A distribution as pip leaves it: ``<name>-<version>.dist-info`` (METADATA, entry_points.txt and,
     with ``record``, a RECORD listing its files) and modules. ``folder`` names the dist-info otherwise."""
     info = site / (folder or f"{name}-{version}.dist-info")
@@ -91,10 +91,11 @@ def probe(root, allow: str | None) -> dict:
     proc = run_python([str(root / "probe.py")], env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("PROBE "):])
+    return json.loads(lines[-1][len("PROBE ") :])
 
 
 # -- trust ------------------------------------------------------------------------------------------
+
 
 def test_a_second_provider_for_a_name_is_an_error_naming_both_distributions(evil_site):
     """The reproducer: a name-only allow-list let whichever provider came first on sys.path win."""
@@ -149,9 +150,11 @@ def test_register_spec_cannot_take_a_pinned_name(tmp_path):
     refused = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED")]
     assert len(refused) == 2 and "ACCEPTED" not in proc.stdout, proc.stdout
     for line, module in zip(refused, ("tritonspec_backends.cpu.backend.evil", "tritonspec_backends.cpu.backend.spec")):
-        assert ("register_spec: backend 'cpu' is pinned to distribution tritonspec by TRITONSPEC_ALLOWED_BACKENDS="
-                "'cpu=tritonspec,scratch': its spec comes from that distribution's tritonspec.specs entry point "
-                f"only, not from module {module} registered at run time") in line, line
+        assert (
+            "register_spec: backend 'cpu' is pinned to distribution tritonspec by TRITONSPEC_ALLOWED_BACKENDS="
+            "'cpu=tritonspec,scratch': its spec comes from that distribution's tritonspec.specs entry point "
+            f"only, not from module {module} registered at run time"
+        ) in line, line
     assert "PROVIDER entry point" in proc.stdout and "OK register_spec" in proc.stdout
 
 
@@ -159,8 +162,9 @@ def test_a_package_calling_itself_tritonspec_is_refused_under_the_pin(tmp_path):
     """METADATA says ``Name: tritonspec``; nothing else about it is tritonspec's. (First on sys.path, it also
     hides tritonspec's Triton backends from Triton's discovery, so here tritonspec is imported by name.)"""
     site = tmp_path / "site"
-    fake_distribution(site, "tritonspec", {"tritonspec.specs": {"cpu": "evilmod"}}, {"evilmod": EVIL},
-                      record=False, version="9.0")
+    fake_distribution(
+        site, "tritonspec", {"tritonspec.specs": {"cpu": "evilmod"}}, {"evilmod": EVIL}, record=False, version="9.0"
+    )
     (tmp_path / "probe.py").write_text("import tritonspec\n" + PROBE)
     out = probe(tmp_path, "cpu=tritonspec,nvidia")
     assert "backend 'cpu' has 2 spec providers: tritonspec==9.0 (evilmod) and tritonspec==0.1.0" in out["result"], out
@@ -188,34 +192,45 @@ def pinned(root, backend, allow, cwd=None) -> dict:
     marker = root / "marker"
     marker.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONPATH=str(root / "site"), EVIL_MARKER=str(marker), TRITONSPEC_ALLOWED_BACKENDS=allow)
-    proc = subprocess.run([sys.executable, "-c", PINNED, backend], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=cwd or root)
+    proc = subprocess.run(
+        [sys.executable, "-c", PINNED, backend], env=env, capture_output=True, text=True, timeout=300, cwd=cwd or root
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("PINNED ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("PINNED "):])
+    return json.loads(lines[-1][len("PINNED ") :])
 
 
 def test_a_second_distribution_of_the_pinned_name_is_refused_even_with_its_own_record(tmp_path):
     """Its dist-info folder named otherwise, its RECORD listing its module: still not the pinned project."""
-    fake_distribution(tmp_path / "site", "tritonspec", {"tritonspec.specs": {"toyx": "evilmod"}}, {"evilmod": EVIL},
-                      folder="innocent-1.0.dist-info")
+    fake_distribution(
+        tmp_path / "site",
+        "tritonspec",
+        {"tritonspec.specs": {"toyx": "evilmod"}},
+        {"evilmod": EVIL},
+        folder="innocent-1.0.dist-info",
+    )
     out = pinned(tmp_path, "toyx", "toyx=tritonspec,cpu")
-    assert out["refused"].startswith("backend 'toyx': refusing the provider evilmod of tritonspec==1.0 pinned by "
-                                     "TRITONSPEC_ALLOWED_BACKENDS: 2 different installed distributions are named "
-                                     "'tritonspec' (at "), out
+    assert out["refused"].startswith(
+        "backend 'toyx': refusing the provider evilmod of tritonspec==1.0 pinned by "
+        "TRITONSPEC_ALLOWED_BACKENDS: 2 different installed distributions are named "
+        "'tritonspec' (at "
+    ), out
     assert "innocent-1.0.dist-info: toyx = evilmod" in out["refused"] and "the pin cannot tell" in out["refused"]
     assert not out["evil imported"]
 
 
 def test_a_pinned_provider_must_be_a_file_of_its_distribution(tmp_path):
     """The entry point names a module the distribution does not ship (not in its RECORD)."""
-    fake_distribution(tmp_path / "site", "evil", {"tritonspec.specs": {"cpu": "evilmod"}}, {"evilmod": EVIL},
-                      record=False)
+    fake_distribution(
+        tmp_path / "site", "evil", {"tritonspec.specs": {"cpu": "evilmod"}}, {"evilmod": EVIL}, record=False
+    )
     out = pinned(tmp_path, "cpu", "cpu=evil")
     evil_file = os.path.realpath(tmp_path / "site" / "evilmod.py")
-    assert out["refused"] == ("backend 'cpu': refusing the provider evilmod of evil==1.0 pinned by "
-                              f"TRITONSPEC_ALLOWED_BACKENDS: {evil_file} (imported for evilmod) is not a file of distribution "
-                              "evil==1.0: neither in its RECORD nor in its editable source"), out
+    assert out["refused"] == (
+        "backend 'cpu': refusing the provider evilmod of evil==1.0 pinned by "
+        f"TRITONSPEC_ALLOWED_BACKENDS: {evil_file} (imported for evilmod) is not a file of distribution "
+        "evil==1.0: neither in its RECORD nor in its editable source"
+    ), out
     assert not out["evil imported"]
 
 
@@ -236,6 +251,7 @@ def test_the_editable_install_passes_its_own_pin(tmp_path, from_repo):
 def test_a_malformed_allow_list_is_an_error(raw):
     from tritonspec.specialization.providers import AllowList
     from tritonspec import SpecError
+
     with pytest.raises(SpecError, match="must be 'name' or 'name=distribution'"):
         AllowList.parse(raw)
 
@@ -261,8 +277,10 @@ print("RESULT " + json.dumps({{"ttir": k.asm["ttir"], "hash": k.hash,
                               "fingerprint": tritonspec.PROVIDERS.get("dup").fingerprint}}))
 """
 
-MUL = ("from triton.language import core\n@core.builtin\ndef exp(x, _semantic=None):\n"
-       "    return _semantic.mul(x, x, True)\n")
+MUL = (
+    "from triton.language import core\n@core.builtin\ndef exp(x, _semantic=None):\n"
+    "    return _semantic.mul(x, x, True)\n"
+)
 ADD = MUL.replace("mul", "add")
 
 
@@ -280,7 +298,7 @@ def _compile_in_process(code, cache) -> dict:
     proc = run_python(["-c", code], env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def test_specs_differing_only_in_injected_functions_never_share_binaries(tmp_path):
@@ -312,8 +330,9 @@ def test_a_spec_function_in_a_helper_file_is_part_of_the_fingerprint(tmp_path):
     """The spec module's own file never changes; only the helper it imports exp from does."""
     site = tmp_path / "site"
     site.mkdir()
-    (site / "toyspec.py").write_text("from toyhelpers import exp\nmath_ext_base_func_list = ['exp']\n"
-                                     "__all__ = ['math_ext_base_func_list']\n")
+    (site / "toyspec.py").write_text(
+        "from toyhelpers import exp\nmath_ext_base_func_list = ['exp']\n__all__ = ['math_ext_base_func_list']\n"
+    )
     code = FILE_SPEC.format(site=str(site), testdir=os.path.dirname(__file__))
     (site / "toyhelpers.py").write_text(MUL)
     first = _compile_in_process(code, tmp_path / "cache")
@@ -335,6 +354,7 @@ def test_the_fingerprint_follows_helpers_closures_and_defaults():
     def make(k):
         def cap():
             return k
+
         return cap
 
     assert spec_with(cap=make(2)).value != spec_with(cap=make(3)).value  # same source, other closure
@@ -380,10 +400,12 @@ print("RESULT " + json.dumps({{"backends": sorted(backends),
 
 def test_disable_leaves_triton_stock(tmp_path):
     code = STOCK.format(testdir=os.path.dirname(__file__))
-    proc = run_python(["-c", code], {"TRITONSPEC_DISABLE": "1", "TRITON_INTERPRET": "0",
-                                     "TRITON_CACHE_DIR": str(tmp_path / "cache")})
+    proc = run_python(
+        ["-c", code], {"TRITONSPEC_DISABLE": "1", "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    )
     out = json.loads([line for line in proc.stdout.splitlines() if line.startswith("RESULT ")][-1][7:])
     import triton.backends
+
     stock = sorted(n for n, b in triton.backends.backends.items() if b.compiler.__module__.startswith("triton."))
     assert out == {"backends": stock, "ours": []}
     enabled = _compile_in_process(code, tmp_path / "cache")  # and without it: our backends, our modules
@@ -401,20 +423,28 @@ def test_disable_takes_what_tritons_boolean_knobs_take(monkeypatch):
     """``TRITONSPEC_DISABLE`` reads like ``TRITON_INTERPRET``: 1/true/yes/on/y in any case disable, and
     0/false/no/off/empty do not; anything else keeps the layer on, with a warning naming the value."""
     from triton._C.libtriton import getenv_bool  # how triton.knobs reads its boolean switches
+
     values = ["1", "true", "TRUE", "yes", "On", "y", "0", "false", "no", "off", "", "maybe"]
     procs = {}
     for value in values:
         monkeypatch.setenv("TRITONSPEC_DISABLE", value)
-        procs[value] = subprocess.Popen([sys.executable, "-c", ACTIVE], env=dict(os.environ), text=True,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        procs[value] = subprocess.Popen(
+            [sys.executable, "-c", ACTIVE],
+            env=dict(os.environ),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
     disabled = []
     for value, proc in procs.items():
         monkeypatch.setenv("TRITONSPEC_DISABLE", value)
         stdout, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0, stderr[-3000:]
         loaded = json.loads(stdout.split("ACTIVE ", 1)[1])
-        assert loaded == ([] if getenv_bool("TRITONSPEC_DISABLE", False) else ["tritonspec", "tritonspec_backends"]), \
-            (value, loaded)
+        assert loaded == ([] if getenv_bool("TRITONSPEC_DISABLE", False) else ["tritonspec", "tritonspec_backends"]), (
+            value,
+            loaded,
+        )
         assert ("TRITONSPEC_DISABLE='maybe' is neither true" in stderr) == (value == "maybe"), (value, stderr[-2000:])
         disabled += [value] if not loaded else []
     assert disabled == ["1", "true", "TRUE", "yes", "On", "y"]
@@ -423,13 +453,20 @@ def test_disable_takes_what_tritons_boolean_knobs_take(monkeypatch):
 def test_a_broken_provider_does_not_take_the_others_down(tmp_path):
     """It is left out of target and device resolution with a warning, and fails where it is named."""
     site = tmp_path / "site"
-    fake_distribution(site, "broken", {"tritonspec.specs": {"brokengpu": "brokenmod"}},
-                      {"brokenmod": "raise ImportError('no SDK here')\n"})
+    fake_distribution(
+        site,
+        "broken",
+        {"tritonspec.specs": {"brokengpu": "brokenmod"}},
+        {"brokenmod": "raise ImportError('no SDK here')\n"},
+    )
     code = ZERO_COST.format(testdir=os.path.dirname(__file__)).replace(
-        'print("RESULT "', 'import tritonspec\ntry:\n    tritonspec.PROVIDERS.get("brokengpu")\n'
-        'except ImportError as e:\n    print("NAMED", e)\nprint("RESULT "')
-    proc = run_python(["-c", code], {"PYTHONPATH": str(site), "TRITON_INTERPRET": "0",
-                                     "TRITON_CACHE_DIR": str(tmp_path / "cache")})
+        'print("RESULT "',
+        'import tritonspec\ntry:\n    tritonspec.PROVIDERS.get("brokengpu")\n'
+        'except ImportError as e:\n    print("NAMED", e)\nprint("RESULT "',
+    )
+    proc = run_python(
+        ["-c", code], {"PYTHONPATH": str(site), "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "spec provider 'brokengpu' failed to load (ImportError: no SDK here)" in proc.stderr
     assert "NAMED no SDK here" in proc.stdout

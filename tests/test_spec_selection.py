@@ -1,4 +1,5 @@
 """Spec selection per thread and async task, hook contracts, and backend identity read from declarations."""
+
 import asyncio
 import contextlib
 import os
@@ -51,6 +52,7 @@ def _op(ttir: str) -> str:
 
 # -- per-thread selection ---------------------------------------------------------------------------
 
+
 def test_threads_interleaving_enter_and_exit_keep_their_own_selection(registry):
     """The reproducer: A leaving its `with` popped B's selection, and B compiled with A's spec."""
     tritonspec.register_spec("thread_a", injecting("thread_a_spec", exp_squared))
@@ -89,8 +91,12 @@ def test_threads_interleaving_enter_and_exit_keep_their_own_selection(registry):
     for t in threads:
         t.join(timeout=300)
     assert not errors, errors
-    assert seen == {"a after exit": None, "a compiles outside": "exp", "b still selected": "thread_b",
-                    "b compiles inside": "add"}
+    assert seen == {
+        "a after exit": None,
+        "a compiles outside": "exp",
+        "b still selected": "thread_b",
+        "b compiles inside": "add",
+    }
 
 
 def test_concurrent_compiles_and_interpreted_runs_use_each_threads_spec(registry):
@@ -154,7 +160,9 @@ def test_process_default_applies_to_every_thread_below_use_backend(registry):
 
 
 def test_the_environment_sets_the_process_default():
-    code = "import tritonspec; print(tritonspec.default_backend(), tritonspec.specialization.resolve.explicit_backend())"
+    code = (
+        "import tritonspec; print(tritonspec.default_backend(), tritonspec.specialization.resolve.explicit_backend())"
+    )
     env = dict(os.environ, TRITONSPEC_DEFAULT_BACKEND="iluvatar")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.stdout.split() == ["iluvatar", "iluvatar"], proc.stderr[-2000:]
@@ -162,38 +170,58 @@ def test_the_environment_sets_the_process_default():
 
 # -- hook contracts -----------------------------------------------------------------------------------
 
+
 def _never(*args, **kwargs):
     raise AssertionError("not to be called")
 
 
-@pytest.mark.parametrize("exports,match", [
-    (dict(num_stages_cap="2"), "hook 'num_stages_cap' is the wrong thing: expected an int >= 1, got str '2'"),
-    (dict(num_stages_cap=-1), "hook 'num_stages_cap' is the wrong thing: expected an int >= 1, got int -1"),
-    (dict(num_stages_cap=True), "hook .num_stages_cap. is the wrong thing: expected an int >= 1, got bool"),
-    (dict(kernel_config=42), "hook 'kernel_config' must be a function, got int 42"),
-    (dict(kernel_config=lambda kernel: None),
-     r"hook 'kernel_config': expected a function callable as \(kernel, device=\)"),
-    (dict(atomic_add_int64=lambda a, b: None),
-     r"hook 'atomic_add_int64': expected a function callable as \(semantic, ptr"),
-    (dict(atomic_disable_bf16="yes"), "hook 'atomic_disable_bf16' is the wrong thing: expected bool, got str 'yes'"),
-    (dict(num_stages_cap=lambda n: n), r"hook 'num_stages_cap': expected a function callable as \(\)"),
-    (dict(interpreter_libdevice=3), "hook 'interpreter_libdevice' is the wrong thing: expected module"),
-])
+@pytest.mark.parametrize(
+    "exports,match",
+    [
+        (dict(num_stages_cap="2"), "hook 'num_stages_cap' is the wrong thing: expected an int >= 1, got str '2'"),
+        (dict(num_stages_cap=-1), "hook 'num_stages_cap' is the wrong thing: expected an int >= 1, got int -1"),
+        (dict(num_stages_cap=True), "hook .num_stages_cap. is the wrong thing: expected an int >= 1, got bool"),
+        (dict(kernel_config=42), "hook 'kernel_config' must be a function, got int 42"),
+        (
+            dict(kernel_config=lambda kernel: None),
+            r"hook 'kernel_config': expected a function callable as \(kernel, device=\)",
+        ),
+        (
+            dict(atomic_add_int64=lambda a, b: None),
+            r"hook 'atomic_add_int64': expected a function callable as \(semantic, ptr",
+        ),
+        (
+            dict(atomic_disable_bf16="yes"),
+            "hook 'atomic_disable_bf16' is the wrong thing: expected bool, got str 'yes'",
+        ),
+        (dict(num_stages_cap=lambda n: n), r"hook 'num_stages_cap': expected a function callable as \(\)"),
+        (dict(interpreter_libdevice=3), "hook 'interpreter_libdevice' is the wrong thing: expected module"),
+    ],
+)
 def test_a_value_of_the_wrong_kind_or_range_is_refused_naming_backend_and_hook(registry, exports, match):
     with pytest.raises(SpecContractError, match="backend 'typed' " + match):
         tritonspec.register_spec("typed", make_spec("typed_spec", **exports))
 
 
 def test_a_computed_value_and_a_functions_result_are_checked_at_lookup(registry):
-    tritonspec.register_spec("typed", make_spec("typed_spec", num_stages_cap=lambda: -1,
-                                                kernel_config=lambda kernel, **problem: ["BLOCK_M", 4],
-                                                get_cc=lambda: 7))
+    tritonspec.register_spec(
+        "typed",
+        make_spec(
+            "typed_spec",
+            num_stages_cap=lambda: -1,
+            kernel_config=lambda kernel, **problem: ["BLOCK_M", 4],
+            get_cc=lambda: 7,
+        ),
+    )
     with tritonspec.use_backend("typed"):
-        with pytest.raises(SpecContractError, match="backend 'typed' hook 'num_stages_cap' is the wrong thing: "
-                                                    "expected an int >= 1, got int -1"):
+        with pytest.raises(
+            SpecContractError,
+            match="backend 'typed' hook 'num_stages_cap' is the wrong thing: expected an int >= 1, got int -1",
+        ):
             tritonspec.spec("num_stages_cap")
-        with pytest.raises(SpecContractError, match="hook 'kernel_config' returned the wrong thing: expected "
-                                                    "dict or None, got list"):
+        with pytest.raises(
+            SpecContractError, match="hook 'kernel_config' returned the wrong thing: expected dict or None, got list"
+        ):
             tritonspec.launch_config(RMSNormForward, "cpu", RMSNormForward(BLOCK_M=1, BLOCK_N=64))
         with pytest.raises(SpecContractError, match="hook 'get_cc' returned the wrong thing: expected str or None"):
             tritonspec.spec("get_cc")
@@ -213,29 +241,45 @@ def test_an_injector_list_given_as_a_string_is_refused(registry):
         tritonspec.register_spec("notfn", spec)
 
 
-@pytest.mark.parametrize("op,override,match", [
-    ("rms_norm", {"BLOCK_M": 0}, "kernel_config\\('rms_norm_fwd'\\): BLOCK_M=0 must be >= 1"),
-    ("swiglu", {"BLOCK_N": 48}, "kernel_config\\('swiglu_fwd'\\): BLOCK_N=48 must be a power of two"),
-    ("rope", {"BLOCK_N": 48}, "kernel_config\\('rope'\\): unknown launch parameter 'BLOCK_N'.*'rope' takes .*BLOCK_S"),
-    ("rope", {"BLOCK_S": 48}, "kernel_config\\('rope'\\): BLOCK_S=48 must be a power of two"),
-    ("rms_norm", {"BLOKC_N": 64}, "kernel_config\\('rms_norm_fwd'\\): unknown launch parameter 'BLOKC_N'; did you "
-                                  "mean 'BLOCK_N'"),
-    ("rms_norm", {"num_warps": 6}, "kernel_config\\('rms_norm_fwd'\\): num_warps=6 must be a power of two"),
-    ("swiglu", {"num_stages": "2"}, "kernel_config\\('swiglu_fwd'\\): num_stages='2' must be an int, not str"),
-])
+@pytest.mark.parametrize(
+    "op,override,match",
+    [
+        ("rms_norm", {"BLOCK_M": 0}, "kernel_config\\('rms_norm_fwd'\\): BLOCK_M=0 must be >= 1"),
+        ("swiglu", {"BLOCK_N": 48}, "kernel_config\\('swiglu_fwd'\\): BLOCK_N=48 must be a power of two"),
+        (
+            "rope",
+            {"BLOCK_N": 48},
+            "kernel_config\\('rope'\\): unknown launch parameter 'BLOCK_N'.*'rope' takes .*BLOCK_S",
+        ),
+        ("rope", {"BLOCK_S": 48}, "kernel_config\\('rope'\\): BLOCK_S=48 must be a power of two"),
+        (
+            "rms_norm",
+            {"BLOKC_N": 64},
+            "kernel_config\\('rms_norm_fwd'\\): unknown launch parameter 'BLOKC_N'; did you mean 'BLOCK_N'",
+        ),
+        ("rms_norm", {"num_warps": 6}, "kernel_config\\('rms_norm_fwd'\\): num_warps=6 must be a power of two"),
+        ("swiglu", {"num_stages": "2"}, "kernel_config\\('swiglu_fwd'\\): num_stages='2' must be an int, not str"),
+    ],
+)
 def test_bad_launch_configs_fail_before_the_launch_naming_backend_kernel_and_key(registry, op, override, match):
     from tritonspec import ops
+
     tritonspec.register_spec("badcfg", make_spec("badcfg_spec", kernel_config=lambda kernel, **p: dict(override)))
     x = torch.randn(3, 64)
-    calls = {"rms_norm": lambda: ops.rms_norm(x, torch.ones(64)), "swiglu": lambda: ops.swiglu(x, x),
-             "rope": lambda: ops.rope(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), torch.randn(1, 3, 16),
-                                      torch.randn(1, 3, 16))}
+    calls = {
+        "rms_norm": lambda: ops.rms_norm(x, torch.ones(64)),
+        "swiglu": lambda: ops.swiglu(x, x),
+        "rope": lambda: ops.rope(
+            torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), torch.randn(1, 3, 16), torch.randn(1, 3, 16)
+        ),
+    }
     with tritonspec.use_backend("badcfg"):
         with pytest.raises(tritonspec.LaunchConfigError, match="backend 'badcfg' " + match):
             calls[op]()
 
 
 # -- backend identity ---------------------------------------------------------------------------------
+
 
 def test_device_types_and_targets_come_from_the_backends_declarations(registry):
     assert resolve.backend_for_device("npu:0") == "ascend"  # not "npu": ascend's op hooks are consulted
@@ -262,18 +306,24 @@ def test_device_types_and_targets_come_from_the_backends_declarations(registry):
 
 def test_launch_configs_are_memoized_per_device(registry):
     """One host, two GPU generations: a config chosen for one device is never reused for the other."""
+
     def kernel_config(kernel, device, **problem):
         return {"BLOCK_N": 128 if device.index == 1 else 32}
 
     info = tritonspec.BackendInfo(runs="real", devices=("xpu",))
     tritonspec.register_spec("twogen", make_spec("twogen_spec", backend_info=info, kernel_config=kernel_config))
     tile = RMSNormForward(BLOCK_N=8, BLOCK_M=1)
-    assert [tritonspec.launch_config(RMSNormForward, f"xpu:{i}", tile).BLOCK_N for i in (0, 1, 0, 1)] == \
-        [32, 128, 32, 128]
+    assert [tritonspec.launch_config(RMSNormForward, f"xpu:{i}", tile).BLOCK_N for i in (0, 1, 0, 1)] == [
+        32,
+        128,
+        32,
+        128,
+    ]
 
 
 def test_nvidia_tiles_follow_each_devices_capability(monkeypatch):
     from tritonspec_backends.nvidia.backend.spec import configs
+
     monkeypatch.setattr(configs, "_device_capability", lambda index: {0: 75, 1: 90}[index])
     slow = configs.kernel_config("rms_norm_fwd", device=torch.device("cuda", 0), N=1024)
     fast = configs.kernel_config("rms_norm_fwd", device=torch.device("cuda", 1), N=1024)
@@ -284,11 +334,18 @@ def test_no_backend_is_spelled_in_the_core():
     """Vendor names, device types and targets live in each backend's own package only."""
     root = pathlib.Path(__file__).parents[1]
     # "cpu" is also torch's device type for the interpreter, which the core may name.
-    vendors = [p.parents[2].name for p in (root / "third_party").glob("*/backend/spec/__init__.py")
-               if p.parents[2].name != "cpu"]
-    for path in ("python/tritonspec/specialization/resolve.py", "python/tritonspec/specialization/check.py",
-                 "python/tritonspec/launch.py",
-                 "python/tritonspec/specialization/providers.py", "setup.py"):
+    vendors = [
+        p.parents[2].name
+        for p in (root / "third_party").glob("*/backend/spec/__init__.py")
+        if p.parents[2].name != "cpu"
+    ]
+    for path in (
+        "python/tritonspec/specialization/resolve.py",
+        "python/tritonspec/specialization/check.py",
+        "python/tritonspec/launch.py",
+        "python/tritonspec/specialization/providers.py",
+        "setup.py",
+    ):
         source = (root / path).read_text()
         for name in vendors + ["npu", "Ascend910B3", "gfx942"]:
             assert f'"{name}"' not in source and f"'{name}'" not in source, (path, name)
@@ -298,6 +355,7 @@ def test_a_backward_run_on_another_thread_uses_its_forwards_selection(registry):
     """Autograd runs CUDA backwards on a device thread, where this thread's use_backend is not in
     scope: each op's backward carries its forward's selection (the eager path and the library op)."""
     from tritonspec.ops import _library, rms_norm
+
     seen = []
 
     def kernel_config(kernel, **problem):
@@ -318,6 +376,13 @@ def test_a_backward_run_on_another_thread_uses_its_forwards_selection(registry):
         finally:
             _library.FORCE_LIBRARY_OP = False
         assert ("rms_norm_fwd", "MainThread") in seen and ("rms_norm_bwd", "autograd-elsewhere") in seen, seen
-        torch.testing.assert_close(x.grad.double(), torch.autograd.functional.vjp(
-            lambda t: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6), x.detach().double(),
-            torch.ones(3, n, dtype=torch.float64))[1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            x.grad.double(),
+            torch.autograd.functional.vjp(
+                lambda t: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6),
+                x.detach().double(),
+                torch.ones(3, n, dtype=torch.float64),
+            )[1],
+            rtol=1e-5,
+            atol=1e-5,
+        )

@@ -1,4 +1,5 @@
 """SwiGLU (silu(gate) * up) against the float64 reference: output, dgate, dup."""
+
 import pytest
 from helpers import leaf, model_config
 import torch
@@ -95,6 +96,7 @@ def test_opcheck(device):
 def test_layer_is_a_drop_in_for_llama_mlp(device):
     modeling = pytest.importorskip("transformers.models.llama.modeling_llama")
     from tritonspec.nn.modules import SwiGLUMLP
+
     cfg = model_config("llama", hidden_size=32, intermediate_size=72, hidden_act="silu")
     hf = modeling.LlamaMLP(cfg).to(device)
     ours = SwiGLUMLP(32, 72).to(device)
@@ -111,14 +113,17 @@ def test_layer_is_a_drop_in_for_llama_mlp(device):
         assert_close(p.grad, dict(hf.named_parameters())[name].grad, f"d{name}")
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda d: swiglu(torch.randn(2, 8, device=d), torch.randn(2, 9, device=d)), "'up' has shape"),
-    (lambda d: swiglu(torch.randn(2, 8, device=d), torch.randn(2, 8, device=d).half()), "'up' has dtype"),
-    (lambda d: swiglu(torch.randn(2, 8, device=d).long(), torch.randn(2, 8, device=d)), "'gate' has dtype"),
-    (lambda d: swiglu(torch.randn(2, 8, device=d), torch.randn(2, 8, device="meta")), "'up' is on meta"),
-    (lambda d: swiglu(torch.tensor(1.0, device=d), torch.tensor(1.0, device=d)), "'gate' must have at least"),
-    (lambda d: swiglu(torch.randn(2, 8, device=d), None), "'up' must be a torch.Tensor"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda d: swiglu(torch.randn(2, 8, device=d), torch.randn(2, 9, device=d)), "'up' has shape"),
+        (lambda d: swiglu(torch.randn(2, 8, device=d), torch.randn(2, 8, device=d).half()), "'up' has dtype"),
+        (lambda d: swiglu(torch.randn(2, 8, device=d).long(), torch.randn(2, 8, device=d)), "'gate' has dtype"),
+        (lambda d: swiglu(torch.randn(2, 8, device=d), torch.randn(2, 8, device="meta")), "'up' is on meta"),
+        (lambda d: swiglu(torch.tensor(1.0, device=d), torch.tensor(1.0, device=d)), "'gate' must have at least"),
+        (lambda d: swiglu(torch.randn(2, 8, device=d), None), "'up' must be a torch.Tensor"),
+    ],
+)
 def test_bad_arguments_raise_naming_the_argument(call, match, device):
     with pytest.raises((TypeError, ValueError), match=match):
         call(device)

@@ -10,6 +10,7 @@ downloaded or reinstalled. The plugin is built from a copy in tmp_path, so the s
 build/ or *.egg-info. Every check runs in a subprocess of the new venv's Python: Triton discovers
 backends once per process, and TRITON_INTERPRET / TRITONSPEC_ALLOWED_BACKENDS must be set before import.
 """
+
 import importlib.util
 import os
 import shutil
@@ -26,7 +27,7 @@ PLUGIN = REPO / "examples" / "vendor_plugin"
 DIST = "tritonspec-toyvendor"
 
 # Plain functions in a file (JITFunction needs their source): jitted or compiled by the scripts.
-KERNELS = '''
+KERNELS = """
 import triton.language as tl
 
 
@@ -40,10 +41,10 @@ def atomic_add(out_ptr, x_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     tl.atomic_add(out_ptr + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
-'''
+"""
 
 # (b) interpreted (TRITON_INTERPRET=1), no allow-list.
-INTERPRETED = '''
+INTERPRETED = """
 import os
 import sys
 from pathlib import Path
@@ -114,10 +115,10 @@ assert tritonspec.value("atomic_disable_bf16") is None
 err = bf16_atomic_error()  # the interpreter itself has no bf16 atomics: its own error, not the policy's
 assert err is None or ("is not supported by backend" not in err and "toyvendor" not in err), err
 print("interpreted checks passed")
-'''
+"""
 
 # (c) then (d), compiled offline (no TRITON_INTERPRET); starts with TRITONSPEC_ALLOWED_BACKENDS=nvidia,cpu.
-COMPILED = '''
+COMPILED = """
 import os
 import sys
 
@@ -208,11 +209,11 @@ assert "atomic_add on bfloat16 is not supported by backend 'toyvendor'" in err, 
 compile(ATOMIC, CUDA)  # other targets keep bf16 atomics and have no toy_clamp01
 assert "has no attribute 'toy_clamp01'" in error(CLAMP, CUDA)
 print("compiled checks passed")
-'''
+"""
 
 # TRITONSPEC_DISABLE=1: Triton still discovers the backend, which must not import tritonspec, and is
 # taken back out of Triton's table with ours.
-DISABLED = '''
+DISABLED = """
 import sys
 
 imported = []
@@ -234,12 +235,15 @@ assert all(b.compiler.__module__.startswith("triton.") for b in backends.values(
 assert not hasattr(sys.modules["toyvendor.backend"], "tritonspec")
 assert not imported, imported
 print("disabled checks passed")
-'''
+"""
 
 
 def _env(interpret: bool, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TRITON_INTERPRET", "TRITON_DEFAULT_BACKEND") and not k.startswith("TRITONSPEC_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TRITON_INTERPRET", "TRITON_DEFAULT_BACKEND") and not k.startswith("TRITONSPEC_")
+    }
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     if interpret:
@@ -264,14 +268,30 @@ def _fresh_venv(root: Path) -> tuple[Path, Path]:
     # addsitedir (not a bare path line): the outer site-packages' own .pth files run too, among them
     # the editable tritonspec's finder.
     (site_dir / "_outer_site_packages.pth").write_text(
-        "".join(f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages()))
+        "".join(f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages())
+    )
     return venv / "bin" / "python", site_dir
 
 
 def _pip_install(python: Path, src: Path, cwd: Path) -> None:
     """Install ``src`` offline; never touch a distribution of the same name outside the new venv."""
-    _run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index", "--no-cache-dir",
-          "--ignore-installed", src], _env(False), cwd=cwd)
+    _run(
+        [
+            python,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--no-cache-dir",
+            "--ignore-installed",
+            src,
+        ],
+        _env(False),
+        cwd=cwd,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -283,8 +303,12 @@ def plugin_venv(tmp_path_factory):
     python, site_dir = _fresh_venv(root)
     _pip_install(python, src, root)
     assert any(site_dir.glob("tritonspec_toyvendor-*.dist-info")), sorted(p.name for p in site_dir.iterdir())
-    for name, text in (("kernels.py", KERNELS), ("interpreted.py", INTERPRETED), ("compiled.py", COMPILED),
-                       ("disabled.py", DISABLED)):
+    for name, text in (
+        ("kernels.py", KERNELS),
+        ("interpreted.py", INTERPRETED),
+        ("compiled.py", COMPILED),
+        ("disabled.py", DISABLED),
+    ):
         (root / name).write_text(textwrap.dedent(text))
     yield python, root
     leftovers = [p.name for p in PLUGIN.iterdir() if p.name in ("build", "dist") or p.name.endswith(".egg-info")]
@@ -296,6 +320,7 @@ def test_check_lists_and_compiles_the_plugin(plugin_venv):
     python, root = plugin_venv
     out = _run([python, "-m", "tritonspec.cli", "check", "--verbose"], _env(False), cwd=root).stdout
     from tritonspec.specialization.check import parse_tables
+
     tables = parse_tables(out)
     assert "all checks passed" in out, out
     providers = {row[0]: row for row in tables["Spec providers"]}
@@ -382,6 +407,7 @@ __all__ = ["math_ext_base_func_list"]
 
 def _pinned(python: Path, root: Path, allow: str, *backends) -> dict:
     import json
+
     proc = _run([python, "pinned.py", *backends], _env(False, TRITONSPEC_ALLOWED_BACKENDS=allow), cwd=root)
     return json.loads([line for line in proc.stdout.splitlines() if line.startswith("PINNED ")][-1][7:])
 
@@ -419,9 +445,12 @@ def test_a_wheel_calling_itself_tritonspec_is_refused_under_the_pin(tmp_path_fac
     assert any(site_dir.glob("tritonspec-9.9.dist-info/RECORD")), sorted(p.name for p in site_dir.iterdir())
     (root / "pinned.py").write_text(PINNED)
     out = _pinned(python, root, "cpu=tritonspec,toyx=tritonspec,nvidia", "cpu", "toyx")
-    assert "backend 'cpu' has 2 spec providers: tritonspec==9.9 (evilmod) and tritonspec==0.1.0" in \
-        out["cpu"]["refused"], out
-    assert out["toyx"]["refused"].startswith("backend 'toyx': refusing the provider evilmod of tritonspec==9.9 pinned "
-                                             "by TRITONSPEC_ALLOWED_BACKENDS: 2 different installed distributions are named "
-                                             "'tritonspec'"), out
+    assert (
+        "backend 'cpu' has 2 spec providers: tritonspec==9.9 (evilmod) and tritonspec==0.1.0" in out["cpu"]["refused"]
+    ), out
+    assert out["toyx"]["refused"].startswith(
+        "backend 'toyx': refusing the provider evilmod of tritonspec==9.9 pinned "
+        "by TRITONSPEC_ALLOWED_BACKENDS: 2 different installed distributions are named "
+        "'tritonspec'"
+    ), out
     assert not out["evil imported"], out

@@ -7,6 +7,7 @@ discovery imports these packages anyway: ``leave_triton_stock`` then takes them 
 (their entries in ``triton.backends.backends``, those of out-of-tree vendors of this layer too, and
 the ``tritonspec*`` modules discovery imported).
 """
+
 import os
 import sys
 
@@ -32,6 +33,7 @@ class _AfterDiscovery:
         sys.meta_path.remove(self)
         # Ours, and those of out-of-tree vendors of this layer (packages with a tritonspec.specs entry point).
         from importlib.metadata import entry_points
+
         vendors = {__name__} | {ep.value.split(".")[0] for ep in entry_points(group="tritonspec.specs")}
         for name, backend in list(backends.backends.items()):
             if backend.compiler.__module__.split(".")[0] in vendors:

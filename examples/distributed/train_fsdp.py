@@ -10,13 +10,19 @@ interpreter handles quickly. Ranks form a (dp, ep) DeviceMesh: the experts are s
 parameter is sharded by FSDP2 over all ranks, and each rank trains on its own batches. Rank 0 prints the mesh,
 what was kernelized and the loss of each step.
 """
+
 import argparse
 import os
 import time
 
-MODELS = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-          "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[]))}
+MODELS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[]),
+    ),
+}
 
 
 def parse():
@@ -39,6 +45,7 @@ def parse():
 def main():
     args = parse()
     import torch
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     shrunk = device == "cpu" and args.seq * args.batch * args.hidden > 4096
     if device == "cpu":
@@ -63,9 +70,16 @@ def main():
 
     config_cls, model_cls, moe = MODELS[args.model]
     config = getattr(transformers, config_cls)(
-        hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=args.hidden // 4, num_hidden_layers=args.layers, vocab_size=1024, max_position_embeddings=4096,
-        **moe)
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=args.hidden // 4,
+        num_hidden_layers=args.layers,
+        vocab_size=1024,
+        max_position_embeddings=4096,
+        **moe,
+    )
     torch.manual_seed(0)  # the same initial weights on every rank
     with torch.device(device):
         model = getattr(transformers, model_cls)._from_config(config, dtype=torch.float32)

@@ -4,6 +4,7 @@
 module reads the setting before anything imports Triton: Triton's backend discovery would otherwise take
 every tritonspec module back out of ``sys.modules`` in the middle of the import.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,21 +30,33 @@ everything that should apply did; 1 otherwise, or when the layer is disabled (TR
 
 def add_check_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``tritonspec check``, passed to ``tritonspec.specialization.check.main``."""
-    parser.add_argument("-v", "--verbose", action="store_true",
-                        help="show every spec function of each provider, and each sample kernel on a row of its "
-                             "own, instead of summaries")
-    parser.add_argument("--no-interpreter", dest="interpreter", action="store_false",
-                        help="skip running the sample kernels in the Triton interpreter (the slowest part: a "
-                             "subprocess with TRITON_INTERPRET=1); the offline compiles still run")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="show every spec function of each provider, and each sample kernel on a row of its "
+        "own, instead of summaries",
+    )
+    parser.add_argument(
+        "--no-interpreter",
+        dest="interpreter",
+        action="store_false",
+        help="skip running the sample kernels in the Triton interpreter (the slowest part: a "
+        "subprocess with TRITON_INTERPRET=1); the offline compiles still run",
+    )
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tritonspec", description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="tritonspec", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND")
-    check = sub.add_parser("check", help="validate the spec layer against the installed Triton (exit status 0: "
-                                         "all good)",
-                           description=CHECK_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    check = sub.add_parser(
+        "check",
+        help="validate the spec layer against the installed Triton (exit status 0: all good)",
+        description=CHECK_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_check_arguments(check)
     return p
 
@@ -51,6 +64,7 @@ def parser() -> argparse.ArgumentParser:
 def _disabled() -> int:
     """``tritonspec check`` with the layer disabled: say so without importing Triton (see the module's doc)."""
     from importlib.metadata import PackageNotFoundError, version
+
     try:
         triton_version = version("triton")
     except PackageNotFoundError:
@@ -66,6 +80,7 @@ def main(argv=None) -> int:
         if settings.DISABLE.get():
             return _disabled()
         from .specialization.check import main as check
+
         return check(verbose=args.verbose, interpreter=args.interpreter)
     return 2
 

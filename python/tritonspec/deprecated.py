@@ -4,6 +4,7 @@ Old module paths (``tritonspec.registry``) are served by a meta-path finder as t
 replaced them (the same object, so state is shared); old attribute names (``tritonspec.REGISTRY``)
 by the owning package's ``__getattr__`` through ``renamed_attribute``.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -39,7 +40,6 @@ def _warn(old: str, new: str) -> None:
 
 
 class _Alias(importlib.abc.Loader):
-
     def __init__(self, target: str):
         self.target = target
 
@@ -51,7 +51,6 @@ class _Alias(importlib.abc.Loader):
 
 
 class _MovedModules(importlib.abc.MetaPathFinder):
-
     def find_spec(self, fullname, path=None, target=None):
         new = MODULES.get(fullname)
         if new is None:

@@ -7,6 +7,7 @@ kernel repositories and attention all take their device-type names from ``DEVICE
 Triton serves is read from the backends' own declarations (``BackendInfo.devices`` of backends
 that are not compile-only), plus the CPU through Triton's interpreter.
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,6 +31,7 @@ def interpreting() -> bool:
     global _interpreting
     if _interpreting is None:
         from triton import knobs
+
         _interpreting = bool(knobs.runtime.interpret)
     return _interpreting
 
@@ -48,6 +50,7 @@ def triton_device_types() -> tuple[str, ...]:
     declares (ascend's NPU binaries cannot be launched from here), and cpu."""
     global _declared
     from .specialization.providers import PROVIDERS
+
     generation, found = _declared
     if generation != PROVIDERS.generation:
         types = {"cpu"}
@@ -76,6 +79,7 @@ DEFAULT_COMPUTE_UNITS = 4
 @functools.lru_cache(maxsize=None)
 def _units(device_type: str, index: int | None) -> int:
     import torch  # on use: resolving a spec (which reads this module) never imports torch
+
     mod = getattr(torch, device_type, None)
     props_fn = getattr(mod, "get_device_properties", None)
     if props_fn is None:
@@ -97,5 +101,7 @@ def compute_units(device: torch.device) -> int:
 def check_launchable(op: str, name: str, t: torch.Tensor) -> None:
     """CPU tensors work only through the interpreter; say so instead of Triton's pointer error."""
     if t.is_cpu and not interpreting():
-        raise ValueError(f"{op}: argument '{name}' is on the CPU; Triton kernels need a GPU tensor, or set "
-                         "TRITON_INTERPRET=1 before importing tritonspec to run them in the interpreter")
+        raise ValueError(
+            f"{op}: argument '{name}' is on the CPU; Triton kernels need a GPU tensor, or set "
+            "TRITON_INTERPRET=1 before importing tritonspec to run them in the interpreter"
+        )

@@ -16,6 +16,7 @@ Nothing here imports torch: the table is read when Triton is imported (vendors' 
 tables are checked against it), so objects that live in heavier modules are named by
 ``"module:attribute"`` strings and loaded on use.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -88,8 +89,10 @@ class LaunchConfig:
         where = where or f"{self.kernel}: "
         for name in changes:
             if name not in known:
-                raise LaunchConfigError(f"{where}unknown launch parameter {name!r}{suggest(str(name), known)}; "
-                                        f"{self.kernel!r} takes {', '.join(known)}")
+                raise LaunchConfigError(
+                    f"{where}unknown launch parameter {name!r}{suggest(str(name), known)}; "
+                    f"{self.kernel!r} takes {', '.join(known)}"
+                )
         try:
             return dataclasses.replace(self, **changes)
         except LaunchConfigError as e:
@@ -99,6 +102,7 @@ class LaunchConfig:
 @dataclass(frozen=True, kw_only=True)
 class RowTile(LaunchConfig):
     """A (BLOCK_M rows, BLOCK_N columns) tile: RMSNorm and SwiGLU."""
+
     BLOCK_M: int
     BLOCK_N: int
 
@@ -127,6 +131,7 @@ class SwiGLUBackward(RowTile):
 @dataclass(frozen=True, kw_only=True)
 class RoPE(LaunchConfig):
     """BLOCK_S positions x BLOCK_HQ (q) or BLOCK_HK (k) heads per tile, forward and backward alike."""
+
     kernel: ClassVar[str] = "rope"
     BLOCK_S: int
     BLOCK_HQ: int
@@ -173,6 +178,7 @@ class AttentionPreprocess(LaunchConfig):
 @dataclass(frozen=True, kw_only=True)
 class LinearCrossEntropy(LaunchConfig):
     """The fused LM head's cross-entropy row kernel: one program per token, BLOCK_V logits a step."""
+
     kernel: ClassVar[str] = "linear_cross_entropy"
     BLOCK_V: int
 
@@ -181,6 +187,7 @@ class LinearCrossEntropy(LaunchConfig):
 class MoEGemm(LaunchConfig):
     """What the experts' grouped GEMMs share: BLOCK_N columns, BLOCK_K deep steps, and GROUP_M M blocks whose N
     blocks run together (their rows and the expert's columns stay in L2)."""
+
     BLOCK_N: int
     BLOCK_K: int
     GROUP_M: int = 8
@@ -189,6 +196,7 @@ class MoEGemm(LaunchConfig):
 @dataclass(frozen=True, kw_only=True)
 class MoEUp(MoEGemm):
     """The experts' gate/up grouped GEMM; its BLOCK_M is also the row alignment of every expert's rows."""
+
     kernel: ClassVar[str] = "moe_up"
     BLOCK_M: int
 
@@ -196,12 +204,14 @@ class MoEUp(MoEGemm):
 @dataclass(frozen=True, kw_only=True)
 class MoERows(MoEGemm):
     """The experts' row GEMMs (down projection, dout @ down^T, dx); their BLOCK_M is moe_up's."""
+
     kernel: ClassVar[str] = "moe_rows"
 
 
 @dataclass(frozen=True, kw_only=True)
 class MoEWeightGrad(MoEGemm):
     """The experts' weight gradients: (BLOCK_M x BLOCK_N) tiles of an expert's weight, BLOCK_K rows a step."""
+
     kernel: ClassVar[str] = "moe_weight_grad"
     BLOCK_M: int
 
@@ -209,6 +219,7 @@ class MoEWeightGrad(MoEGemm):
 @dataclass(frozen=True, kw_only=True)
 class MoECombine(LaunchConfig):
     """The top-k gather-reduce: BLOCK_T tokens x BLOCK_H columns."""
+
     kernel: ClassVar[str] = "moe_combine"
     BLOCK_T: int
     BLOCK_H: int
@@ -292,8 +303,9 @@ class Kernel:
             raise ValueError(f"kernel {self.name!r}: a 'function' site needs layer.function")
         for cfg in self.configs:
             if not (isinstance(cfg, type) and issubclass(cfg, LaunchConfig) and cfg.kernel):
-                raise TypeError(f"kernel {self.name!r}: configs must be LaunchConfig subclasses with a kernel name, "
-                                f"got {cfg!r}")
+                raise TypeError(
+                    f"kernel {self.name!r}: configs must be LaunchConfig subclasses with a kernel name, got {cfg!r}"
+                )
 
     def op(self, name: str) -> Callable:
         if name not in self.ops:
@@ -371,40 +383,100 @@ def get(name: str) -> Kernel:
 
 # -- the table ------------------------------------------------------------------------------------------
 
-declare(Kernel(
-    "rmsnorm", "tritonspec.ops.rms_norm", ("rms_norm",), "module",
-    Layer("RMSNorm", f"{_HUB}:RMSNorm", detect=f"{_DETECTORS}:is_rms_norm"),
-    (RMSNormForward, RMSNormBackward)))
+declare(
+    Kernel(
+        "rmsnorm",
+        "tritonspec.ops.rms_norm",
+        ("rms_norm",),
+        "module",
+        Layer("RMSNorm", f"{_HUB}:RMSNorm", detect=f"{_DETECTORS}:is_rms_norm"),
+        (RMSNormForward, RMSNormBackward),
+    )
+)
 # The residual add after attention fused into the post-attention RMSNorm of a decoder layer. Its Triton kernels
 # are rmsnorm's (the residual is a constexpr branch of them), so their launch configs are declared there.
-declare(Kernel(
-    "add_rmsnorm", "tritonspec.ops.rms_norm", ("add_rms_norm",), "module",
-    Layer("DecoderLayer", f"{_HUB}:DecoderLayer", detect=f"{_DETECTORS}:is_llama_decoder_layer")))
-declare(Kernel(
-    "swiglu", "tritonspec.ops.swiglu", ("swiglu",), "module",
-    Layer("SwiGLUMLP", f"{_HUB}:SwiGLUMLP", detect=f"{_DETECTORS}:is_swiglu_mlp"),
-    (SwiGLUForward, SwiGLUBackward)))
-declare(Kernel(
-    "rope", "tritonspec.ops.rope", ("rope",), "function",
-    Layer("RotaryPosEmb", f"{_HUB}:RotaryPosEmb", tags=("rotary_pos_emb",), detect=f"{_DETECTORS}:is_rotate_half_rope",
-          function="apply_rotary_pos_emb"),
-    (RoPE,)))
-declare(Kernel(
-    "flash_attention", "tritonspec.ops.attention", ("attention",), "attention", None,
-    (AttentionForward, AttentionBackwardKV, AttentionBackwardQ, AttentionPreprocess)))
-declare(Kernel(
-    "linear_cross_entropy", "tritonspec.ops.linear_cross_entropy", ("linear_cross_entropy",), "module",
-    Layer("CausalLMLoss", f"{_HUB}:CausalLMLoss", detect=f"{_DETECTORS}:is_causal_lm_head"),
-    (LinearCrossEntropy,)))
+declare(
+    Kernel(
+        "add_rmsnorm",
+        "tritonspec.ops.rms_norm",
+        ("add_rms_norm",),
+        "module",
+        Layer("DecoderLayer", f"{_HUB}:DecoderLayer", detect=f"{_DETECTORS}:is_llama_decoder_layer"),
+    )
+)
+declare(
+    Kernel(
+        "swiglu",
+        "tritonspec.ops.swiglu",
+        ("swiglu",),
+        "module",
+        Layer("SwiGLUMLP", f"{_HUB}:SwiGLUMLP", detect=f"{_DETECTORS}:is_swiglu_mlp"),
+        (SwiGLUForward, SwiGLUBackward),
+    )
+)
+declare(
+    Kernel(
+        "rope",
+        "tritonspec.ops.rope",
+        ("rope",),
+        "function",
+        Layer(
+            "RotaryPosEmb",
+            f"{_HUB}:RotaryPosEmb",
+            tags=("rotary_pos_emb",),
+            detect=f"{_DETECTORS}:is_rotate_half_rope",
+            function="apply_rotary_pos_emb",
+        ),
+        (RoPE,),
+    )
+)
+declare(
+    Kernel(
+        "flash_attention",
+        "tritonspec.ops.attention",
+        ("attention",),
+        "attention",
+        None,
+        (AttentionForward, AttentionBackwardKV, AttentionBackwardQ, AttentionPreprocess),
+    )
+)
+declare(
+    Kernel(
+        "linear_cross_entropy",
+        "tritonspec.ops.linear_cross_entropy",
+        ("linear_cross_entropy",),
+        "module",
+        Layer("CausalLMLoss", f"{_HUB}:CausalLMLoss", detect=f"{_DETECTORS}:is_causal_lm_head"),
+        (LinearCrossEntropy,),
+    )
+)
 # The same fused head + loss behind the MoE causal LMs' forward signature (``output_router_logits``): a hub
 # layer mirrors one signature, so the MoE models get a layer of their own; the op and its config are above.
-declare(Kernel(
-    "moe_linear_cross_entropy", "tritonspec.ops.linear_cross_entropy", (), "module",
-    Layer("MoeCausalLMLoss", f"{_HUB}:MoeCausalLMLoss", detect=f"{_DETECTORS}:is_moe_causal_lm_head")))
-declare(Kernel(
-    "moe", "tritonspec.ops.moe", ("moe_experts",), "module",
-    Layer("MoEExperts", f"{_HUB}:MoEExperts", detect=f"{_DETECTORS}:is_fused_experts"),
-    (MoEUp, MoERows, MoEWeightGrad, MoECombine)))
-declare(Kernel(
-    "moe_router", "tritonspec.ops.moe_routing", ("moe_route",), "module",
-    Layer("MoERouter", f"{_HUB}:MoERouter", detect=f"{_DETECTORS}:is_topk_router")))
+declare(
+    Kernel(
+        "moe_linear_cross_entropy",
+        "tritonspec.ops.linear_cross_entropy",
+        (),
+        "module",
+        Layer("MoeCausalLMLoss", f"{_HUB}:MoeCausalLMLoss", detect=f"{_DETECTORS}:is_moe_causal_lm_head"),
+    )
+)
+declare(
+    Kernel(
+        "moe",
+        "tritonspec.ops.moe",
+        ("moe_experts",),
+        "module",
+        Layer("MoEExperts", f"{_HUB}:MoEExperts", detect=f"{_DETECTORS}:is_fused_experts"),
+        (MoEUp, MoERows, MoEWeightGrad, MoECombine),
+    )
+)
+declare(
+    Kernel(
+        "moe_router",
+        "tritonspec.ops.moe_routing",
+        ("moe_route",),
+        "module",
+        Layer("MoERouter", f"{_HUB}:MoERouter", detect=f"{_DETECTORS}:is_topk_router"),
+    )
+)

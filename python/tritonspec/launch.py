@@ -16,6 +16,7 @@ Backends write their overrides as data, a ``ConfigTable`` keyed by the kernels' 
 against the kernel table when the spec is imported: a misspelled or dead kernel name is an error
 there, not an entry that silently never applies.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ PROVIDERS.on_change(_cache.clear)
 def _with_index(device):
     """``device`` as a torch.device with its index ("cuda" is the current CUDA device, if any)."""
     import torch
+
     device = torch.device(device)
     if device.index is None and device.type != "cpu":
         try:
@@ -61,8 +63,10 @@ def launch_config(config: type[LaunchConfig], device, default, **problem) -> Lau
     if cfg is None:
         base = default() if callable(default) else default
         if type(base) is not config:
-            raise TypeError(f"launch_config: the default for {config.kernel!r} must be a {config.__name__}, "
-                            f"got {type(base).__name__}")
+            raise TypeError(
+                f"launch_config: the default for {config.kernel!r} must be a {config.__name__}, "
+                f"got {type(base).__name__}"
+            )
         fn = lookup("kernel_config", backend=backend)
         override = fn(config.kernel, device=device, **problem) if fn is not None else None
         if override:
@@ -78,10 +82,13 @@ def limits() -> tuple:
 
     Lower bounds, powers of two and kernel-specific ranges are the kernel table's types' own checks."""
     from triton.language import TRITON_MAX_TENSOR_NUMEL  # on use: this module loads while triton imports
-    return (("BLOCK", TRITON_MAX_TENSOR_NUMEL, "the most elements a Triton tensor holds"),
-            ("num_warps", 32, "1024 threads a block, the CUDA and HIP limit, at 32 threads a warp"),
-            ("maxnreg", 255, "the most registers a GPU thread can have"),
-            ("", 2**31 - 1, "Triton passes launch parameters as int32"))
+
+    return (
+        ("BLOCK", TRITON_MAX_TENSOR_NUMEL, "the most elements a Triton tensor holds"),
+        ("num_warps", 32, "1024 threads a block, the CUDA and HIP limit, at 32 threads a warp"),
+        ("maxnreg", 255, "the most registers a GPU thread can have"),
+        ("", 2**31 - 1, "Triton passes launch parameters as int32"),
+    )
 
 
 def _check_limits(cfg: LaunchConfig, changed: dict, where: str) -> None:
@@ -113,8 +120,10 @@ class ConfigTable:
         known = config_types()
         for name, fn in self.entries.items():
             if name not in known:
-                raise LaunchConfigError(f"ConfigTable: {name!r} is not a declared kernel{suggest(str(name), known)}; "
-                                        f"declared: {', '.join(sorted(known))}")
+                raise LaunchConfigError(
+                    f"ConfigTable: {name!r} is not a declared kernel{suggest(str(name), known)}; "
+                    f"declared: {', '.join(sorted(known))}"
+                )
             if not callable(fn):
                 raise TypeError(f"ConfigTable: the entry for {name!r} must be a function, got {type(fn).__name__}")
 

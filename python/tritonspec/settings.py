@@ -7,6 +7,7 @@ warning and the default, never a guess. A renamed variable keeps its old spellin
 ``FutureWarning`` naming the new one. Vendors declare their own settings the same way, in their
 own backend package (ascend's ``TRITONSPEC_ASCEND_*``).
 """
+
 from __future__ import annotations
 
 import os
@@ -34,8 +35,11 @@ class Setting(Generic[T]):
         for old in self.renamed_from:
             value = os.environ.get(old)
             if value is not None:
-                warnings.warn(f"{old} is renamed {self.name}; the old spelling still works but will be removed",
-                              FutureWarning, stacklevel=3)
+                warnings.warn(
+                    f"{old} is renamed {self.name}; the old spelling still works but will be removed",
+                    FutureWarning,
+                    stacklevel=3,
+                )
                 return value
         return None
 
@@ -51,7 +55,6 @@ class Setting(Generic[T]):
 
 
 class env_bool(Setting[bool]):
-
     def get(self) -> bool:
         raw = self.raw()
         if raw is None:
@@ -59,14 +62,17 @@ class env_bool(Setting[bool]):
         if raw.lower() in _TRUE:
             return True
         if raw.lower() not in _FALSE:
-            warnings.warn(f"{self.name}={raw!r} is neither true ({', '.join(_TRUE)}) nor false (0, false, no, off, n, "
-                          f"empty): using the default, {self.default}", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"{self.name}={raw!r} is neither true ({', '.join(_TRUE)}) nor false (0, false, no, off, n, "
+                f"empty): using the default, {self.default}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return self.default
         return False
 
 
 class env_str(Setting[str | None]):
-
     def get(self) -> str | None:
         raw = self.raw()
         return self.default if raw is None or raw == "" else raw
@@ -75,19 +81,27 @@ class env_str(Setting[str | None]):
 ALL: dict[str, Setting] = {}
 
 DISABLE = env_bool(
-    "TRITONSPEC_DISABLE", False,
-    "leave Triton exactly stock: importing tritonspec (or Triton's backend discovery) installs no hook")
+    "TRITONSPEC_DISABLE",
+    False,
+    "leave Triton exactly stock: importing tritonspec (or Triton's backend discovery) installs no hook",
+)
 DEFAULT_BACKEND = env_str(
-    "TRITONSPEC_DEFAULT_BACKEND", None,
+    "TRITONSPEC_DEFAULT_BACKEND",
+    None,
     "the backend whose spec is selected process-wide at start (as set_default_backend)",
-    renamed_from=("TRITONSPEC_BACKEND",))
+    renamed_from=("TRITONSPEC_BACKEND",),
+)
 ALLOWED_BACKENDS = env_str(
-    "TRITONSPEC_ALLOWED_BACKENDS", None,
+    "TRITONSPEC_ALLOWED_BACKENDS",
+    None,
     "allow-list of spec providers, 'name' or 'name=distribution', comma-separated (unset: all)",
-    renamed_from=("TRITONSPEC_BACKENDS",))
+    renamed_from=("TRITONSPEC_BACKENDS",),
+)
 CACHED_LAUNCH = env_bool(
-    "TRITONSPEC_CACHED_LAUNCH", True,
-    "eager GPU launches reuse the compiled kernel without Triton's per-call binding (read at import)")
+    "TRITONSPEC_CACHED_LAUNCH",
+    True,
+    "eager GPU launches reuse the compiled kernel without Triton's per-call binding (read at import)",
+)
 LOCAL_KERNELS = env_str(
-    "TRITONSPEC_LOCAL_KERNELS", None,
-    "'repo_id=path:...': local checkouts LayerRepository loads instead of downloading")
+    "TRITONSPEC_LOCAL_KERNELS", None, "'repo_id=path:...': local checkouts LayerRepository loads instead of downloading"
+)

@@ -5,6 +5,7 @@ in the same dtype (both round P and dS to 16 bits before the matmuls), plus one 
 magnitude. Runs with the op's portable defaults, with the tuned sm90 table for the ``tl`` kernels, and
 as the nvidia spec ships (that table plus Hopper's warp-specialized forward).
 """
+
 import collections
 import json
 import os
@@ -16,12 +17,16 @@ import torch.nn.functional as F
 
 import tritonspec
 from tritonspec.ops.attention import attention, attention_ref
-from tritonspec_backends.nvidia.backend.spec.attention_sm90 import backward as backward_sm90, forward as forward_sm90, launchers as launchers_sm90
+from tritonspec_backends.nvidia.backend.spec.attention_sm90 import (
+    backward as backward_sm90,
+    forward as forward_sm90,
+    launchers as launchers_sm90,
+)
 from tritonspec_backends.nvidia.backend.spec.configs import h100_attention_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-_EPS = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+_EPS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
 def _spec(fn, hopper=False):
@@ -30,8 +35,9 @@ def _spec(fn, hopper=False):
 
     exports = {"kernel_config": kernel_config}
     if hopper:  # as the nvidia spec ships: Hopper's own forward and dK/dV kernels where they apply
-        exports.update(attention_forward=launchers_sm90.attention_forward,
-                       attention_backward=launchers_sm90.attention_backward)
+        exports.update(
+            attention_forward=launchers_sm90.attention_forward, attention_backward=launchers_sm90.attention_backward
+        )
     return make_spec("attention_gpu_test_spec", **exports)
 
 
@@ -42,8 +48,10 @@ def _tuned(kernel, **problem):
     tables = None
     if path:
         with open(path) as fh:
-            tables = {kern: {(int(key.split(",")[0]), bool(int(key.split(",")[1]))): cfg for key, cfg in t.items()}
-                      for kern, t in json.load(fh).items()}
+            tables = {
+                kern: {(int(key.split(",")[0]), bool(int(key.split(",")[1]))): cfg for key, cfg in t.items()}
+                for kern, t in json.load(fh).items()
+            }
     return h100_attention_config(kernel, tables=tables, **problem)
 
 
@@ -67,8 +75,13 @@ def _atomic_ptr(kernel, **problem):
 
 # name -> (kernel_config, with Hopper's own kernels): "h100" is what the nvidia spec ships on sm90;
 # the atomic variants test the portable dK/dV kernel with dQ riding on it (Hopper's own would take over)
-SPECS = {"default": (None, False), "h100": (_tuned, True), "h100_tl": (_tuned, False),
-         "h100_atomic_reduce": (_atomic_reduce, False), "h100_atomic_ptr": (_atomic_ptr, False)}
+SPECS = {
+    "default": (None, False),
+    "h100": (_tuned, True),
+    "h100_tl": (_tuned, False),
+    "h100_atomic_reduce": (_atomic_reduce, False),
+    "h100_atomic_ptr": (_atomic_ptr, False),
+}
 
 
 @pytest.fixture
@@ -103,10 +116,17 @@ def _check(B, HQ, HKV, S, D, causal, dtype, q=None, k=None, v=None, do=None, op=
     v = mk(B, HKV, S, D) if v is None else v
     do = mk(B, HQ, S, D) if do is None else do
     ours = _run(q, k, v, do, causal, lambda q, k, v, c: op(q, k, v, causal=c))
-    ref = _run(q.double(), k.double(), v.double(), do.double(), causal,
-               lambda q, k, v, c: attention_ref(q, k, v, causal=c))
-    sdpa = _run(q, k, v, do, causal, lambda q, k, v, c: F.scaled_dot_product_attention(
-        q, k, v, is_causal=c, enable_gqa=HQ != HKV))
+    ref = _run(
+        q.double(), k.double(), v.double(), do.double(), causal, lambda q, k, v, c: attention_ref(q, k, v, causal=c)
+    )
+    sdpa = _run(
+        q,
+        k,
+        v,
+        do,
+        causal,
+        lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c, enable_gqa=HQ != HKV),
+    )
     for name, o, r, s in zip(("out", "dq", "dk", "dv"), ours, ref, sdpa):
         assert o.dtype == dtype and o.shape == r.shape
         assert torch.isfinite(o).all(), f"{name}: non-finite values"
@@ -175,8 +195,19 @@ def test_hf_layout_and_odd_head_dim(spec, configs):
     mk = lambda *shape: torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16)  # noqa: E731
     q, k, v, do = mk(B, S, HQ, D), mk(B, S, HKV, D), mk(B, S, HKV, D), mk(B, S, HQ, D)
     with configs(spec):
-        _check(B, HQ, HKV, S, D, True, torch.bfloat16, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-               do.transpose(1, 2))
+        _check(
+            B,
+            HQ,
+            HKV,
+            S,
+            D,
+            True,
+            torch.bfloat16,
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            do.transpose(1, 2),
+        )
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -216,19 +247,33 @@ class _LaunchSpy:
 
 def _assert_as_close_as_sdpa(ours, q, k, v, do, causal):
     """Ours (out, dq, dk, dv) against float64, within 3x SDPA's own error on the same inputs."""
-    ref = _run(q.double(), k.double(), v.double(), do.double(), causal,
-               lambda q, k, v, c: attention_ref(q, k, v, causal=c))
-    sdpa = _run(q, k, v, do, causal, lambda q, k, v, c: F.scaled_dot_product_attention(
-        q, k, v, is_causal=c, enable_gqa=True))
+    ref = _run(
+        q.double(), k.double(), v.double(), do.double(), causal, lambda q, k, v, c: attention_ref(q, k, v, causal=c)
+    )
+    sdpa = _run(
+        q, k, v, do, causal, lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c, enable_gqa=True)
+    )
     for name, o, r, s in zip(("out", "dq", "dk", "dv"), ours, ref, sdpa):
         err, err_sdpa = (o.double() - r).abs().max().item(), (s.double() - r).abs().max().item()
         assert err <= 3 * err_sdpa + _EPS[torch.bfloat16] * r.abs().max().item(), name
 
 
-@pytest.mark.parametrize("seq_q,seq_k,causal,d", [
-    (1000, 1000, True, 128), (700, 300, True, 128), (300, 700, False, 128), (300, 700, True, 128),
-    (320, 1000, True, 128), (4096, 4096, False, 128), (5000, 5000, True, 128),
-    (1000, 1000, False, 64), (300, 700, False, 64), (4096, 4096, False, 64), (5000, 5000, True, 64)])
+@pytest.mark.parametrize(
+    "seq_q,seq_k,causal,d",
+    [
+        (1000, 1000, True, 128),
+        (700, 300, True, 128),
+        (300, 700, False, 128),
+        (300, 700, True, 128),
+        (320, 1000, True, 128),
+        (4096, 4096, False, 128),
+        (5000, 5000, True, 128),
+        (1000, 1000, False, 64),
+        (300, 700, False, 64),
+        (4096, 4096, False, 64),
+        (5000, 5000, True, 64),
+    ],
+)
 def test_hopper_kernels_run_as_shipped(seq_q, seq_k, causal, d, monkeypatch):
     """No backend selected: the device resolves to the installed nvidia spec, whose Hopper kernels run
     the forward and the whole backward (seq_q != seq_k both ways: top-left causal as SDPA); the outputs
@@ -284,7 +329,7 @@ def test_a_captured_forward_outlives_the_launch_plans():
         out = attention(q, k, v, causal=True)
     launchers_sm90._FWD_PLANS.clear()
     with torch.cuda.stream(side):  # the warm-up's stream: its freed blocks go to calls on it
-        junk = [torch.full((n, ), 2 ** 30, dtype=torch.int32, device="cuda") for n in range(64, 4096, 64)]
+        junk = [torch.full((n,), 2**30, dtype=torch.int32, device="cuda") for n in range(64, 4096, 64)]
     torch.cuda.current_stream().wait_stream(side)
     for t in (q, k, v):
         t.copy_(torch.randn(t.shape, device="cuda", generator=g))
@@ -306,10 +351,12 @@ def test_a_repeated_problem_relaunches_its_plan_on_the_new_tensors(monkeypatch):
     spy = _LaunchSpy(monkeypatch)
     for seed in (1, 2):
         g = torch.Generator(device="cuda").manual_seed(seed)
-        q, do = (torch.randn(2, 700, 8, 128, device="cuda", generator=g).to(torch.bfloat16).transpose(1, 2)
-                 for _ in range(2))
-        k, v = (torch.randn(2, 700, 2, 128, device="cuda", generator=g).to(torch.bfloat16).transpose(1, 2)
-                for _ in range(2))
+        q, do = (
+            torch.randn(2, 700, 8, 128, device="cuda", generator=g).to(torch.bfloat16).transpose(1, 2) for _ in range(2)
+        )
+        k, v = (
+            torch.randn(2, 700, 2, 128, device="cuda", generator=g).to(torch.bfloat16).transpose(1, 2) for _ in range(2)
+        )
         ours = _run(q, k, v, do, True, lambda q, k, v, c: attention(q, k, v, causal=c))
         assert spy.launches() == (1, 1)  # the first call's; the second went through the plans
         _assert_as_close_as_sdpa(ours, q, k, v, do, True)
@@ -338,7 +385,13 @@ def test_hopper_kernels_decline_what_they_were_not_measured_on(case, monkeypatch
     out = attention(q, k, v, scale=scale)
     ours = (out.detach(), *torch.autograd.grad(out, (q, k, v), do))
     assert spy.launches() == {"decode": (0, 1), "head_dim 64": (1, 1)}.get(case, (0, 0))
-    ref = _run(q.double(), k.double(), v.double(), do.double(), False,
-               lambda q, k, v, c: attention_ref(q, k, v, causal=c, scale=scale))
+    ref = _run(
+        q.double(),
+        k.double(),
+        v.double(),
+        do.double(),
+        False,
+        lambda q, k, v, c: attention_ref(q, k, v, causal=c, scale=scale),
+    )
     for name, o, r in zip(("out", "dq", "dk", "dv"), ours, ref):
         assert (o.double() - r).abs().max().item() < 3e-2 * max(1.0, r.abs().max().item()), name

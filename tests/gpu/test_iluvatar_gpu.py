@@ -6,6 +6,7 @@ and run through the CUDA launcher. Checked: the 64-bit atomic add emulated with 
 under real concurrency (many programs, few addresses, carries across the 32-bit boundary), no
 bf16 atomics, num_stages <= 2, and the one-source kernel set of tests/test_one_source.py.
 """
+
 import pytest
 import test_one_source  # the one-source kernel set (tests/ is on sys.path: conftest.py)
 import torch
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture
 def iluvatar():
     from triton.runtime.driver import driver
+
     with tritonspec.use_backend("iluvatar"):
         previous = iluvatar_driver.activate()
         try:
@@ -45,22 +47,24 @@ def test_the_active_driver_targets_iluvatar(iluvatar):
 @pytest.mark.parametrize("bins", [1, 3, 64])
 def test_int64_atomic_add_under_contention_with_carries(iluvatar, gen, bins):
     n = 1 << 20
-    lo = torch.randint(1 << 31, 1 << 32, (n, ), generator=gen, dtype=torch.int64)  # low words that carry
-    hi = torch.randint(0, 1 << 8, (n, ), generator=gen, dtype=torch.int64)
+    lo = torch.randint(1 << 31, 1 << 32, (n,), generator=gen, dtype=torch.int64)  # low words that carry
+    hi = torch.randint(0, 1 << 8, (n,), generator=gen, dtype=torch.int64)
     vals = (hi << 32) + lo
     vals[torch.rand(n, generator=gen) < 0.3] *= -1  # borrows through the high word too
-    idx = torch.randint(0, bins, (n, ), generator=gen, dtype=torch.int32)
-    init = torch.randint(-(1 << 40), 1 << 40, (bins, ), generator=gen, dtype=torch.int64)
+    idx = torch.randint(0, bins, (n,), generator=gen, dtype=torch.int32)
+    init = torch.randint(-(1 << 40), 1 << 40, (bins,), generator=gen, dtype=torch.int64)
     init[0] = (1 << 32) - 1
     ref = init.clone().index_add_(0, idx.long(), vals)  # |sum| < 2**61: no int64 overflow
     out = init.cuda()
     for _ in range(3):  # repeat: a lost carry under some interleaving would show up as a mismatch
         out.copy_(init)
-        kernel = add64[(n // 1024, )](out, vals.cuda(), idx.cuda(), n, BLOCK=1024)
+        kernel = add64[(n // 1024,)](out, vals.cuda(), idx.cuda(), n, BLOCK=1024)
         torch.cuda.synchronize()
         assert torch.equal(out.cpu(), ref)
     assert kernel.metadata.target.backend == "iluvatar"
-    atoms = [tok for line in kernel.asm["ptx"].splitlines() for tok in line.split() if tok.startswith(("atom.", "red."))]
+    atoms = [
+        tok for line in kernel.asm["ptx"].splitlines() for tok in line.split() if tok.startswith(("atom.", "red."))
+    ]
     assert atoms and all(a.endswith(".u32") for a in atoms), atoms
 
 
@@ -73,7 +77,7 @@ def add_bf16(ptr, val_ptr):
 def test_bf16_atomics_are_rejected(iluvatar):
     x = torch.zeros(32, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(Exception, match="bfloat16 is not supported by backend 'iluvatar'"):
-        add_bf16[(1, )](x, torch.ones_like(x))
+        add_bf16[(1,)](x, torch.ones_like(x))
 
 
 @triton.jit
@@ -81,8 +85,9 @@ def matmul(a_ptr, b_ptr, c_ptr, K, BLOCK: tl.constexpr):
     r = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
     for k in range(0, K, BLOCK):
-        acc += tl.dot(tl.load(a_ptr + r[:, None] * K + (k + r)[None, :]),
-                      tl.load(b_ptr + (k + r)[:, None] * BLOCK + r[None, :]))
+        acc += tl.dot(
+            tl.load(a_ptr + r[:, None] * K + (k + r)[None, :]), tl.load(b_ptr + (k + r)[:, None] * BLOCK + r[None, :])
+        )
     tl.store(c_ptr + r[:, None] * BLOCK + r[None, :], acc)
 
 
@@ -91,7 +96,7 @@ def test_num_stages_is_capped_and_the_pipelined_result_is_right(iluvatar, gen):
     a = torch.randn(64, K, generator=gen).half().cuda()
     b = torch.randn(K, 64, generator=gen).half().cuda()
     c = torch.full((64, 64), float("nan"), device="cuda")
-    kernel = matmul[(1, )](a, b, c, K, BLOCK=64, num_stages=4)
+    kernel = matmul[(1,)](a, b, c, K, BLOCK=64, num_stages=4)
     assert kernel.metadata.num_stages == 2
     torch.testing.assert_close(c.double(), a.double() @ b.double(), rtol=1e-3, atol=1e-2)
 

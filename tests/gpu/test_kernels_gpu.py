@@ -3,6 +3,7 @@ the triton_op path under Inductor (static and dynamic shapes), 64-bit indexing.
 
 Run with TRITONSPEC_TEST_DEVICE=cuda; the CPU test files run there too and cover the dtype matrix.
 """
+
 import pytest
 from helpers import leaf
 import torch
@@ -143,8 +144,13 @@ def test_inductor_fullgraph_triton_op(dynamic):
         w.grad = None
         block(x, r, q, k, cos, sin).backward()  # eager path (raw launchers) as the reference
         for name, a, t in zip(("dx", "dres", "dq", "dk"), got, (x, r, q, k)):
-            torch.testing.assert_close(a.float(), t.grad.float(), rtol=RTOL[torch.bfloat16],
-                                       atol=RTOL[torch.bfloat16] * t.grad.abs().max().item(), msg=name)
+            torch.testing.assert_close(
+                a.float(),
+                t.grad.float(),
+                rtol=RTOL[torch.bfloat16],
+                atol=RTOL[torch.bfloat16] * t.grad.abs().max().item(),
+                msg=name,
+            )
         w.grad = None
 
 
@@ -165,12 +171,13 @@ def test_cached_launches_respecialize_on_alignment_dtype_and_spec():
     """Repeated eager calls reuse compiled kernels only where Triton would: an unaligned view, another
     dtype and another spec selection each get their own kernel, and every result stays correct."""
     import tritonspec
+
     assert _library.USE_CACHED_LAUNCH
     torch.manual_seed(0)
     base = torch.randn(65 * 4096 + 1, device=DEV)
     w = 1 + 0.5 * torch.randn(4096, device=DEV)
     aligned = base[: 64 * 4096].view(64, 4096)
-    unaligned = base[1: 64 * 4096 + 1].view(64, 4096)  # 4-byte offset: not 16-byte aligned
+    unaligned = base[1 : 64 * 4096 + 1].view(64, 4096)  # 4-byte offset: not 16-byte aligned
     cases = [aligned, unaligned, aligned.bfloat16(), aligned, unaligned]
     for x in cases:
         for _ in range(2):  # the second call of each is a cache hit
@@ -180,6 +187,7 @@ def test_cached_launches_respecialize_on_alignment_dtype_and_spec():
         y = rms_norm(unaligned, w, 1e-6)
     assert_close(y, rms_norm_ref(unaligned, w, 1e-6), "y", torch.float32)
     from tritonspec.ops.rms_norm import _rms_norm_fwd_kernel
+
     cached = _library._cached_launchers[id(_rms_norm_fwd_kernel)]
     assert len(cached.compiled) >= 3  # aligned fp32, unaligned fp32, bf16 (+ the iluvatar selection)
 
@@ -188,6 +196,7 @@ def test_eager_launch_plans_are_keyed_by_what_they_fix():
     """Repeated eager calls relaunch planned kernels; another eps, residual, in-place flag or layout
     on the same shape is another plan, and every call's outputs and gradients stay correct."""
     import sys
+
     rms_mod, rope_mod = sys.modules["tritonspec.ops.rms_norm"], sys.modules["tritonspec.ops.rope"]
     for plans in (rms_mod._FWD_PLANS, rms_mod._BWD_PLANS, rope_mod._PLANS):
         plans.clear()  # earlier tests may have planned these shapes

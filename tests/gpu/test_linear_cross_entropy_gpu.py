@@ -3,6 +3,7 @@ vocabularies larger than a row block, several chunks, bf16 as models train, agai
 
 Run with TRITONSPEC_TEST_DEVICE=cuda; tests/test_linear_cross_entropy.py covers the options on the CPU.
 """
+
 import pytest
 import torch
 
@@ -16,7 +17,7 @@ DEV = "cuda"
 def _inputs(n, h, v, dtype, seed):
     g = torch.Generator(device=DEV).manual_seed(seed)
     hidden = torch.randn(n, h, device=DEV, generator=g).to(dtype)
-    weight = (torch.randn(v, h, device=DEV, generator=g) * h ** -0.5).to(dtype)
+    weight = (torch.randn(v, h, device=DEV, generator=g) * h**-0.5).to(dtype)
     bias = (0.1 * torch.randn(v, device=DEV, generator=g)).to(dtype)
     labels = torch.randint(0, v, (n,), device=DEV, generator=g)
     labels[torch.rand(n, device=DEV, generator=g) < 0.1] = -100
@@ -31,14 +32,16 @@ def _grads(fn, tensors, **kwargs):
 
 
 @pytest.mark.parametrize("n,h,v", [(1000, 512, 32003), (4096, 1024, 128256), (3000, 2048, 151936)])
-@pytest.mark.parametrize("options", [{}, {"softcap": 30.0, "label_smoothing": 0.1}, {"reduction": "sum"},
-                                     {"num_items_in_batch": 4321}])
+@pytest.mark.parametrize(
+    "options", [{}, {"softcap": 30.0, "label_smoothing": 0.1}, {"reduction": "sum"}, {"num_items_in_batch": 4321}]
+)
 def test_bf16_against_float64(n, h, v, options):
     x = _inputs(n, h, v, torch.bfloat16, seed=n + v)
     with poisoned_allocations():
         loss, grads = _grads(linear_cross_entropy, x, **options)
-    ref, ref_grads = _grads(linear_cross_entropy_ref, [t.double() if t.is_floating_point() else t for t in x],
-                            **options)
+    ref, ref_grads = _grads(
+        linear_cross_entropy_ref, [t.double() if t.is_floating_point() else t for t in x], **options
+    )
     # bf16 logits (as lm_head rounds them) and bf16 gradients: a few bf16 ulps at each tensor's magnitude
     assert torch.isfinite(loss) and abs(loss.double() - ref).item() <= 2e-2 * max(1.0, ref.abs().item())
     for name, g, r in zip(("hidden", "weight", "bias"), grads, ref_grads):

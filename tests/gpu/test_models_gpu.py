@@ -6,6 +6,7 @@ bf16 ulps of the reference's magnitude. FACTOR is 3 here (2 in the tiny CPU test
 largest-error element of a bf16 gradient is an extreme of a wider distribution, and two different rounding
 orders sample it differently. Every ratio is printed so the log shows how much of the margin was used.
 """
+
 import copy
 import os
 
@@ -21,8 +22,15 @@ transformers = pytest.importorskip("transformers")
 FACTOR = 3.0
 ULPS = 4
 DEVICE = "cuda"
-COMMON = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
-              num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096)  # qwen3: head_dim 128
+COMMON = dict(
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+)  # qwen3: head_dim 128
 MODELS = available_models()
 BATCH, SEQ = 2, 256
 RULES = r"""
@@ -113,15 +121,31 @@ def test_bf16_model_matches_original(name, front, references, worst):
 # layers: the router's and the experts' real sizes, against a float64 run of the same weights.
 MOE_SIZES = {
     "qwen3_moe": dict(moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, head_dim=128),
-    "qwen2_moe": dict(moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts=60,
-                      num_experts_per_tok=4),
+    "qwen2_moe": dict(
+        moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts=60, num_experts_per_tok=4
+    ),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
     "olmoe": dict(intermediate_size=1024, num_experts=64, num_experts_per_tok=8),
-    "gpt_oss": dict(intermediate_size=2048, num_local_experts=32, num_experts_per_tok=4, head_dim=64,
-                    layer_types=["sliding_attention", "full_attention"]),
-    "deepseek_v3": dict(n_routed_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408, n_group=8, topk_group=3,
-                        n_shared_experts=2, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
-                        v_head_dim=128, num_key_value_heads=16),
+    "gpt_oss": dict(
+        intermediate_size=2048,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        head_dim=64,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "deepseek_v3": dict(
+        n_routed_experts=64,
+        num_experts_per_tok=6,
+        moe_intermediate_size=1408,
+        n_group=8,
+        topk_group=3,
+        n_shared_experts=2,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        num_key_value_heads=16,
+    ),
 }
 
 
@@ -130,8 +154,13 @@ def test_bf16_moe_model_at_real_layer_shapes_matches_original(name, worst):
     """kernelize (our router, experts, norms, MLPs, RoPE) on each MoE family: logits, loss (with the auxiliary
     loss) and every gradient within the original bf16 model's error of a float64 run, plus the floor."""
     # GPT-OSS's attention sinks: transformers 5.17 runs them eagerly only
-    sizes = dict(COMMON, num_hidden_layers=2, output_router_logits=True, moe=MOE_SIZES[name],
-                 attn="eager" if name == "gpt_oss" else "sdpa")
+    sizes = dict(
+        COMMON,
+        num_hidden_layers=2,
+        output_router_logits=True,
+        moe=MOE_SIZES[name],
+        attn="eager" if name == "gpt_oss" else "sdpa",
+    )
     g = torch.Generator(device=DEVICE).manual_seed(1)
     ids = torch.randint(0, COMMON["vocab_size"], (BATCH, SEQ), device=DEVICE, generator=g)
     ref_model = build_model(name, torch.float64, seed=0, device=DEVICE, init_dtype=torch.float32, **sizes)
@@ -152,14 +181,22 @@ def test_bf16_moe_model_at_real_layer_shapes_matches_original(name, worst):
 def test_kernelized_model_under_torch_compile():
     """can_torch_compile=True: layers stay installed for TRAINING|TORCH_COMPILE and Inductor compiles them,
     with our attention function registered as the model's attention implementation."""
-    cfg = model_config("llama", hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=512)
+    cfg = model_config(
+        "llama",
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    )
     torch.manual_seed(0)
     with torch.device(DEVICE):
         ref = transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.float32)
         torch.manual_seed(0)  # the same weights, with our attention (a custom op under compile)
-        model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=tnn.register_attention(),
-                                                           dtype=torch.float32)
+        model = transformers.LlamaForCausalLM._from_config(
+            cfg, attn_implementation=tnn.register_attention(), dtype=torch.float32
+        )
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
     model, base = model.to(torch.bfloat16), copy.deepcopy(ref).to(torch.bfloat16)
     ref = ref.to(torch.float64)
@@ -171,7 +208,10 @@ def test_kernelized_model_under_torch_compile():
     model.zero_grad(set_to_none=True)
     out = compiled(input_ids=ids, labels=ids)
     out.loss.backward()
-    got = (out.logits.detach().float(), out.loss.detach().float(),
-           {n: p.grad.detach().float() for n, p in model.named_parameters()})
+    got = (
+        out.logits.detach().float(),
+        out.loss.detach().float(),
+        {n: p.grad.detach().float() for n, p in model.named_parameters()},
+    )
     _check("llama-tiny/compiled", got, original, expected, [])
     tnn.revert(model)

@@ -5,6 +5,7 @@ experts offloaded must give the logits of the same model with everything on the 
 against a float64 run), in every mode that moves data differently: copies in waves through few slots,
 prefetch, CPU compute, the disk tier; and ``generate()`` must produce the same tokens.
 """
+
 import pytest
 from helpers import assert_like_reference, build_model, token_ids
 import torch
@@ -14,14 +15,25 @@ from tritonspec.nn.offload import offload_experts
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
 
-SIZES = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=4, vocab_size=4096, max_position_embeddings=512)
-MOE = {"qwen3_moe": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=384, head_dim=128),
-       "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=3584)}
-MODES = [dict(experts_per_layer=4, cpu_compute=False, policy="lru"),
-         dict(experts_per_layer=16, cpu_compute="auto", policy="lfu"),
-         dict(experts_per_layer=6, cpu_compute=True, policy="frequency"),
-         dict(experts_per_layer=8, cpu_compute=False, storage="disk")]
+SIZES = dict(
+    hidden_size=1024,
+    intermediate_size=2048,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=4096,
+    max_position_embeddings=512,
+)
+MOE = {
+    "qwen3_moe": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=384, head_dim=128),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=3584),
+}
+MODES = [
+    dict(experts_per_layer=4, cpu_compute=False, policy="lru"),
+    dict(experts_per_layer=16, cpu_compute="auto", policy="lfu"),
+    dict(experts_per_layer=6, cpu_compute=True, policy="frequency"),
+    dict(experts_per_layer=8, cpu_compute=False, storage="disk"),
+]
 
 
 def _model(name, dtype):

@@ -23,8 +23,15 @@ def npu(x_ptr, out_ptr, flags_ptr, m_ptr, s_ptr, e_ptr, off):
     tl.store(e_ptr, tl.get_element(m, (off, 3)))
 
 
-SIG = {"x_ptr": "*fp16", "out_ptr": "*fp16", "flags_ptr": "*i32", "m_ptr": "*fp32", "s_ptr": "*fp32",
-       "e_ptr": "*fp32", "off": "i32"}
+SIG = {
+    "x_ptr": "*fp16",
+    "out_ptr": "*fp16",
+    "flags_ptr": "*i32",
+    "m_ptr": "*fp32",
+    "s_ptr": "*fp32",
+    "e_ptr": "*fp32",
+    "off": "i32",
+}
 k = triton.compile(ASTSource(npu, SIG, {}), target=GPUTarget("ascend", "Ascend910B3", 0))
 print(k.asm["ttir"])
 print("// npubin bytes:", len(k.asm["npubin"]), "toolchain:", k.metadata.npu_toolchain)

@@ -2,6 +2,7 @@
 
 usage: compile_ir.py FILE TARGET [num_stages]  with TARGET one of cuda, iluvatar, hip, ascend
 """
+
 import os
 import shutil
 import sys
@@ -10,8 +11,12 @@ import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 
-TARGETS = {"cuda": GPUTarget("cuda", 90, 32), "iluvatar": GPUTarget("iluvatar", 90, 32),
-           "hip": GPUTarget("hip", "gfx942", 64), "ascend": GPUTarget("ascend", "Ascend910B3", 0)}
+TARGETS = {
+    "cuda": GPUTarget("cuda", 90, 32),
+    "iluvatar": GPUTarget("iluvatar", 90, 32),
+    "hip": GPUTarget("hip", "gfx942", 64),
+    "ascend": GPUTarget("ascend", "Ascend910B3", 0),
+}
 
 path, target = sys.argv[1], sys.argv[2]
 options = {"num_stages": int(sys.argv[3])} if len(sys.argv) > 3 else {}

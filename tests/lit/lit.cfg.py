@@ -4,6 +4,7 @@
 the binary shipped in the triton wheel. Kernels compile for real here, so TRITON_INTERPRET is
 never passed through.
 """
+
 import importlib.util
 import os
 import sys
@@ -16,8 +17,9 @@ config.test_format = lit.formats.ShTest(execute_external=False)
 config.suffixes = [".py", ".mlir"]
 config.excludes = ["lit.cfg.py", "compile_ir.py"]
 config.test_source_root = os.path.dirname(__file__)
-config.test_exec_root = os.environ.get("TRITONSPEC_LIT_OUT") or os.path.join(tempfile.gettempdir(),
-                                                                            f"tritonspec-lit-{os.getuid()}")
+config.test_exec_root = os.environ.get("TRITONSPEC_LIT_OUT") or os.path.join(
+    tempfile.gettempdir(), f"tritonspec-lit-{os.getuid()}"
+)
 
 _triton_dir = importlib.util.find_spec("triton").submodule_search_locations[0]  # without importing triton
 _filecheck = os.path.join(_triton_dir, "FileCheck")

@@ -30,8 +30,17 @@ def kernel(x_ptr, idx_ptr, out_ptr, acc_ptr, a_ptr, b_ptr, c_ptr, n, BLOCK: tl.c
     tl.store(c_ptr + r[:, None] * 16 + r[None, :], c)
 
 
-SIG = {"x_ptr": "*fp32", "idx_ptr": "*i32", "out_ptr": "*fp32", "acc_ptr": "*i64", "a_ptr": "*fp16",
-       "b_ptr": "*fp16", "c_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}
+SIG = {
+    "x_ptr": "*fp32",
+    "idx_ptr": "*i32",
+    "out_ptr": "*fp32",
+    "acc_ptr": "*i64",
+    "a_ptr": "*fp16",
+    "b_ptr": "*fp16",
+    "c_ptr": "*fp32",
+    "n": "i32",
+    "BLOCK": "constexpr",
+}
 for target in (GPUTarget("cuda", 90, 32), GPUTarget("hip", "gfx942", 64)):
     k = triton.compile(ASTSource(kernel, SIG, {"BLOCK": 128}), target=target)
     for stage in ("ttir", "ttgir", "llir", "ptx", "amdgcn"):

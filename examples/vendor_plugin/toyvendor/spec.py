@@ -3,13 +3,18 @@
 Loaded by tritonspec's registry through the ``tritonspec.specs`` entry point, only when toyvendor is
 allowed and first needed. Kept import-light: no torch here.
 """
+
 from triton.language import core as _core
 
 import tritonspec
 
 backend_info = tritonspec.BackendInfo(
-    runs="emulated", targets=("toyvendor",), devices=(), check_target=("toyvendor", 90, 32),
-    note="an example vendor: the stock CUDA pipeline on NVIDIA GPUs, or the Triton interpreter")
+    runs="emulated",
+    targets=("toyvendor",),
+    devices=(),
+    check_target=("toyvendor", 90, 32),
+    note="an example vendor: the stock CUDA pipeline on NVIDIA GPUs, or the Triton interpreter",
+)
 
 
 def atomic_disable_bf16() -> bool:

@@ -12,6 +12,7 @@ tensors FSDP2 hands a module's forward, so kernelized models (``kernelize``, ``a
 
 ``tritonspec.nn`` may import this package; ``tritonspec.ops`` never does.
 """
+
 from .expert_parallel import DispatchPlan, combine, dispatch, expert_parallel, is_expert_parallel
 from .fsdp import fully_shard_model
 

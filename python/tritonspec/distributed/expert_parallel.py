@@ -17,6 +17,7 @@ Gradients: a rank's experts collect the gradients of every token routed to them,
 :func:`tritonspec.distributed.fully_shard_model` reduces them over the other mesh dimensions and averages
 them like the rest of the model.
 """
+
 from __future__ import annotations
 
 import functools
@@ -64,8 +65,9 @@ class DispatchPlan:
     group: object
 
 
-def dispatch(hidden_states: torch.Tensor, top_k_index: torch.Tensor, num_experts: int, group=None
-             ) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan]:
+def dispatch(
+    hidden_states: torch.Tensor, top_k_index: torch.Tensor, num_experts: int, group=None
+) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan]:
     """Send each (token, expert) pair to the rank owning the expert; ``(rows, local ids, plan)`` received.
 
     Collective over ``group`` (every rank calls it). Rank ``r`` owns experts ``[r * E/ep, (r + 1) * E/ep)``.
@@ -82,15 +84,16 @@ def dispatch(hidden_states: torch.Tensor, top_k_index: torch.Tensor, num_experts
     valid = (ids >= 0) & (ids < num_experts)
     dest = torch.where(valid, torch.div(ids, per_rank, rounding_mode="floor"), ep)  # sentinels sort last
     counts = torch.bincount(dest, minlength=ep + 1)[:ep]
-    order = torch.sort(dest, stable=True).indices[:int(counts.sum())]
+    order = torch.sort(dest, stable=True).indices[: int(counts.sum())]
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts, group=group)
     send_splits, recv_splits = counts.tolist(), recv_counts.tolist()
     local_ids = ids[order] - dest[order] * per_rank
     recv_ids = local_ids.new_empty(sum(recv_splits))
     dist.all_to_all_single(recv_ids, local_ids, recv_splits, send_splits, group=group)
-    rows = _AllToAll.apply(hidden_states[torch.div(order, top_k, rounding_mode="floor")], send_splits, recv_splits,
-                           group)
+    rows = _AllToAll.apply(
+        hidden_states[torch.div(order, top_k, rounding_mode="floor")], send_splits, recv_splits, group
+    )
     return rows, recv_ids, DispatchPlan(order, send_splits, recv_splits, tokens, top_k, group)
 
 
@@ -116,6 +119,7 @@ def combine(expert_out: torch.Tensor, top_k_weights: torch.Tensor | None, plan: 
 def _forward(self, hidden_states, top_k_index, top_k_weights):
     """The expert-parallel forward of a fused experts module (transformers' experts-function signature)."""
     from ..nn.experts import tritonspec_experts_forward
+
     num_experts, group = getattr(self, _STATE)
     rows, ids, plan = dispatch(hidden_states, top_k_index, num_experts, group)
     ones = rows.new_ones((rows.shape[0], 1))
@@ -154,16 +158,21 @@ def expert_parallel(model: nn.Module, mesh, mesh_dim: str | None = None) -> list
     """
     from ..nn import engine
     from ..nn.detectors import is_fused_experts
+
     ep_mesh = mesh if mesh_dim is None else mesh[mesh_dim]
     if ep_mesh.ndim != 1:
-        raise ValueError(f"expert_parallel: name the expert dimension of the {ep_mesh.ndim}-D mesh "
-                         f"{ep_mesh.mesh_dim_names} (mesh_dim=...)")
+        raise ValueError(
+            f"expert_parallel: name the expert dimension of the {ep_mesh.ndim}-D mesh "
+            f"{ep_mesh.mesh_dim_names} (mesh_dim=...)"
+        )
     group, rank, ep = ep_mesh.get_group(), ep_mesh.get_local_rank(), ep_mesh.size()
     found = [(p, m) for p, m in engine.iter_modules(model) if is_fused_experts(m) and not is_expert_parallel(m)]
     for path, module in found:  # every check before any change: a model is sharded whole or not at all
         if module.gate_up_proj.shape[0] % ep:
-            raise ValueError(f"expert_parallel: {path} has {module.gate_up_proj.shape[0]} experts, not divisible "
-                             f"by the {ep} ranks of mesh dimension {mesh_dim or ep_mesh.mesh_dim_names}")
+            raise ValueError(
+                f"expert_parallel: {path} has {module.gate_up_proj.shape[0]} experts, not divisible "
+                f"by the {ep} ranks of mesh dimension {mesh_dim or ep_mesh.mesh_dim_names}"
+            )
     done = []
     for path, module in found:
         num_experts = module.gate_up_proj.shape[0]
@@ -171,7 +180,7 @@ def expert_parallel(model: nn.Module, mesh, mesh_dim: str | None = None) -> list
         names = [n for n in _EXPERT_PARAMS if module._parameters.get(n) is not None]
         for n in names:
             full = module._parameters[n]
-            local = full.detach()[rank * per_rank:(rank + 1) * per_rank].clone()
+            local = full.detach()[rank * per_rank : (rank + 1) * per_rank].clone()
             module._parameters[n] = nn.Parameter(local, requires_grad=full.requires_grad)
         had_count = "num_experts" in vars(module)
         old_count = vars(module).get("num_experts")
@@ -180,9 +189,19 @@ def expert_parallel(model: nn.Module, mesh, mesh_dim: str | None = None) -> list
 
         detail = f"experts {rank * per_rank}..{(rank + 1) * per_rank - 1} of {num_experts}"
         undo = functools.partial(_gather_experts, module, names, had_count, old_count, group, ep)
-        engine.record_custom(model, module, _STATE, undo, path=path, what="experts", kernel="expert_parallel",
-                             source="distributed", detail=detail)
-        engine.replace_forward(model, module, _forward, path=path, kernel=engine.qualname(_forward),
-                               source="distributed", detail=detail)
+        engine.record_custom(
+            model,
+            module,
+            _STATE,
+            undo,
+            path=path,
+            what="experts",
+            kernel="expert_parallel",
+            source="distributed",
+            detail=detail,
+        )
+        engine.replace_forward(
+            model, module, _forward, path=path, kernel=engine.qualname(_forward), source="distributed", detail=detail
+        )
         done.append(path)
     return done

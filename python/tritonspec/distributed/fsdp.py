@@ -8,6 +8,7 @@ so their gradients are divided by the full mesh size (``set_gradient_divide_fact
 averages every other gradient over the ranks. Kernelized modules need nothing: FSDP2 hands their forwards
 plain, unsharded tensors.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 
 def _default_mesh():
     from torch.distributed.device_mesh import init_device_mesh
+
     device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
     return init_device_mesh(device, (dist.get_world_size(),))
 
@@ -27,8 +29,9 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-def fully_shard_model(model: nn.Module, mesh=None, *, mp_policy=None, reshard_after_forward: bool = True,
-                      ep_dim: str = "ep") -> nn.Module:
+def fully_shard_model(
+    model: nn.Module, mesh=None, *, mp_policy=None, reshard_after_forward: bool = True, ep_dim: str = "ep"
+) -> nn.Module:
     """``fully_shard`` every decoder layer, then ``model``; returns ``model`` (now an ``FSDPModule``).
 
     ``mesh``: a 1-D DeviceMesh (default: every rank), or, for a model made expert-parallel over
@@ -39,16 +42,19 @@ def fully_shard_model(model: nn.Module, mesh=None, *, mp_policy=None, reshard_af
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from .expert_parallel import is_expert_parallel
+
     mesh = _default_mesh() if mesh is None else mesh
     kwargs = dict(mp_policy=mp_policy or MixedPrecisionPolicy(), reshard_after_forward=reshard_after_forward)
     experts = [m for m in model.modules() if is_expert_parallel(m)]
     if experts:
         names = mesh.mesh_dim_names or ()
         if mesh.ndim < 2 or ep_dim not in names:
-            raise ValueError(f"fully_shard_model: the model is expert-parallel; pass the mesh with its expert "
-                             f"dimension {ep_dim!r} and the data-parallel one(s), e.g. init_device_mesh(device, "
-                             f"(dp, ep), mesh_dim_names=('dp', '{ep_dim}')) with dp = 1 when every rank holds "
-                             f"different experts (got mesh dims {names or mesh.ndim})")
+            raise ValueError(
+                f"fully_shard_model: the model is expert-parallel; pass the mesh with its expert "
+                f"dimension {ep_dim!r} and the data-parallel one(s), e.g. init_device_mesh(device, "
+                f"(dp, ep), mesh_dim_names=('dp', '{ep_dim}')) with dp = 1 when every rank holds "
+                f"different experts (got mesh dims {names or mesh.ndim})"
+            )
         others = tuple(n for n in names if n != ep_dim)
         expert_mesh = mesh[others] if len(others) == 1 else mesh[others]._flatten()
         for module in experts:

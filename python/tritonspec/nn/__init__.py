@@ -13,35 +13,75 @@ MOE and MOE_ROUTER registry kernels).
 ``RMSNorm`` and ``SwiGLUMLP`` (stateful modules, :mod:`tritonspec.nn.modules`) are loaded on first use. MoE models
 larger than the GPU: :func:`offload_experts` (experts in host memory or on disk, a GPU cache; :mod:`.offload`).
 """
+
 from .attention import ATTENTION_NAME, register_attention, tritonspec_attention_forward, use_tritonspec_attention
 from .experts import EXPERTS_NAME, register_experts, tritonspec_experts_forward
 from .engine import Change, Report, report, revert
-from .kernelizer import (CUDAProperties, Device, Mode, ROCMProperties, kernelize, register_kernel_mapping,
-                        replace_kernel_forward_from_hub, use_kernel_forward_from_hub, use_kernel_mapping)
-from .kernel_registry import (KERNEL_REGISTRY, AutoRegisterKernelMeta, DeviceType, KernelRegistry, KernelType,
-                              MetaKernel)
+from .kernelizer import (
+    CUDAProperties,
+    Device,
+    Mode,
+    ROCMProperties,
+    kernelize,
+    register_kernel_mapping,
+    replace_kernel_forward_from_hub,
+    use_kernel_forward_from_hub,
+    use_kernel_mapping,
+)
+from .kernel_registry import KERNEL_REGISTRY, AutoRegisterKernelMeta, DeviceType, KernelRegistry, KernelType, MetaKernel
 from .registry_kernels import apply_available_kernels, apply_kernel, discover_kernels
 from .repository import HubUnavailableError, LayerRepository, LocalLayerRepository, TritonspecRepository
 from .rules import Rule, RuleError, apply_rules, load_rules, register_module_converter
 
 __all__ = [
     # registry
-    "KernelType", "DeviceType", "KernelRegistry", "KERNEL_REGISTRY", "AutoRegisterKernelMeta", "MetaKernel",
-    "discover_kernels", "apply_kernel", "apply_available_kernels",
+    "KernelType",
+    "DeviceType",
+    "KernelRegistry",
+    "KERNEL_REGISTRY",
+    "AutoRegisterKernelMeta",
+    "MetaKernel",
+    "discover_kernels",
+    "apply_kernel",
+    "apply_available_kernels",
     # kernelize
-    "Mode", "Device", "CUDAProperties", "ROCMProperties", "kernelize", "register_kernel_mapping",
-    "use_kernel_mapping", "use_kernel_forward_from_hub", "replace_kernel_forward_from_hub",
-    "LayerRepository", "LocalLayerRepository", "TritonspecRepository", "HubUnavailableError",
+    "Mode",
+    "Device",
+    "CUDAProperties",
+    "ROCMProperties",
+    "kernelize",
+    "register_kernel_mapping",
+    "use_kernel_mapping",
+    "use_kernel_forward_from_hub",
+    "replace_kernel_forward_from_hub",
+    "LayerRepository",
+    "LocalLayerRepository",
+    "TritonspecRepository",
+    "HubUnavailableError",
     # rules
-    "apply_rules", "load_rules", "Rule", "RuleError", "register_module_converter",
+    "apply_rules",
+    "load_rules",
+    "Rule",
+    "RuleError",
+    "register_module_converter",
     # engine
-    "revert", "report", "Report", "Change",
+    "revert",
+    "report",
+    "Report",
+    "Change",
     # attention
-    "ATTENTION_NAME", "register_attention", "tritonspec_attention_forward", "use_tritonspec_attention",
+    "ATTENTION_NAME",
+    "register_attention",
+    "tritonspec_attention_forward",
+    "use_tritonspec_attention",
     # experts
-    "EXPERTS_NAME", "register_experts", "tritonspec_experts_forward",
+    "EXPERTS_NAME",
+    "register_experts",
+    "tritonspec_experts_forward",
     # stateful modules (tritonspec.nn.modules) and offloaded experts (tritonspec.nn.offload), loaded on first use
-    "RMSNorm", "SwiGLUMLP", "offload_experts",
+    "RMSNorm",
+    "SwiGLUMLP",
+    "offload_experts",
 ]
 
 _LAZY = {"RMSNorm": "modules", "SwiGLUMLP": "modules", "offload_experts": "offload"}
@@ -50,6 +90,7 @@ _LAZY = {"RMSNorm": "modules", "SwiGLUMLP": "modules", "offload_experts": "offlo
 def __getattr__(name):
     if name in _LAZY:
         from importlib import import_module
+
         return getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

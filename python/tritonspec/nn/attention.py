@@ -7,6 +7,7 @@ and a 4-D mask when there is padding, packing or a sliding window; those cases, 
 kernel does not cover (dropout while training, softcap, sinks, decoding with a cache), run transformers'
 SDPA path, so results never depend on which path ran.
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,12 +31,21 @@ def _op():
 
 def _sdpa(*args, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     return sdpa_attention_forward(*args, **kwargs)
 
 
-def tritonspec_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                 attention_mask: torch.Tensor | None, dropout: float = 0.0,
-                                 scaling: float | None = None, is_causal: bool | None = None, **kwargs):
+def tritonspec_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+):
     """transformers attention-function signature; q (b, h, s, d), k/v (b, h_kv, s, d) -> ((b, s, h, d), None)."""
     q_len, kv_len = query.shape[2], key.shape[2]
     window = kwargs.get("sliding_window")
@@ -52,8 +62,9 @@ def tritonspec_attention_forward(module: nn.Module, query: torch.Tensor, key: to
         or query.dtype not in (_GPU_DTYPES if query.device.type != "cpu" else _CPU_DTYPES)
     )
     if unsupported:
-        return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                     is_causal=is_causal, **kwargs)
+        return _sdpa(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     out = _op()(query, key, value, causal=bool(causal) and q_len > 1, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
@@ -63,6 +74,7 @@ def register_attention(name: str = ATTENTION_NAME) -> str:
     """Register the attention function and its mask builder with transformers under ``name``; idempotent."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
     AttentionInterface.register(name, tritonspec_attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)
     return name
@@ -82,7 +94,14 @@ def use_tritonspec_attention(model: nn.Module, *, source: str = "registry", deta
     register_attention()
     old = config._attn_implementation
     setter(ATTENTION_NAME)
-    return engine.record_custom(model, config, "_attn_implementation", functools.partial(setter, old or "eager"),
-                                path="", what="attn_implementation",
-                                kernel=engine.qualname(tritonspec_attention_forward), source=source,
-                                detail=detail or f"{old} -> {ATTENTION_NAME}")
+    return engine.record_custom(
+        model,
+        config,
+        "_attn_implementation",
+        functools.partial(setter, old or "eager"),
+        path="",
+        what="attn_implementation",
+        kernel=engine.qualname(tritonspec_attention_forward),
+        source=source,
+        detail=detail or f"{old} -> {ATTENTION_NAME}",
+    )

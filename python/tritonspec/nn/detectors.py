@@ -11,6 +11,7 @@ with kernels 0.17.2 nothing is tagged), and even then MLPs such as ``LlamaMLP`` 
 The checks look at what the replacement layer relies on (attributes, child modules, the activation, the
 names the original ``forward`` uses), not at per-model class tables that break on every release.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,9 +43,14 @@ def is_rms_norm(module: nn.Module, exclude: tuple[str, ...] = RMS_NORM_EXCLUDE) 
     if not name.endswith("RMSNorm") or any(x in name for x in exclude):
         return False
     w = module._parameters.get("weight")
-    return (w is not None and w.dim() == 1 and set(module._parameters) == {"weight"} and not module._modules
-            and isinstance(getattr(module, "variance_epsilon", None), float)
-            and {"variance_epsilon", "weight"} <= _forward_names(cls))
+    return (
+        w is not None
+        and w.dim() == 1
+        and set(module._parameters) == {"weight"}
+        and not module._modules
+        and isinstance(getattr(module, "variance_epsilon", None), float)
+        and {"variance_epsilon", "weight"} <= _forward_names(cls)
+    )
 
 
 def is_swiglu_mlp(module: nn.Module) -> bool:
@@ -82,6 +88,7 @@ def is_rotate_half_rope(fn) -> bool:
         pass
     import torch
     from ..ops.rope import rope_ref
+
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, h, 3, 8, generator=g, dtype=torch.float64) for h in (2, 1))
     cos, sin = (torch.randn(1, 3, 8, generator=g, dtype=torch.float64) for _ in range(2))
@@ -89,8 +96,10 @@ def is_rotate_half_rope(fn) -> bool:
     try:
         with torch.no_grad():
             got = call(q, k, cos, sin)
-        ok = all(isinstance(a, torch.Tensor) and a.shape == b.shape and torch.allclose(a, b)
-                 for a, b in zip(got, rope_ref(q, k, cos, sin), strict=True))
+        ok = all(
+            isinstance(a, torch.Tensor) and a.shape == b.shape and torch.allclose(a, b)
+            for a, b in zip(got, rope_ref(q, k, cos, sin), strict=True)
+        )
     except Exception:  # noqa: BLE001 - a function that cannot take the probe is not this formula
         ok = False
     with contextlib.suppress(TypeError):
@@ -106,6 +115,7 @@ def is_fused_experts(module: nn.Module) -> bool:
     if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
         return False
     from .experts import experts_kind
+
     return experts_kind(module) is not None
 
 
@@ -146,10 +156,10 @@ def _router_weight(module: nn.Module):
 def _router_state(module: nn.Module) -> tuple:
     """What a router's math may depend on besides its class: its plain attributes (``training`` included) and
     the names and shapes of its tensors. A change of any of them is probed again, never served stale."""
-    plain = tuple(sorted((k, v) for k, v in vars(module).items()
-                         if isinstance(v, (bool, int, float, str, type(None)))))
-    tensors = tuple((n, None if t is None else tuple(t.shape))
-                    for d in (module._parameters, module._buffers) for n, t in d.items())
+    plain = tuple(sorted((k, v) for k, v in vars(module).items() if isinstance(v, (bool, int, float, str, type(None)))))
+    tensors = tuple(
+        (n, None if t is None else tuple(t.shape)) for d in (module._parameters, module._buffers) for n, t in d.items()
+    )
     return plain, tensors
 
 
@@ -160,27 +170,40 @@ def _router_candidates(module: nn.Module, weight) -> list[RouterKind]:
     experts = weight.shape[0]
     bias = module._parameters.get("bias")
     correction = getattr(module, "e_score_correction_bias", None)
-    if (set(module._parameters) - {"weight", "bias"} or getattr(module, "num_experts", experts) != experts
-            or (bias is not None and tuple(bias.shape) != (experts,))
-            or (correction is not None and tuple(getattr(correction, "shape", ())) != (experts,))):
+    if (
+        set(module._parameters) - {"weight", "bias"}
+        or getattr(module, "num_experts", experts) != experts
+        or (bias is not None and tuple(bias.shape) != (experts,))
+        or (correction is not None and tuple(getattr(correction, "shape", ())) != (experts,))
+    ):
         return []
     norm = getattr(module, "norm_topk_prob", None)
     renorms = (norm,) if isinstance(norm, bool) else (True, False)
     scaling = getattr(module, "routed_scaling_factor", None)
-    common = dict(top_k=module.top_k, bias=bias is not None, correction_bias=correction is not None,
-                  n_group=getattr(module, "n_group", getattr(module, "num_group", None)),
-                  topk_group=getattr(module, "topk_group", None), scaling_factor=1.0 if scaling is None else scaling)
-    return [RouterKind(scoring=scoring, renormalize=renormalize, float32_logits=f32_logits,
-                       float32_weights=f32_weights, **common)
-            for scoring in ("softmax", "sigmoid", "topk_softmax")
-            for renormalize in (renorms if scoring != "topk_softmax" else (False,))  # its weights sum to 1 anyway
-            for f32_logits in (False, True) for f32_weights in (False, True)]
+    common = dict(
+        top_k=module.top_k,
+        bias=bias is not None,
+        correction_bias=correction is not None,
+        n_group=getattr(module, "n_group", getattr(module, "num_group", None)),
+        topk_group=getattr(module, "topk_group", None),
+        scaling_factor=1.0 if scaling is None else scaling,
+    )
+    return [
+        RouterKind(
+            scoring=scoring, renormalize=renormalize, float32_logits=f32_logits, float32_weights=f32_weights, **common
+        )
+        for scoring in ("softmax", "sigmoid", "topk_softmax")
+        for renormalize in (renorms if scoring != "topk_softmax" else (False,))  # its weights sum to 1 anyway
+        for f32_logits in (False, True)
+        for f32_weights in (False, True)
+    ]
 
 
 def _same_routing(got, want) -> bool:
     """Logits and ids equal, every dtype and shape the same; float32 weights equal, and others within two units
     of their dtype's eps (a float32 result cast down once, against the same math run in that dtype)."""
     import torch
+
     if not (isinstance(want, tuple) and len(want) == 3 and all(isinstance(t, torch.Tensor) for t in want)):
         return False
     for g, w in zip(got, want):
@@ -207,13 +230,14 @@ def _probe_router(module: nn.Module, weight, candidates: list[RouterKind]) -> Ro
     """
     import torch
     from .hub.layers import moe_router
+
     g = torch.Generator().manual_seed(0)
     hidden = weight.shape[1]
 
     def rand(t, scale):
         return t if t is None or not t.is_floating_point() else torch.randn(tuple(t.shape), generator=g) * scale
 
-    params = {n: rand(p, hidden ** -0.5 if n == "weight" else 1.0) for n, p in module._parameters.items()}
+    params = {n: rand(p, hidden**-0.5 if n == "weight" else 1.0) for n, p in module._parameters.items()}
     buffers = {n: rand(b, 0.5) for n, b in module._buffers.items()}
     x = torch.randn(_PROBE_TOKENS, hidden, generator=g)
     probes = []
@@ -280,8 +304,14 @@ class _ProbeChild(nn.Module):
 
     def forward(self, *args, **kwargs):
         import torch
-        self.log.append((self.name, len(args), tuple(sorted(
-            (k, None if isinstance(v, torch.Tensor) else id(v)) for k, v in kwargs.items()))))
+
+        self.log.append(
+            (
+                self.name,
+                len(args),
+                tuple(sorted((k, None if isinstance(v, torch.Tensor) else id(v)) for k, v in kwargs.items())),
+            )
+        )
         x = args[0] if args else kwargs["hidden_states"]
         y = torch.tanh(x * self.scale) + self.scale
         return (y, object()) if self.pair else y
@@ -304,13 +334,14 @@ def _probe_decoder_layer(cls: type) -> bool:
     """Whether ``cls.forward`` computes what the ``DecoderLayer`` hub layer does, on stand-in children.
 
     Its forward must read nothing but the four children and take the hub layer's parameters (names up to
-    :data:`_RENAMED`, kinds, defaults); then it runs once in float64 with a :class:`_ProbeChild` per child and a distinct object per
-    argument, next to ``decoder_layer`` on its own stand-ins: the outputs must agree, and the children must be
-    called in the same order, the same way, with every argument passed on unchanged to ``self_attn``. Tried
-    with an ``mlp`` returning a tensor, then an ``(output, router scores)`` pair (GPT-OSS).
+    :data:`_RENAMED`, kinds, defaults); then it runs once in float64 with a :class:`_ProbeChild` per child and a
+    distinct object per argument, next to ``decoder_layer`` on its own stand-ins: the outputs must agree, and the
+    children must be called in the same order, the same way, with every argument passed on unchanged to
+    ``self_attn``. Tried with an ``mlp`` returning a tensor, then an ``(output, router scores)`` pair (GPT-OSS).
     """
     import torch
     from .hub.layers import DecoderLayer, decoder_layer
+
     forward = inspect.unwrap(cls.forward)  # transformers' GradientCheckpointingLayer wraps it
     code = getattr(forward, "__code__", None)
     if code is None or set(code.co_names) != _DECODER_CHILDREN:
@@ -318,8 +349,11 @@ def _probe_decoder_layer(cls: type) -> bool:
     params = _signature(forward)
     if params is None or params != _signature(DecoderLayer.forward):
         return False
-    args = {p.name: object() for p in list(inspect.signature(forward).parameters.values())[2:]  # its own names
-            if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD}
+    args = {
+        p.name: object()
+        for p in list(inspect.signature(forward).parameters.values())[2:]  # its own names
+        if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    }
     args["probe_kwarg"] = object()  # **kwargs are passed on too
     x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
 
@@ -328,8 +362,11 @@ def _probe_decoder_layer(cls: type) -> bool:
         probe = object.__new__(cls)
         nn.Module.__init__(probe)
         for i, name in enumerate(sorted(_DECODER_CHILDREN)):
-            setattr(probe, name, _ProbeChild(name, log, 0.5 + 0.25 * i, pair=name == "self_attn" or
-                                             (name == "mlp" and mlp_pair)))
+            setattr(
+                probe,
+                name,
+                _ProbeChild(name, log, 0.5 + 0.25 * i, pair=name == "self_attn" or (name == "mlp" and mlp_pair)),
+            )
         probe.training = False
         return fn(probe), log
 
@@ -340,8 +377,12 @@ def _probe_decoder_layer(cls: type) -> bool:
             except Exception:  # noqa: BLE001 - a forward that cannot take the probe is not this layer
                 continue
             want, want_log = run(lambda p: decoder_layer(p, x, args), mlp_pair)
-            if (isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want)
-                    and got_log == want_log):
+            if (
+                isinstance(got, torch.Tensor)
+                and got.shape == want.shape
+                and torch.allclose(got, want)
+                and got_log == want_log
+            ):
                 return True
     return False
 
@@ -357,8 +398,9 @@ def is_llama_decoder_layer(module: nn.Module) -> bool:
     per class (:func:`_probe_decoder_layer`).
     """
     mods = module._modules
-    if set(mods) != _DECODER_CHILDREN or not (is_rms_norm(mods["input_layernorm"])
-                                              and is_rms_norm(mods["post_attention_layernorm"])):
+    if set(mods) != _DECODER_CHILDREN or not (
+        is_rms_norm(mods["input_layernorm"]) and is_rms_norm(mods["post_attention_layernorm"])
+    ):
         return False
     cls = type(module)
     ok = _DECODER_PROBES.get(cls)
@@ -372,23 +414,50 @@ def is_llama_decoder_layer(module: nn.Module) -> bool:
 # MoE models' load-balancing loss, and Gemma2/3's final logit softcapping (applied inside the fused loss).
 # Anything else (Cohere's logit_scale, Granite's logits_scaling, Falcon-H1's lm_head_multiplier) changes the
 # logits and leaves the model alone.
-_CAUSAL_LM_NAMES = frozenset({
-    "CausalLMOutputWithPast", "attentions", "config", "hidden_states", "last_hidden_state", "lm_head",
-    "loss_function", "model", "past_key_values", "cache", "slice_logits_to_keep", "vocab_size", "isinstance", "slice", "int",
-    "MoeCausalLMOutputWithPast", "device", "load_balancing_loss_func", "num_experts", "num_experts_per_tok",
-    "output_router_logits", "router_aux_loss_coef", "router_logits", "to", "final_logit_softcapping", "tanh",
-    "torch"})
+_CAUSAL_LM_NAMES = frozenset(
+    {
+        "CausalLMOutputWithPast",
+        "attentions",
+        "config",
+        "hidden_states",
+        "last_hidden_state",
+        "lm_head",
+        "loss_function",
+        "model",
+        "past_key_values",
+        "cache",
+        "slice_logits_to_keep",
+        "vocab_size",
+        "isinstance",
+        "slice",
+        "int",
+        "MoeCausalLMOutputWithPast",
+        "device",
+        "load_balancing_loss_func",
+        "num_experts",
+        "num_experts_per_tok",
+        "output_router_logits",
+        "router_aux_loss_coef",
+        "router_logits",
+        "to",
+        "final_logit_softcapping",
+        "tanh",
+        "torch",
+    }
+)
 
 
 def is_causal_lm_head(module: nn.Module) -> bool:
     """A dense ``*ForCausalLM`` the ``CausalLMLoss`` hub layer may serve (:func:`_fusable_causal_lm`)."""
     from .hub.layers import CausalLMLoss
+
     return _fusable_causal_lm(module, CausalLMLoss)
 
 
 def is_moe_causal_lm_head(module: nn.Module) -> bool:
     """An MoE ``*ForCausalLM`` (``output_router_logits`` in its forward) ``MoeCausalLMLoss`` may serve."""
     from .hub.layers import MoeCausalLMLoss
+
     return _fusable_causal_lm(module, MoeCausalLMLoss)
 
 
@@ -414,6 +483,7 @@ def infer_layer_name(module: nn.Module) -> str | None:
     """The layer name of the first declared kernel that recognizes an untagged module (by class name,
     then by its structural detector), else None."""
     from ..kernel_table import KERNELS
+
     name = type(module).__name__
     for kernel in KERNELS.values():
         layer = kernel.layer
@@ -438,6 +508,7 @@ def function_sites(model: nn.Module) -> list[tuple[object, types.ModuleType, str
     """
     from ..kernel_table import KERNELS
     from .engine import shared_original
+
     out = []
     classes = {type(m) for m in model.modules()}
     for kernel in KERNELS.values():

@@ -15,6 +15,7 @@ modules, so ``revert(copy)`` undoes the copy's changes and leaves the original's
 (``torch.save(model)``) fails with a ``TypeError``: an unpickled model could not be reverted, and its
 replaced forwards would not survive the trip.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,6 +30,7 @@ from typing import Any, Callable, Iterator
 import torch.nn as nn
 
 logger = logging.getLogger("tritonspec.nn")
+
 
 class _Missing:
     """The attribute was not in the target's own ``__dict__``; one object, kept by copies and pickles."""
@@ -125,13 +127,23 @@ class _Ledger:
                 _share(twin, target, e.attr, original)
                 new.entries.append(_Entry(e.change, target, e.attr, original, True))
             else:
-                new.entries.append(_Entry(e.change, copy.deepcopy(e.target, memo), e.attr,
-                                          copy.deepcopy(e.original, memo), False, copy.deepcopy(e.undo, memo)))
+                new.entries.append(
+                    _Entry(
+                        e.change,
+                        copy.deepcopy(e.target, memo),
+                        e.attr,
+                        copy.deepcopy(e.original, memo),
+                        False,
+                        copy.deepcopy(e.undo, memo),
+                    )
+                )
         return new
 
     def __reduce__(self):
-        raise TypeError(f"cannot pickle a model changed by tritonspec ({len(self.entries)} replacements; "
-                        "tritonspec.nn.report(model) lists them): revert(model) first, or save model.state_dict()")
+        raise TypeError(
+            f"cannot pickle a model changed by tritonspec ({len(self.entries)} replacements; "
+            "tritonspec.nn.report(model) lists them): revert(model) first, or save model.state_dict()"
+        )
 
 
 # Per root model, in the model's own __dict__: its entries reference the model itself (a replaced root forward,
@@ -207,8 +219,19 @@ def _write(target, attr, value):
         setattr(target, attr, value)
 
 
-def patch_attr(model: nn.Module, target: Any, attr: str, value: Any, *, path: str, what: str = "attribute",
-               kernel: str, source: str, detail: str = "", shared: bool = False) -> Change:
+def patch_attr(
+    model: nn.Module,
+    target: Any,
+    attr: str,
+    value: Any,
+    *,
+    path: str,
+    what: str = "attribute",
+    kernel: str,
+    source: str,
+    detail: str = "",
+    shared: bool = False,
+) -> Change:
     """Set ``target.attr = value`` for ``model`` and record how to undo it.
 
     Patching the same (target, attr) again keeps the first original, so ``revert`` always restores the
@@ -230,15 +253,42 @@ def patch_attr(model: nn.Module, target: Any, attr: str, value: Any, *, path: st
     return change
 
 
-def replace_forward(model: nn.Module, module: nn.Module, fn: Callable, *, path: str, kernel: str, source: str,
-                    detail: str = "", shared: bool = False) -> Change:
+def replace_forward(
+    model: nn.Module,
+    module: nn.Module,
+    fn: Callable,
+    *,
+    path: str,
+    kernel: str,
+    source: str,
+    detail: str = "",
+    shared: bool = False,
+) -> Change:
     """Bind ``fn`` as ``module.forward`` (an instance attribute; the class is untouched)."""
-    return patch_attr(model, module, "forward", MethodType(fn, module), path=path, what="forward",
-                      kernel=kernel, source=source, detail=detail, shared=shared)
+    return patch_attr(
+        model,
+        module,
+        "forward",
+        MethodType(fn, module),
+        path=path,
+        what="forward",
+        kernel=kernel,
+        source=source,
+        detail=detail,
+        shared=shared,
+    )
 
 
-def replace_module(model: nn.Module, path: str, new: nn.Module, *, kernel: str, source: str,
-                   detail: str = "", parent: nn.Module | None = None) -> Change:
+def replace_module(
+    model: nn.Module,
+    path: str,
+    new: nn.Module,
+    *,
+    kernel: str,
+    source: str,
+    detail: str = "",
+    parent: nn.Module | None = None,
+) -> Change:
     """Put ``new`` at dotted ``path``: as child ``path.rsplit('.')[-1]`` of ``parent``, by default the
     module found at the parent path in the live tree. Undoing it calls ``new.release()`` if it has one."""
     if not path:
@@ -254,8 +304,9 @@ def replace_module(model: nn.Module, path: str, new: nn.Module, *, kernel: str, 
     if entry is not None:
         entry.change = change
     else:
-        led.entries.append(_Entry(change, parent, name, old, False, undo=functools.partial(_put_back, parent, name,
-                                                                                           old, new)))
+        led.entries.append(
+            _Entry(change, parent, name, old, False, undo=functools.partial(_put_back, parent, name, old, new))
+        )
     return change
 
 
@@ -266,8 +317,18 @@ def _put_back(parent: nn.Module, name: str, old: nn.Module, new: nn.Module) -> N
         release()
 
 
-def record_custom(model: nn.Module, target: Any, key: str, undo: Callable[[], None], *, path: str, what: str,
-                  kernel: str, source: str, detail: str = "") -> Change:
+def record_custom(
+    model: nn.Module,
+    target: Any,
+    key: str,
+    undo: Callable[[], None],
+    *,
+    path: str,
+    what: str,
+    kernel: str,
+    source: str,
+    detail: str = "",
+) -> Change:
     """Record a change made by the caller through an API (e.g. ``set_attn_implementation``).
 
     ``undo`` runs on revert. Recording the same (target, key) twice keeps the first ``undo``. Pass a
@@ -349,8 +410,9 @@ def transaction(model: nn.Module) -> Iterator[Report]:
             made.append(e.change)
 
 
-def iter_modules(model: nn.Module, prune: Callable[[str, nn.Module], bool] | None = None
-                 ) -> Iterator[tuple[str, nn.Module]]:
+def iter_modules(
+    model: nn.Module, prune: Callable[[str, nn.Module], bool] | None = None
+) -> Iterator[tuple[str, nn.Module]]:
     """Pre-order walk of submodules (not the root) as (dotted path, module).
 
     ``prune(path, module)`` returning True stops the walk below that module (YAML ``recursive: false``).

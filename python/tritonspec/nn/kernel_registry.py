@@ -6,10 +6,11 @@ implementation, and kernels that patch functions rather than layers. Each ``Meta
 where its kernel goes; installing it goes through :mod:`tritonspec.nn.engine` (see
 :meth:`MetaKernel.patch_forward`), so registry changes are reported and reverted like the others.
 
-``KernelType`` holds the kernel table's kernels (LLaMA-Factory's RMSNORM, SWIGLU, ROPE,
-FLASH_ATTENTION, MOE, and MOE_ROUTER) and ``DeviceType`` tritonspec's device vocabulary (:mod:`tritonspec.devices`). A kernel
-declared after import (a vendor's, an experiment's) is registered under its table name, a str.
+``KernelType`` holds the kernel table's kernels (LLaMA-Factory's RMSNORM, SWIGLU, ROPE, FLASH_ATTENTION, MOE, and
+MOE_ROUTER) and ``DeviceType`` tritonspec's device vocabulary (:mod:`tritonspec.devices`). A kernel declared after
+import (a vendor's, an experiment's) is registered under its table name, a str.
 """
+
 from __future__ import annotations
 
 import enum
@@ -66,8 +67,13 @@ class KernelRegistry:
         per_device = self._registry.setdefault(kernel_type, {})
         old = per_device.get(device_type)
         if old is not None and old is not kernel_impl:
-            logger.warning("Overwriting kernel for %s on %s: %s replaces %s", getattr(kernel_type, "name", kernel_type),
-                           device_type.name, engine.qualname(kernel_impl), engine.qualname(old))
+            logger.warning(
+                "Overwriting kernel for %s on %s: %s replaces %s",
+                getattr(kernel_type, "name", kernel_type),
+                device_type.name,
+                engine.qualname(kernel_impl),
+                engine.qualname(old),
+            )
         per_device[device_type] = kernel_impl
 
     def get_kernel(self, kernel_type: KernelType, device_type: DeviceType) -> Optional[Callable]:
@@ -119,8 +125,9 @@ class MetaKernel(metaclass=AutoRegisterKernelMeta):
         raise NotImplementedError
 
     @classmethod
-    def patch_forward(cls, model: nn.Module, predicate: Callable[[str, nn.Module], bool],
-                      forward: Callable | None = None) -> list[engine.Change]:
+    def patch_forward(
+        cls, model: nn.Module, predicate: Callable[[str, nn.Module], bool], forward: Callable | None = None
+    ) -> list[engine.Change]:
         """Rebind ``forward`` (default ``cls.kernel``) on every submodule where ``predicate(path, module)``.
 
         The helper most ``apply`` methods need; it records the changes in the engine.
@@ -130,8 +137,17 @@ class MetaKernel(metaclass=AutoRegisterKernelMeta):
         out = []
         for path, module in model.named_modules():
             if predicate(path, module):
-                out.append(engine.replace_forward(model, module, fn, path=path, kernel=engine.qualname(fn),
-                                                  source="registry", detail=cls._detail()))
+                out.append(
+                    engine.replace_forward(
+                        model,
+                        module,
+                        fn,
+                        path=path,
+                        kernel=engine.qualname(fn),
+                        source="registry",
+                        detail=cls._detail(),
+                    )
+                )
         return out
 
     @classmethod

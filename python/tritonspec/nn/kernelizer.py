@@ -10,6 +10,7 @@ Triton runs on, and untagged modules that a declared kernel recognizes get its l
 (``infer_layer_names``), because transformers only tags when it accepts the installed ``kernels``
 version.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,10 +59,18 @@ class Mode(enum.Flag):
 # huggingface/kernels' mode fallback: a training kernel may serve inference (not the reverse), a
 # compile-safe kernel may serve eager, FALLBACK last.
 MODE_FALLBACK_PRIORITY: dict[Mode, tuple[Mode, ...]] = {
-    Mode.INFERENCE: (Mode.INFERENCE, Mode.INFERENCE | Mode.TORCH_COMPILE, Mode.TRAINING,
-                     Mode.TRAINING | Mode.TORCH_COMPILE, Mode.FALLBACK),
-    Mode.INFERENCE | Mode.TORCH_COMPILE: (Mode.INFERENCE | Mode.TORCH_COMPILE,
-                                          Mode.TRAINING | Mode.TORCH_COMPILE, Mode.FALLBACK),
+    Mode.INFERENCE: (
+        Mode.INFERENCE,
+        Mode.INFERENCE | Mode.TORCH_COMPILE,
+        Mode.TRAINING,
+        Mode.TRAINING | Mode.TORCH_COMPILE,
+        Mode.FALLBACK,
+    ),
+    Mode.INFERENCE | Mode.TORCH_COMPILE: (
+        Mode.INFERENCE | Mode.TORCH_COMPILE,
+        Mode.TRAINING | Mode.TORCH_COMPILE,
+        Mode.FALLBACK,
+    ),
     Mode.TRAINING: (Mode.TRAINING, Mode.TRAINING | Mode.TORCH_COMPILE, Mode.FALLBACK),
     Mode.TRAINING | Mode.TORCH_COMPILE: (Mode.TRAINING | Mode.TORCH_COMPILE, Mode.FALLBACK),
 }
@@ -80,8 +89,9 @@ class CUDAProperties:
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{f}: expected a non-negative int, got {v!r}")
         if self.min_capability > self.max_capability:
-            raise ValueError(f"min_capability ({self.min_capability}) must be <= max_capability "
-                             f"({self.max_capability})")
+            raise ValueError(
+                f"min_capability ({self.min_capability}) must be <= max_capability ({self.max_capability})"
+            )
 
 
 @dataclass(frozen=True)
@@ -122,6 +132,7 @@ _Mapping = dict[str, dict[str, list[_Slot]]]
 @dataclass
 class _State:
     """A context's mapping: what was registered, over the kernel table's layers unless dropped."""
+
     mapping: _Mapping
     defaults: bool = True
 
@@ -146,8 +157,9 @@ _MAPPING: ContextVar[_State] = ContextVar("tritonspec_kernel_mapping", default=_
 
 
 def _copy(m: _Mapping) -> _Mapping:
-    return {n: {d: [_Slot(s.lo, s.hi, dict(s.modes)) for s in slots] for d, slots in devs.items()}
-            for n, devs in m.items()}
+    return {
+        n: {d: [_Slot(s.lo, s.hi, dict(s.modes)) for s in slots] for d, slots in devs.items()} for n, devs in m.items()
+    }
 
 
 def _insert(current: _Mapping, mapping: dict) -> None:
@@ -167,8 +179,11 @@ def _insert(current: _Mapping, mapping: dict) -> None:
                     raise ValueError(f"mapping[{name!r}][{device.type!r}]: {mode!r} is not a valid mode")
                 if not callable(getattr(repo, "load", None)):
                     raise TypeError(f"mapping[{name!r}][{device.type!r}][{mode}]: {repo!r} has no load()")
-            lo, hi = (0, sys.maxsize) if device.properties is None else \
-                (device.properties.min_capability, device.properties.max_capability)
+            lo, hi = (
+                (0, sys.maxsize)
+                if device.properties is None
+                else (device.properties.min_capability, device.properties.max_capability)
+            )
             slots = devs.setdefault(device.type, [])
             for s in slots:
                 if (s.lo, s.hi) == (lo, hi):  # same interval: the new registration replaces the old one
@@ -246,14 +261,17 @@ def use_kernel_forward_from_hub(layer_name: str, condition: Callable[[nn.Module]
     On a function it returns a stateless module instance (called like the function) carrying the name, the
     same shape transformers/kernels give ``apply_rotary_pos_emb``.
     """
+
     def decorate(obj):
         if inspect.isclass(obj):
             replace_kernel_forward_from_hub(obj, layer_name, condition)
             return obj
         if inspect.isfunction(obj):
             return _function_module(obj, layer_name)
-        raise TypeError(f"use_kernel_forward_from_hub({layer_name!r}) applies to classes or functions, "
-                        f"not {type(obj).__name__}")
+        raise TypeError(
+            f"use_kernel_forward_from_hub({layer_name!r}) applies to classes or functions, not {type(obj).__name__}"
+        )
+
     return decorate
 
 
@@ -264,7 +282,8 @@ def _function_module(fn: Callable, layer_name: str) -> nn.Module:
 
     sig = inspect.signature(fn)
     Func.forward.__signature__ = sig.replace(
-        parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *sig.parameters.values()])
+        parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *sig.parameters.values()]
+    )
     Func.__name__ = Func.__qualname__ = f"Func[{fn.__name__}]"
     Func.kernel_layer_name = layer_name
     return Func()
@@ -302,8 +321,14 @@ def _check_repo_mode(name, layer, repo, repo_mode):
         raise ValueError(f"{repo} is registered for `{name}` in mode {repo_mode} but does not support torch.compile")
 
 
-def kernelize(model: nn.Module, *, mode: Mode, device: str | torch.device | Device | None = None,
-              use_fallback: bool = True, infer_layer_names: bool = True) -> nn.Module:
+def kernelize(
+    model: nn.Module,
+    *,
+    mode: Mode,
+    device: str | torch.device | Device | None = None,
+    use_fallback: bool = True,
+    infer_layer_names: bool = True,
+) -> nn.Module:
     """Rebind ``forward`` of every extensible layer of ``model`` to the kernel the mapping selects.
 
     Args:
@@ -337,8 +362,18 @@ def kernelize(model: nn.Module, *, mode: Mode, device: str | torch.device | Devi
     else:
         raise TypeError(f"device: expected str, torch.device or Device, got {type(device).__name__}")
 
-    def one(path: str, target: Any, label: str, name: str, reference, *, shared: bool = False,
-            install: Callable | None = None, undo_key: tuple | None = None, inferred: bool = False):
+    def one(
+        path: str,
+        target: Any,
+        label: str,
+        name: str,
+        reference,
+        *,
+        shared: bool = False,
+        install: Callable | None = None,
+        undo_key: tuple | None = None,
+        inferred: bool = False,
+    ):
         """Select, load, validate and install the layer for one target (a module, or a global function)."""
         undo_key = undo_key or (target, "forward")
         cond = getattr(type(target), "kernel_condition", None)
@@ -357,15 +392,24 @@ def kernelize(model: nn.Module, *, mode: Mode, device: str | torch.device | Devi
         repo, repo_mode = choice
         layer = _load(repo, reference)
         _check_repo_mode(name, layer, repo, repo_mode)
-        missing = [what for what, bad in (
-            ("torch.compile", Mode.TORCH_COMPILE in mode and not getattr(layer, "can_torch_compile", False)),
-            ("backward", Mode.TRAINING in mode and not getattr(layer, "has_backward", True))) if bad]
+        missing = [
+            what
+            for what, bad in (
+                ("torch.compile", Mode.TORCH_COMPILE in mode and not getattr(layer, "can_torch_compile", False)),
+                ("backward", Mode.TRAINING in mode and not getattr(layer, "has_backward", True)),
+            )
+            if bad
+        ]
         if missing:
             if not use_fallback:
-                raise ValueError(f"kernelize: {repo} for {path} does not support {' or '.join(missing)} "
-                                 f"(mode {mode})")
-            logger.info("kernelize: %s (%s) keeps its original forward: %s lacks %s support", path, label, repo,
-                        " and ".join(missing))
+                raise ValueError(f"kernelize: {repo} for {path} does not support {' or '.join(missing)} (mode {mode})")
+            logger.info(
+                "kernelize: %s (%s) keeps its original forward: %s lacks %s support",
+                path,
+                label,
+                repo,
+                " and ".join(missing),
+            )
             engine.restore(model, *undo_key)
             return
         kernel = engine.qualname(layer.forward)
@@ -373,8 +417,9 @@ def kernelize(model: nn.Module, *, mode: Mode, device: str | torch.device | Devi
         if install is not None:
             install(layer, kernel, detail)
         else:
-            engine.replace_forward(model, target, layer.forward, path=path, kernel=kernel, source="kernelize",
-                                   detail=detail, shared=shared)
+            engine.replace_forward(
+                model, target, layer.forward, path=path, kernel=kernel, source="kernelize", detail=detail, shared=shared
+            )
         logger.info("kernelize: %s (%s) -> %s [%s]", path or "<root>", label, kernel, detail)
 
     with engine.transaction(model):
@@ -384,8 +429,14 @@ def kernelize(model: nn.Module, *, mode: Mode, device: str | torch.device | Devi
                 fn_name = tagged_name(func_mod)
                 if id(func_mod) not in done and fn_name is not None:
                     done.add(id(func_mod))
-                    one(f"{path}._kernel_funcs.{fname}" if path else fname, func_mod, type(func_mod).__name__,
-                        fn_name, type(func_mod), shared=True)
+                    one(
+                        f"{path}._kernel_funcs.{fname}" if path else fname,
+                        func_mod,
+                        type(func_mod).__name__,
+                        fn_name,
+                        type(func_mod),
+                        shared=True,
+                    )
             name, inferred = tagged_name(module), False
             if name is None and infer_layer_names:
                 name, inferred = infer_layer_name(module), True
@@ -405,10 +456,28 @@ def kernelize(model: nn.Module, *, mode: Mode, device: str | torch.device | Devi
 
             def install(layer, kernel_name, detail, pymod=pymod, attr=attr, where=where):
                 # A bound forward of a (stateless) layer instance stands in for the module-level function.
-                engine.patch_attr(model, pymod, attr, MethodType(layer.forward, layer()), path=where,
-                                  kernel=kernel_name, source="kernelize", detail=detail, shared=True)
-            one(where, original, f"function {original.__name__}", kernel.layer.tag, original, install=install,
-                undo_key=(pymod, attr), inferred=True)
+                engine.patch_attr(
+                    model,
+                    pymod,
+                    attr,
+                    MethodType(layer.forward, layer()),
+                    path=where,
+                    kernel=kernel_name,
+                    source="kernelize",
+                    detail=detail,
+                    shared=True,
+                )
+
+            one(
+                where,
+                original,
+                f"function {original.__name__}",
+                kernel.layer.tag,
+                original,
+                install=install,
+                undo_key=(pymod, attr),
+                inferred=True,
+            )
     return model
 
 

@@ -3,6 +3,7 @@
 State names match Hugging Face (``weight`` / ``variance_epsilon``; ``gate_proj`` / ``up_proj`` /
 ``down_proj``), so checkpoints load unchanged and either class can replace the original module.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,8 +36,11 @@ def _checked_eps(eps) -> float:
     """``eps`` as a float, checked here because the kernel would take a wrong one silently or fail only at the
     first forward (rule files give it as data: YAML 1.1 reads ``1e-6`` as a string, ``1.0e-6`` as a float)."""
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-        got = (f"the string {reprlib.repr(eps)} (YAML reads 1e-6 as a string; write 1.0e-6)" if isinstance(eps, str)
-               else type(eps).__name__)
+        got = (
+            f"the string {reprlib.repr(eps)} (YAML reads 1e-6 as a string; write 1.0e-6)"
+            if isinstance(eps, str)
+            else type(eps).__name__
+        )
         raise TypeError(f"eps: expected a number, got {got}")
     try:
         value = float(eps)
@@ -55,8 +59,7 @@ class SwiGLUMLP(nn.Module):
     at the peak; pass ``in_place_backward=False`` if a hook keeps those outputs.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, *,
-                 in_place_backward: bool = True):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, *, in_place_backward: bool = True):
         super().__init__()
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size

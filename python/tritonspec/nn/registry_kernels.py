@@ -11,6 +11,7 @@ numerics on real models; without the interpreter the CPU kernels report a missin
 the model unchanged, as LLaMA-Factory's registry does. The forwards are the hub layers' (the kernel
 table's ``Layer.impl``), so the registry, kernelize and the YAML rules install the very same code.
 """
+
 from __future__ import annotations
 
 import logging
@@ -90,12 +91,29 @@ class TritonFunctionKernel(TritonKernel):
             where = f"{pymod.__name__}.{attr}"
             if isinstance(value, nn.Module):  # transformers built it with kernels: a Func module
                 validate_layer(impl, type(value), repo=cls.__name__)
-                engine.replace_forward(model, value, impl.forward, path=where, kernel=kernel, source="registry",
-                                       detail=cls._detail(), shared=True)
+                engine.replace_forward(
+                    model,
+                    value,
+                    impl.forward,
+                    path=where,
+                    kernel=kernel,
+                    source="registry",
+                    detail=cls._detail(),
+                    shared=True,
+                )
             else:  # a bound forward of the (stateless) layer stands in for the module-level function
                 validate_layer(impl, value, repo=cls.__name__)
-                engine.patch_attr(model, pymod, attr, MethodType(impl.forward, impl()), path=where, kernel=kernel,
-                                  source="registry", detail=cls._detail(), shared=True)
+                engine.patch_attr(
+                    model,
+                    pymod,
+                    attr,
+                    MethodType(impl.forward, impl()),
+                    path=where,
+                    kernel=kernel,
+                    source="registry",
+                    detail=cls._detail(),
+                    shared=True,
+                )
         return model
 
 
@@ -127,11 +145,19 @@ def sync() -> None:
                 continue
             name = class_name(kernel, device)
             base = _SITE_BASES[kernel.site]
-            cls = AutoRegisterKernelMeta(name, (base,), {
-                "type": as_kernel_type(kernel.name), "device": DeviceType(device), "entry": kernel,
-                "kernel": staticmethod(kernel.op(kernel.ops[0])) if kernel.layer is None else None,
-                "__module__": __name__, "__qualname__": name,
-                "__doc__": f"{base.__doc__.splitlines()[0]} Kernel {kernel.name!r} on {device}."})
+            cls = AutoRegisterKernelMeta(
+                name,
+                (base,),
+                {
+                    "type": as_kernel_type(kernel.name),
+                    "device": DeviceType(device),
+                    "entry": kernel,
+                    "kernel": staticmethod(kernel.op(kernel.ops[0])) if kernel.layer is None else None,
+                    "__module__": __name__,
+                    "__qualname__": name,
+                    "__doc__": f"{base.__doc__.splitlines()[0]} Kernel {kernel.name!r} on {device}.",
+                },
+            )
             _generated[(kernel.name, device)] = cls
             globals()[name] = cls
     for (name, device), cls in list(_generated.items()):
@@ -146,6 +172,7 @@ sync()
 
 
 # -- the front end: discover and apply (LLaMA-Factory's names) ----------------------------------
+
 
 def current_device_type(model: nn.Module | None = None) -> DeviceType:
     """The model's device type when it has (non-meta) parameters, else the runtime's accelerator."""
@@ -197,8 +224,10 @@ def apply_kernel(model: nn.Module, kernel: type[MetaKernel], /, **kwargs) -> nn.
         raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     device = current_device_type(model)
     if kernel.device != device:
-        raise ValueError(f"kernel: {kernel.__name__} is for device {getattr(kernel.device, 'name', None)}, "
-                         f"the current device is {device.name}")
+        raise ValueError(
+            f"kernel: {kernel.__name__} is for device {getattr(kernel.device, 'name', None)}, "
+            f"the current device is {device.name}"
+        )
     with engine.transaction(model):
         out = kernel.apply(model, **kwargs)
     return model if out is None else out

@@ -8,6 +8,7 @@ than a clear error.
 
 Every loaded layer is checked by :func:`validate_layer` against the rules of kernel-requirements.md.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -48,8 +49,10 @@ def validate_layer(layer: type, reference: Callable | type, *, repo: object) -> 
         raise TypeError(f"layer `{layer.__name__}` from {repo} must not define __init__ (layers are stateless)")
     extra = {n for n, _ in inspect.getmembers(layer)} - {n for n, _ in inspect.getmembers(nn.Module)}
     if not extra <= _ALLOWED_MEMBERS:
-        raise TypeError(f"layer `{layer.__name__}` from {repo} has members {sorted(extra - _ALLOWED_MEMBERS)}; "
-                        f"only forward, has_backward and can_torch_compile are allowed")
+        raise TypeError(
+            f"layer `{layer.__name__}` from {repo} has members {sorted(extra - _ALLOWED_MEMBERS)}; "
+            f"only forward, has_backward and can_torch_compile are allowed"
+        )
     params = list(inspect.signature(layer.forward).parameters.values())
     if isinstance(reference, type):
         ref = list(inspect.signature(reference.forward).parameters.values())
@@ -59,12 +62,16 @@ def validate_layer(layer: type, reference: Callable | type, *, repo: object) -> 
         ref += list(inspect.signature(reference).parameters.values())
         ref_name = getattr(reference, "__name__", repr(reference))
     if len(params) != len(ref):
-        raise TypeError(f"forward of layer `{layer.__name__}` from {repo} takes {len(params)} parameters, "
-                        f"`{ref_name}` takes {len(ref)}")
+        raise TypeError(
+            f"forward of layer `{layer.__name__}` from {repo} takes {len(params)} parameters, "
+            f"`{ref_name}` takes {len(ref)}"
+        )
     for p, r in zip(params, ref):
         if p.kind != r.kind:
-            raise TypeError(f"forward of layer `{layer.__name__}` from {repo}: parameter {p.name!r} is "
-                            f"{p.kind.description}, `{ref_name}` has {r.name!r} as {r.kind.description}")
+            raise TypeError(
+                f"forward of layer `{layer.__name__}` from {repo}: parameter {p.name!r} is "
+                f"{p.kind.description}, `{ref_name}` has {r.name!r} as {r.kind.description}"
+            )
 
 
 def kernel_available(kernel: kernel_table.Kernel, device_type: str) -> bool:
@@ -166,11 +173,14 @@ class LocalLayerRepository:
     def _variant_dir(self) -> Path:
         build = self.repo_path / "build"
         if not build.is_dir():
-            raise FileNotFoundError(f"repo_path: {self.repo_path} has no build/ directory "
-                                    "(expected build/<variant>/<package>/__init__.py)")
+            raise FileNotFoundError(
+                f"repo_path: {self.repo_path} has no build/ directory (expected build/<variant>/<package>/__init__.py)"
+            )
         backend = _system_backend()
-        judged = sorted(((*_judge_variant(d.name, backend), d) for d in build.iterdir() if d.is_dir()),
-                        key=lambda t: (-t[0], t[2].name))
+        judged = sorted(
+            ((*_judge_variant(d.name, backend), d) for d in build.iterdir() if d.is_dir()),
+            key=lambda t: (-t[0], t[2].name),
+        )
         if not judged or judged[0][0] == 0:
             why = "; ".join(f"{d.name}: {reason}" for _, reason, d in judged) or "no variant directories"
             raise FileNotFoundError(f"no build variant for this system ({backend}) in {build}: {why}")
@@ -185,8 +195,10 @@ class LocalLayerRepository:
             else:
                 pkgs = [d.name for d in variant.iterdir() if (d / "__init__.py").is_file()]
                 if len(pkgs) != 1:
-                    raise FileNotFoundError(f"package_name: not given and {variant} holds {len(pkgs)} packages "
-                                            f"({', '.join(pkgs) or 'none'})")
+                    raise FileNotFoundError(
+                        f"package_name: not given and {variant} holds {len(pkgs)} packages "
+                        f"({', '.join(pkgs) or 'none'})"
+                    )
                 name = pkgs[0]
         pkg = variant / name
         if not (pkg / "__init__.py").is_file():
@@ -200,8 +212,9 @@ class LocalLayerRepository:
             # A unique module name per directory: two versions of one kernel may be loaded side by side,
             # which is why kernel code must import itself relatively.
             mod_name = f"_tritonspec_hub_{pkg.name}_{hashlib.sha1(str(pkg).encode()).hexdigest()[:10]}"
-            spec = importlib.util.spec_from_file_location(mod_name, pkg / "__init__.py",
-                                                          submodule_search_locations=[str(pkg)])
+            spec = importlib.util.spec_from_file_location(
+                mod_name, pkg / "__init__.py", submodule_search_locations=[str(pkg)]
+            )
             module = importlib.util.module_from_spec(spec)
             sys.modules[mod_name] = module
             try:
@@ -219,8 +232,11 @@ class LocalLayerRepository:
         return layer
 
     def __eq__(self, other):
-        return (isinstance(other, LocalLayerRepository) and (self.repo_path, self.package_name, self.layer_name)
-                == (other.repo_path, other.package_name, other.layer_name))
+        return isinstance(other, LocalLayerRepository) and (self.repo_path, self.package_name, self.layer_name) == (
+            other.repo_path,
+            other.package_name,
+            other.layer_name,
+        )
 
     def __hash__(self):
         return hash((self.repo_path, self.package_name, self.layer_name))
@@ -266,11 +282,16 @@ class LayerRepository:
         raise HubUnavailableError(
             f"cannot load `{self.repo_id}` (layer `{self.layer_name}`) from the Hugging Face Hub: tritonspec "
             "does not download kernels. Fetch the repository on a machine with network access and map it with "
-            f"TRITONSPEC_LOCAL_KERNELS={self.repo_id}=/path/to/checkout, or use LocalLayerRepository.")
+            f"TRITONSPEC_LOCAL_KERNELS={self.repo_id}=/path/to/checkout, or use LocalLayerRepository."
+        )
 
     def __eq__(self, other):
-        return isinstance(other, LayerRepository) and (self.repo_id, self.layer_name, self.revision, self.version) \
-            == (other.repo_id, other.layer_name, other.revision, other.version)
+        return isinstance(other, LayerRepository) and (self.repo_id, self.layer_name, self.revision, self.version) == (
+            other.repo_id,
+            other.layer_name,
+            other.revision,
+            other.version,
+        )
 
     def __hash__(self):
         return hash((self.repo_id, self.layer_name, self.revision, self.version))

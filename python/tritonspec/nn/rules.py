@@ -39,6 +39,7 @@ sharing its parameters, so training updates survive ``revert``. A replacement wi
 has it called when it is taken out again (revert, or a failed rule file), to hand back what it took from
 the original (offloaded experts return the weights to their device).
 """
+
 from __future__ import annotations
 
 import functools
@@ -101,8 +102,9 @@ MAX_NESTING_DEPTH = 32
 # a fixed bound gives the same answer everywhere.
 MAX_GROUP_DEPTH = 64
 _NESTED = (list, tuple, dict)
-_REPEATS = {getattr(_re_parser, op) for op in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT")
-            if hasattr(_re_parser, op)}
+_REPEATS = {
+    getattr(_re_parser, op) for op in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT") if hasattr(_re_parser, op)
+}
 
 
 class RuleError(ValueError):
@@ -167,11 +169,15 @@ class Rule:
             try:
                 found = self.name.search(path, timeout=max(timeout, 0))  # regex: a negative timeout is none at all
             except TimeoutError:
-                why = (f"timed out after {MATCH_TIMEOUT_S}s on {shown(path)} (catastrophic backtracking"
-                       if timeout >= MATCH_TIMEOUT_S else f"ran out of time on {shown(path)}: all match.name "
-                       f"searches of one apply_rules call may take {MATCH_BUDGET_S}s together (slow patterns")
-                raise RuleError(self.index, "match.name", f"{shown(self.name.pattern)} {why}; simplify the "
-                                "pattern)") from None
+                why = (
+                    f"timed out after {MATCH_TIMEOUT_S}s on {shown(path)} (catastrophic backtracking"
+                    if timeout >= MATCH_TIMEOUT_S
+                    else f"ran out of time on {shown(path)}: all match.name "
+                    f"searches of one apply_rules call may take {MATCH_BUDGET_S}s together (slow patterns"
+                )
+                raise RuleError(
+                    self.index, "match.name", f"{shown(self.name.pattern)} {why}; simplify the pattern)"
+                ) from None
             if not found:
                 return False
         if self.match_class is not None and self.match_class not in _class_names(type(module)):
@@ -206,8 +212,12 @@ def _too_deep(index: int | None, labels: list, cyclic: bool = False) -> RuleErro
             break
         keys.append(_named(label))
     key = ".".join(keys) or ("rule" if index is not None else "rules")
-    return RuleError(index, key, f"nested deeper than {MAX_NESTING_DEPTH} levels of lists/mappings"
-                     f"{' (it contains itself)' if cyclic else ''}; that is the maximum nesting depth of a rule file")
+    return RuleError(
+        index,
+        key,
+        f"nested deeper than {MAX_NESTING_DEPTH} levels of lists/mappings"
+        f"{' (it contains itself)' if cyclic else ''}; that is the maximum nesting depth of a rule file",
+    )
 
 
 def _children(obj) -> list:
@@ -247,8 +257,8 @@ def _group_depth(pattern: str) -> int:
             i += 1
         elif c == "[":
             i += 1
-            i += pattern[i:i + 1] == "^"
-            i += pattern[i:i + 1] == "]"  # a leading ']' is literal
+            i += pattern[i : i + 1] == "^"
+            i += pattern[i : i + 1] == "]"  # a leading ']' is literal
             while i < n and pattern[i] != "]":
                 i += 2 if pattern[i] == "\\" else 1
         elif c == "(":
@@ -296,8 +306,13 @@ def _bounded_loader() -> type:
             if parent is None:
                 self.root_is_list = self.check_event(yaml.SequenceStartEvent)
             else:
-                self.labels.append(index if isinstance(parent, yaml.SequenceNode)
-                                   else index.value if isinstance(index, yaml.ScalarNode) else None)
+                self.labels.append(
+                    index
+                    if isinstance(parent, yaml.SequenceNode)
+                    else index.value
+                    if isinstance(index, yaml.ScalarNode)
+                    else None
+                )
             self.depth += int(nested)
             try:
                 if self.depth > MAX_NESTING_DEPTH:
@@ -340,8 +355,11 @@ def _name_compiler() -> Callable[[int, Any], regex.Pattern]:
         if not isinstance(pattern, str):
             raise RuleError(i, "match.name", f"expected a regex string, got {type(pattern).__name__}")
         if len(pattern) > MAX_PATTERN_CHARS:
-            raise RuleError(i, "match.name", f"{len(pattern)} characters, over the {MAX_PATTERN_CHARS} a pattern may "
-                            f"have: {shown(pattern)}")
+            raise RuleError(
+                i,
+                "match.name",
+                f"{len(pattern)} characters, over the {MAX_PATTERN_CHARS} a pattern may have: {shown(pattern)}",
+            )
         too_deep = RuleError(i, "match.name", f"regex nests its groups too deeply to compile: {shown(pattern)}")
         if _group_depth(pattern) > MAX_GROUP_DEPTH:
             raise too_deep
@@ -353,10 +371,14 @@ def _name_compiler() -> Callable[[int, Any], regex.Pattern]:
             raise too_deep from None
         if units > units_left:
             spent = MAX_REGEX_UNITS - units_left
-            raise RuleError(i, "match.name", f"{shown(pattern)} expands to "
-                            f"{units if units <= MAX_REGEX_UNITS else f'over {MAX_REGEX_UNITS}'} units when compiled"
-                            f"{f', the earlier patterns to {spent}' if spent else ''}; a rule file's patterns may "
-                            f"expand to {MAX_REGEX_UNITS} together (a repetition count multiplies what it repeats)")
+            raise RuleError(
+                i,
+                "match.name",
+                f"{shown(pattern)} expands to "
+                f"{units if units <= MAX_REGEX_UNITS else f'over {MAX_REGEX_UNITS}'} units when compiled"
+                f"{f', the earlier patterns to {spent}' if spent else ''}; a rule file's patterns may "
+                f"expand to {MAX_REGEX_UNITS} together (a repetition count multiplies what it repeats)",
+            )
         units_left -= units
         try:
             return regex.compile(pattern, regex.V0)  # V0: the re-compatible syntax checked above
@@ -373,8 +395,11 @@ def _check_keys(i: int, prefix: str, mapping: dict, allowed: set[str]) -> None:
     odd = next((k for k in mapping if not isinstance(k, str)), None)
     unknown = sorted(k for k in mapping if isinstance(k, str) and k not in allowed)
     if odd is not None or unknown:
-        raise RuleError(i, prefix + _named(unknown[0] if odd is None else odd),
-                        f"unknown key (allowed: {', '.join(sorted(allowed))})")
+        raise RuleError(
+            i,
+            prefix + _named(unknown[0] if odd is None else odd),
+            f"unknown key (allowed: {', '.join(sorted(allowed))})",
+        )
 
 
 def _parse_rule(i: int, raw: Any, compile_name: Callable[[int, Any], regex.Pattern]) -> Rule:
@@ -392,8 +417,9 @@ def _parse_rule(i: int, raw: Any, compile_name: Callable[[int, Any], regex.Patte
     pattern = compile_name(i, match["name"]) if "name" in match else None
     match_class = match.get("class")
     if match_class is not None and (not isinstance(match_class, str) or not _DOTTED.match(match_class)):
-        raise RuleError(i, "match.class", f"expected a dotted class name like pkg.module.Class, got "
-                        f"{shown(match_class)}")
+        raise RuleError(
+            i, "match.class", f"expected a dotted class name like pkg.module.Class, got {shown(match_class)}"
+        )
     replace = raw.get("replace")
     if not isinstance(replace, dict):
         raise RuleError(i, "replace", "required, a mapping with class and optional kwargs")
@@ -413,8 +439,16 @@ def _parse_rule(i: int, raw: Any, compile_name: Callable[[int, Any], regex.Patte
         if not isinstance(v, bool):
             raise RuleError(i, key, f"expected true or false, got {shown(v)}")
         flags[key] = v
-    return Rule(i, pattern, match_class, None if rclass == "default" else rclass, dict(kwargs), **flags,
-                match_kernel=match_kernel, replace_kernel=replace_kernel)
+    return Rule(
+        i,
+        pattern,
+        match_class,
+        None if rclass == "default" else rclass,
+        dict(kwargs),
+        **flags,
+        match_kernel=match_kernel,
+        replace_kernel=replace_kernel,
+    )
 
 
 def _kernel_name(i: int, key: str, name, site: str | None = None) -> str | None:
@@ -423,8 +457,9 @@ def _kernel_name(i: int, key: str, name, site: str | None = None) -> str | None:
         return None
     if not isinstance(name, str) or name not in kernel_table.KERNELS:
         close = suggest(name, kernel_table.KERNELS) if isinstance(name, str) and len(name) <= 60 else ""
-        raise RuleError(i, key, f"{shown(name)} is not a declared kernel{close}; "
-                        f"declared: {', '.join(kernel_table.KERNELS)}")
+        raise RuleError(
+            i, key, f"{shown(name)} is not a declared kernel{close}; declared: {', '.join(kernel_table.KERNELS)}"
+        )
     kernel = kernel_table.KERNELS[name]
     if kernel.layer is None or (site is not None and kernel.site != site):
         raise RuleError(i, key, f"kernel {shown(name)} installs at a {kernel.site!r} site, not by replacing a module")
@@ -441,6 +476,7 @@ def load_rules(source: str | Path | list) -> list[Rule]:
         source = path.read_text()
     if isinstance(source, str):
         import yaml
+
         try:  # a SafeLoader: YAML tags cannot construct Python objects
             source = yaml.load(source, Loader=_bounded_loader())
         except yaml.YAMLError as e:
@@ -464,8 +500,11 @@ def _import_class(rule: Rule, allowed: tuple[str, ...]) -> type:
         return kernel_table.get(rule.replace_kernel).layer.load()
     dotted = rule.replace_class
     if not _allowed(dotted, allowed):
-        raise RuleError(rule.index, "replace.class", f"{dotted} is outside the allowed modules "
-                        f"({', '.join(allowed)}); pass allowed_modules=[...] to allow it")
+        raise RuleError(
+            rule.index,
+            "replace.class",
+            f"{dotted} is outside the allowed modules ({', '.join(allowed)}); pass allowed_modules=[...] to allow it",
+        )
     mod_name, _, cls_name = dotted.rpartition(".")
     try:
         obj = getattr(importlib.import_module(mod_name), cls_name)
@@ -493,8 +532,12 @@ def _builder(rule: Rule, cls: type) -> Callable[..., nn.Module]:
         _load_builtin_converters()
         build = _CONVERTERS.get(cls)
     if build is None:
-        raise RuleError(rule.index, "replace.class", f"{rule.replace_class} is neither a stateless layer nor has "
-                        "a from_module(original, **kwargs) classmethod or a registered converter")
+        raise RuleError(
+            rule.index,
+            "replace.class",
+            f"{rule.replace_class} is neither a stateless layer nor has "
+            "a from_module(original, **kwargs) classmethod or a registered converter",
+        )
     _check_kwargs(rule.kwargs, build)
     return lambda orig, **where: build(orig, **rule.kwargs)
 
@@ -505,13 +548,18 @@ def _check_kwargs(kwargs: dict, build: Callable[..., nn.Module]) -> None:
     params = list(inspect.signature(build).parameters.values())[1:]  # after the original module
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return
-    takes = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-             and p.name not in ("parent", "path")]
+    takes = [
+        p.name
+        for p in params
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in ("parent", "path")
+    ]
     unknown = sorted(set(kwargs) - set(takes))
     if unknown:
         name = _named(unknown[0])
-        raise TypeError(f"unknown kwarg {name}{suggest(name, takes) if len(name) <= 60 else ''}; it takes "
-                        f"{', '.join(takes) or 'none'}")
+        raise TypeError(
+            f"unknown kwarg {name}{suggest(name, takes) if len(name) <= 60 else ''}; it takes "
+            f"{', '.join(takes) or 'none'}"
+        )
 
 
 def _said(error: BaseException) -> str:
@@ -568,11 +616,15 @@ def apply_rules(model: nn.Module, rules: str | Path | list, *, allowed_modules: 
     imported or does not fit, or a failing constructor raises :class:`RuleError` and leaves the model
     unchanged.
     """
-    parsed = rules if isinstance(rules, list) and rules and all(isinstance(r, Rule) for r in rules) \
-        else load_rules(rules)
+    parsed = (
+        rules if isinstance(rules, list) and rules and all(isinstance(r, Rule) for r in rules) else load_rules(rules)
+    )
     allowed = DEFAULT_ALLOWED_MODULES + tuple(allowed_modules)
-    classes = {r.index: _import_class(r, allowed) for r in parsed
-               if r.replace_class is not None or r.replace_kernel is not None}
+    classes = {
+        r.index: _import_class(r, allowed)
+        for r in parsed
+        if r.replace_class is not None or r.replace_kernel is not None
+    }
 
     # Plan on the original tree (first match wins, recursive: false prunes), then apply in pre-order.
     # Changes go to the matched objects themselves (and to their original parents), not to whatever a
@@ -622,27 +674,47 @@ def apply_rules(model: nn.Module, rules: str | Path | list, *, allowed_modules: 
             live = module
             if _is_pure_layer(cls):
                 if rule.kwargs:
-                    raise RuleError(rule.index, "replace.kwargs", f"{name} is a stateless layer; "
-                                    "it takes no kwargs")
+                    raise RuleError(rule.index, "replace.kwargs", f"{name} is a stateless layer; it takes no kwargs")
                 try:
                     validate_layer(cls, type(live), repo=name)
                 except TypeError as e:
                     raise RuleError(rule.index, "replace.class", f"cannot replace {path}: {e}") from None
-                engine.replace_forward(model, live, cls.forward, path=path, kernel=engine.qualname(cls.forward),
-                                       source="rules", detail=detail)
+                engine.replace_forward(
+                    model,
+                    live,
+                    cls.forward,
+                    path=path,
+                    kernel=engine.qualname(cls.forward),
+                    source="rules",
+                    detail=detail,
+                )
             elif not path:
-                raise RuleError(rule.index, "replace.class", f"{name} would replace the model object itself; "
-                                "only a stateless layer (a forward) can replace the root")
+                raise RuleError(
+                    rule.index,
+                    "replace.class",
+                    f"{name} would replace the model object itself; "
+                    "only a stateless layer (a forward) can replace the root",
+                )
             else:
                 try:
                     new = _builder(rule, cls)(live, parent=parents[path], path=path)
                 except RuleError:
                     raise
                 except Exception as e:
-                    raise RuleError(rule.index, "replace.kwargs", f"building {name} for {path} "
-                                    f"failed: {type(e).__name__}: {_said(e)}") from None
+                    raise RuleError(
+                        rule.index,
+                        "replace.kwargs",
+                        f"building {name} for {path} failed: {type(e).__name__}: {_said(e)}",
+                    ) from None
                 new.train(live.training)
-                engine.replace_module(model, path, new, kernel=engine.qualname(cls), source="rules", detail=detail,
-                                      parent=_parent_in_use(model, path, module, parents[path]))
+                engine.replace_module(
+                    model,
+                    path,
+                    new,
+                    kernel=engine.qualname(cls),
+                    source="rules",
+                    detail=detail,
+                    parent=_parent_in_use(model, path, module, parents[path]),
+                )
             logger.info("rules: %s (%s) -> %s [rule %d]", path, type(live).__name__, name, rule.index)
     return made

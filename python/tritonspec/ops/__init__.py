@@ -4,6 +4,7 @@ The op functions are the ones the kernel table declares for the modules of this 
 of each ``tritonspec.kernel_table.Kernel``): ``rms_norm``, ``add_rms_norm``, ``swiglu``, ``rope``,
 ``attention``, ... Each is bound here when the package is imported.
 """
+
 import importlib as _importlib
 
 from ..kernel_table import KERNELS as _KERNELS

@@ -3,6 +3,7 @@
 Checks run before any reshaping or launching, so a wrong shape, dtype or device fails with a
 message about the caller's tensor rather than with a Triton compile or pointer error.
 """
+
 from __future__ import annotations
 
 import sys
@@ -41,11 +42,14 @@ def check_not_dtensor(op: str, name: str, t) -> None:
     if "torch.distributed.tensor" not in sys.modules:  # no DTensor can exist yet
         return
     from torch.distributed.tensor import DTensor
+
     if isinstance(t, DTensor):
-        raise TypeError(f"{op}: argument '{name}' is a DTensor with placements {tuple(t.placements)} on mesh "
-                        f"{t.device_mesh.mesh_dim_names or tuple(t.device_mesh.shape)}; tritonspec ops take plain "
-                        "tensors: shard with FSDP2 (fully_shard hands the forward plain tensors), or pass "
-                        "t.full_tensor() (the whole tensor) or t.to_local() (this rank's shard)")
+        raise TypeError(
+            f"{op}: argument '{name}' is a DTensor with placements {tuple(t.placements)} on mesh "
+            f"{t.device_mesh.mesh_dim_names or tuple(t.device_mesh.shape)}; tritonspec ops take plain "
+            "tensors: shard with FSDP2 (fully_shard hands the forward plain tensors), or pass "
+            "t.full_tensor() (the whole tensor) or t.to_local() (this rank's shard)"
+        )
 
 
 def check_same_device(op: str, **tensors: torch.Tensor) -> None:
@@ -66,8 +70,9 @@ def check_same_shape(op: str, **tensors: torch.Tensor) -> None:
     (ref_name, ref), *rest = tensors.items()
     for name, t in rest:
         if t.shape != ref.shape:
-            raise ValueError(f"{op}: argument '{name}' has shape {tuple(t.shape)} but '{ref_name}' has "
-                             f"{tuple(ref.shape)}")
+            raise ValueError(
+                f"{op}: argument '{name}' has shape {tuple(t.shape)} but '{ref_name}' has {tuple(ref.shape)}"
+            )
 
 
 def check_eps(op: str, eps) -> float:

@@ -20,6 +20,7 @@ release's own binder that a hit launches the binary Triton would have chosen. ``
 step further for an op's hot path: it fixes every argument but the tensors and host TMA descriptors, so
 a repeated call builds no key at all.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -31,8 +32,8 @@ from triton.runtime import driver
 from ..specialization.resolve import selection_key
 
 _Tensor = torch.Tensor
-_INT32_MAX, _INT32_MIN = 2 ** 31 - 1, -2 ** 31
-_INT64_MAX = 2 ** 63 - 1
+_INT32_MAX, _INT32_MIN = 2**31 - 1, -(2**31)
+_INT64_MAX = 2**63 - 1
 
 
 def _hooked(hook) -> bool:
@@ -50,9 +51,9 @@ class CachedLauncher:
         # Positional ints are keyed by what Triton specializes on, which is right for runtime
         # arguments only: a call passing a constexpr positionally takes Triton's path.
         self.n_runtime = next((i for i, p in enumerate(kernel.params) if p.is_constexpr), len(self.names))
-        self.runtime_names = tuple(self.names[:self.n_runtime])
+        self.runtime_names = tuple(self.names[: self.n_runtime])
         # a runtime parameter after a constexpr one cannot be keyed positionally: Triton's path
-        self.cacheable = all(p.is_constexpr for p in kernel.params[self.n_runtime:])
+        self.cacheable = all(p.is_constexpr for p in kernel.params[self.n_runtime :])
         self.defaults = [p.default for p in inspect.signature(kernel.fn).parameters.values()]
         # key -> (CompiledKernel, the arguments after the positional ones in parameter order,
         #         its launcher, function handle, packed metadata, the driver's stream getter)
@@ -116,10 +117,17 @@ class CachedLauncher:
         if hit is None:
             compiled = self.kernel[grid](*args, **kwargs)
             if key is not None:
-                tail = tuple(kwargs[n] if n in kwargs else self.defaults[i]
-                             for i, n in enumerate(self.names) if i >= len(args))
-                self.compiled[key] = (compiled, tail, compiled.run, compiled.function, compiled.packed_metadata,
-                                      driver.active.get_current_stream)
+                tail = tuple(
+                    kwargs[n] if n in kwargs else self.defaults[i] for i, n in enumerate(self.names) if i >= len(args)
+                )
+                self.compiled[key] = (
+                    compiled,
+                    tail,
+                    compiled.run,
+                    compiled.function,
+                    compiled.packed_metadata,
+                    driver.active.get_current_stream,
+                )
             return
         compiled, tail, run, function, metadata, stream_of = hit
         grid = _grid3(grid)
@@ -180,13 +188,16 @@ class LaunchPlan:
         addresses = 0
         for t in tensors:
             addresses |= t.data_ptr() if isinstance(t, _Tensor) else t.base.data_ptr()
-        if (addresses & 15 or self.jit_key != selection_key() or torch.cuda.current_device() != self.device
-                or _hooks_set()):
+        if (
+            addresses & 15
+            or self.jit_key != selection_key()
+            or torch.cuda.current_device() != self.device
+            or _hooks_set()
+        ):
             return False
         args = self.args.copy()
         for i, t in zip(self.slots, tensors):
             args[i] = t
         g = self.grid
-        self.run(g[0], g[1], g[2], self.stream_of(self.device), self.function, self.metadata, None, None, None,
-                 *args)
+        self.run(g[0], g[1], g[2], self.stream_of(self.device), self.function, self.metadata, None, None, None, *args)
         return True

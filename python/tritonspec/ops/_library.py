@@ -12,6 +12,7 @@ An op declares its forward, its backward and their fake (meta) versions once; fr
   descriptors (``opaque=True``), the ops are opaque ``torch.library.custom_op``s with the same
   schema, fake and autograd.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -101,8 +102,20 @@ class Op:
             torch.library's Triton kernel tracing does not take).
     """
 
-    def __init__(self, name: str, *, forward: Callable, fake: Callable, save: Callable, backward: Callable,
-                 backward_fake: Callable, grads: tuple, statics: tuple = (), visible: int = 1, opaque: bool = False):
+    def __init__(
+        self,
+        name: str,
+        *,
+        forward: Callable,
+        fake: Callable,
+        save: Callable,
+        backward: Callable,
+        backward_fake: Callable,
+        grads: tuple,
+        statics: tuple = (),
+        visible: int = 1,
+        opaque: bool = False,
+    ):
         signature = _schema_of(forward, f"Op {name!r}: forward")
         backward_signature = _schema_of(backward, f"Op {name!r}: backward")
         _takes_same(fake, signature, f"Op {name!r}: fake")
@@ -120,8 +133,7 @@ class Op:
             return backward(*args, in_place=False, traced=True)
 
         self.forward_op = library_op(f"{name}_fwd", forward_impl, fake, signature, opaque=opaque)
-        self.backward_op = library_op(f"{name}_bwd", backward_impl, backward_fake, backward_signature,
-                                      opaque=opaque)
+        self.backward_op = library_op(f"{name}_bwd", backward_impl, backward_fake, backward_signature, opaque=opaque)
         backward_op = self.backward_op
 
         def absent(inputs):
@@ -157,20 +169,25 @@ class Op:
 
         def function_backward(ctx, *output_grads):
             with selected(ctx.selection):
-                results = backward(*output_grads, *ctx.saved_tensors, *ctx.statics, in_place=ctx.in_place,
-                                   traced=False)
+                results = backward(*output_grads, *ctx.saved_tensors, *ctx.statics, in_place=ctx.in_place, traced=False)
             return (None, *input_grads(ctx.absent, results))
 
         # Named after the op (RmsNormFunction, ...: autograd names its nodes RmsNormFunctionBackward).
-        self.Function = type(f"{''.join(w.capitalize() for w in name.split('_'))}Function", (torch.autograd.Function,),
-                             {"forward": staticmethod(function_forward), "backward": staticmethod(function_backward),
-                              "__module__": __name__})
+        self.Function = type(
+            f"{''.join(w.capitalize() for w in name.split('_'))}Function",
+            (torch.autograd.Function,),
+            {
+                "forward": staticmethod(function_forward),
+                "backward": staticmethod(function_backward),
+                "__module__": __name__,
+            },
+        )
 
     def __call__(self, *inputs, in_place_backward: bool = False):
         """Eager: the autograd Function (no dispatcher); traced by torch.compile: the library op."""
         if use_library_op():
             outputs = self.forward_op(*inputs)
-            return outputs if self.single else outputs[0] if self.visible == 1 else outputs[:self.visible]
+            return outputs if self.single else outputs[0] if self.visible == 1 else outputs[: self.visible]
         return self.Function.apply(in_place_backward, *inputs)
 
 

@@ -22,6 +22,7 @@ Semantics follow ``torch.nn.functional.scaled_dot_product_attention``:
   alignment a KV-cache decode step wants; pass ``causal=False`` for single-token decode).
 * ``scale`` defaults to ``1/sqrt(head_dim)``.
 """
+
 from __future__ import annotations
 
 import math
@@ -51,8 +52,21 @@ MAX_HEAD_DIM = 256
 # tile loads/stores: one TMA descriptor path, one plain pointer path, chosen by a constexpr
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _tile_load(X, b, h, row0, stride_b, stride_h, stride_s, n_rows, BLOCK: tl.constexpr, D: tl.constexpr,
-               DP: tl.constexpr, TMA: tl.constexpr, CHECK_ROWS: tl.constexpr):
+def _tile_load(
+    X,
+    b,
+    h,
+    row0,
+    stride_b,
+    stride_h,
+    stride_s,
+    n_rows,
+    BLOCK: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    TMA: tl.constexpr,
+    CHECK_ROWS: tl.constexpr,
+):
     """A [BLOCK, DP] tile of rows row0.. of head (b, h); rows >= n_rows and columns >= D read as 0."""
     if TMA:
         # 4-D descriptor over (batch, heads, seq, head_dim): the hardware zero-fills out of bounds.
@@ -76,8 +90,21 @@ def _tile_load(X, b, h, row0, stride_b, stride_h, stride_s, n_rows, BLOCK: tl.co
 
 
 @triton.jit
-def _tile_store(X, val, b, h, row0, stride_b, stride_h, stride_s, n_rows, BLOCK: tl.constexpr, D: tl.constexpr,
-                DP: tl.constexpr, TMA: tl.constexpr):
+def _tile_store(
+    X,
+    val,
+    b,
+    h,
+    row0,
+    stride_b,
+    stride_h,
+    stride_s,
+    n_rows,
+    BLOCK: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    TMA: tl.constexpr,
+):
     """Store a [BLOCK, DP] tile; rows >= n_rows and columns >= D are dropped."""
     if TMA:
         X.store([b, h, row0, 0], val.to(X.dtype).reshape([1, 1, BLOCK, DP]))
@@ -93,10 +120,35 @@ def _tile_store(X, val, b, h, row0, stride_b, stride_h, stride_s, n_rows, BLOCK:
 # forward
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, K, V, b, hk, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-               lo, hi, offs_m, SEQ_K, qk_scale,
-               D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-               MASKED: tl.constexpr, SCALE_POS: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+def _fwd_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    K,
+    V,
+    b,
+    hk,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    lo,
+    hi,
+    offs_m,
+    SEQ_K,
+    qk_scale,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
+    SCALE_POS: tl.constexpr,
+    TMA: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
+):
     """Online softmax over key blocks [lo, hi). MASKED blocks apply the causal / seq_k bounds mask;
     unmasked ones (every key valid for every row) skip it -- the on-band/off-band split."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -204,12 +256,64 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DP], tl.float32)
     # Every row sees key 0, so the first block a row processes has a finite max: no NaN guard needed.
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, b, hk, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
-                               stride_vs, 0, mid, offs_m, SEQ_K, qk_scale, D, DP, BLOCK_N, CAUSAL, False, SCALE_POS,
-                               TMA, WARP_SPEC)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, b, hk, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
-                               stride_vs, mid, hi, offs_m, SEQ_K, qk_scale, D, DP, BLOCK_N, CAUSAL, True, SCALE_POS,
-                               TMA, False)
+    acc, l_i, m_i = _fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        K,
+        V,
+        b,
+        hk,
+        stride_kb,
+        stride_kh,
+        stride_ks,
+        stride_vb,
+        stride_vh,
+        stride_vs,
+        0,
+        mid,
+        offs_m,
+        SEQ_K,
+        qk_scale,
+        D,
+        DP,
+        BLOCK_N,
+        CAUSAL,
+        False,
+        SCALE_POS,
+        TMA,
+        WARP_SPEC,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        K,
+        V,
+        b,
+        hk,
+        stride_kb,
+        stride_kh,
+        stride_ks,
+        stride_vb,
+        stride_vh,
+        stride_vs,
+        mid,
+        hi,
+        offs_m,
+        SEQ_K,
+        qk_scale,
+        D,
+        DP,
+        BLOCK_N,
+        CAUSAL,
+        True,
+        SCALE_POS,
+        TMA,
+        False,
+    )
     lse = m_i + tl.math.log2(l_i)  # base-2 logsumexp of qk * scale * log2(e)
     tl.store(LSE + bh.to(tl.int64) * SEQ_PAD + offs_m, lse, mask=offs_m < SEQ_Q)
     _tile_store(O, acc / l_i[:, None], b, h, start_m, stride_ob, stride_oh, stride_os, SEQ_Q, BLOCK_M, D, DP, TMA)
@@ -250,23 +354,54 @@ def _attn_bwd_pre_kernel(
     h = bh % HQ
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    o = _tile_load(O, b, h, start_m, stride_ob, stride_oh, stride_os, SEQ_Q, BLOCK_M, D, DP, False,
-                   True).to(tl.float32)
-    do = _tile_load(DO, b, h, start_m, stride_dob, stride_doh, stride_dos, SEQ_Q, BLOCK_M, D, DP, False,
-                    True).to(tl.float32)
+    o = _tile_load(O, b, h, start_m, stride_ob, stride_oh, stride_os, SEQ_Q, BLOCK_M, D, DP, False, True).to(tl.float32)
+    do = _tile_load(DO, b, h, start_m, stride_dob, stride_doh, stride_dos, SEQ_Q, BLOCK_M, D, DP, False, True).to(
+        tl.float32
+    )
     tl.store(DELTA + bh.to(tl.int64) * SEQ_PAD + offs_m, tl.sum(o * do, 1), mask=offs_m < SEQ_Q)
     if ZERO_DQA:
         row = bh.to(tl.int64) * SEQ_Q + offs_m
         cols = tl.arange(0, DP)
-        tl.store(DQA + row[:, None] * DP + cols[None, :], tl.zeros([BLOCK_M, DP], tl.float32),
-                 mask=offs_m[:, None] < SEQ_Q)
+        tl.store(
+            DQA + row[:, None] * DP + cols[None, :], tl.zeros([BLOCK_M, DP], tl.float32), mask=offs_m[:, None] < SEQ_Q
+        )
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, b, h, bh, stride_qb, stride_qh, stride_qs, stride_dob,
-                stride_doh, stride_dos, lo, hi, offs_n, SEQ_Q, SEQ_PAD, qk_scale, sm_scale,
-                D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
-                TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr, DQ_TMA_REDUCE: tl.constexpr):
+def _dkdv_inner(
+    dk,
+    dv,
+    k,
+    v,
+    Q,
+    DO,
+    LSE,
+    DELTA,
+    DQA,
+    b,
+    h,
+    bh,
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_dob,
+    stride_doh,
+    stride_dos,
+    lo,
+    hi,
+    offs_n,
+    SEQ_Q,
+    SEQ_PAD,
+    qk_scale,
+    sm_scale,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    TMA: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
+    DQ_TMA_REDUCE: tl.constexpr,
+):
     """Accumulate dK, dV of one key block over the q blocks [lo, hi) of q head (b, h); CAUSAL masks
     each tile (only the diagonal ones need it, but one loop beats two here: see the kernel).
 
@@ -375,18 +510,73 @@ def _attn_bwd_dkdv_kernel(
     for g in range(GROUP):
         h = hk * GROUP + g
         bh = b * HQ + h
-        dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, b, h, bh, stride_qb, stride_qh, stride_qs,
-                             stride_dob, stride_doh, stride_dos, lo, SEQ_Q, offs_n, SEQ_Q, SEQ_PAD, qk_scale,
-                             sm_scale, D, DP, BLOCK_M, CAUSAL, TMA, DQ_ATOMIC, DQ_TMA_REDUCE)
+        dk, dv = _dkdv_inner(
+            dk,
+            dv,
+            k,
+            v,
+            Q,
+            DO,
+            LSE,
+            DELTA,
+            DQA,
+            b,
+            h,
+            bh,
+            stride_qb,
+            stride_qh,
+            stride_qs,
+            stride_dob,
+            stride_doh,
+            stride_dos,
+            lo,
+            SEQ_Q,
+            offs_n,
+            SEQ_Q,
+            SEQ_PAD,
+            qk_scale,
+            sm_scale,
+            D,
+            DP,
+            BLOCK_M,
+            CAUSAL,
+            TMA,
+            DQ_ATOMIC,
+            DQ_TMA_REDUCE,
+        )
     _tile_store(DK, dk * sm_scale, b, hk, start_n, stride_dkb, stride_dkh, stride_dks, SEQ_K, BLOCK_N, D, DP, TMA)
     _tile_store(DV, dv, b, hk, start_n, stride_dvb, stride_dvh, stride_dvs, SEQ_K, BLOCK_N, D, DP, TMA)
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse, delta, K, V, b, hk, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-              lo, hi, offs_m, SEQ_K, qk_scale,
-              D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-              MASKED: tl.constexpr, TMA: tl.constexpr):
+def _dq_inner(
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    K,
+    V,
+    b,
+    hk,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    lo,
+    hi,
+    offs_m,
+    SEQ_K,
+    qk_scale,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
+    TMA: tl.constexpr,
+):
     """Accumulate dQ of one q block over the key blocks [lo, hi); MASKED as in ``_fwd_inner``."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N):
@@ -458,10 +648,62 @@ def _attn_bwd_dq_kernel(
     lse = tl.load(LSE + bh.to(tl.int64) * SEQ_PAD + offs_m)
     delta = tl.load(DELTA + bh.to(tl.int64) * SEQ_PAD + offs_m)
     dq = tl.zeros([BLOCK_M, DP], tl.float32)
-    dq = _dq_inner(dq, q, do, lse, delta, K, V, b, hk, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
-                   stride_vs, 0, mid, offs_m, SEQ_K, qk_scale, D, DP, BLOCK_N, CAUSAL, False, TMA)
-    dq = _dq_inner(dq, q, do, lse, delta, K, V, b, hk, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
-                   stride_vs, mid, hi, offs_m, SEQ_K, qk_scale, D, DP, BLOCK_N, CAUSAL, True, TMA)
+    dq = _dq_inner(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        K,
+        V,
+        b,
+        hk,
+        stride_kb,
+        stride_kh,
+        stride_ks,
+        stride_vb,
+        stride_vh,
+        stride_vs,
+        0,
+        mid,
+        offs_m,
+        SEQ_K,
+        qk_scale,
+        D,
+        DP,
+        BLOCK_N,
+        CAUSAL,
+        False,
+        TMA,
+    )
+    dq = _dq_inner(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        K,
+        V,
+        b,
+        hk,
+        stride_kb,
+        stride_kh,
+        stride_ks,
+        stride_vb,
+        stride_vh,
+        stride_vs,
+        mid,
+        hi,
+        offs_m,
+        SEQ_K,
+        qk_scale,
+        D,
+        DP,
+        BLOCK_N,
+        CAUSAL,
+        True,
+        TMA,
+    )
     _tile_store(DQ, dq * sm_scale, b, h, start_m, stride_dqb, stride_dqh, stride_dqs, SEQ_Q, BLOCK_M, D, DP, TMA)
 
 
@@ -532,8 +774,14 @@ _PREPROCESS_DEFAULT = AttentionPreprocess(BLOCK_M=64, num_warps=4, num_stages=1)
 
 
 def _problem(q: torch.Tensor, k: torch.Tensor, causal: bool) -> dict:
-    return dict(head_dim=q.shape[-1], causal=bool(causal), dtype=str(q.dtype), seq_q=_pow2_bucket(q.shape[2]),
-                seq_k=_pow2_bucket(k.shape[2]), group=q.shape[1] // k.shape[1])
+    return dict(
+        head_dim=q.shape[-1],
+        causal=bool(causal),
+        dtype=str(q.dtype),
+        seq_q=_pow2_bucket(q.shape[2]),
+        seq_k=_pow2_bucket(k.shape[2]),
+        group=q.shape[1] // k.shape[1],
+    )
 
 
 def tma_ok(*tensors: torch.Tensor) -> bool:
@@ -609,21 +857,46 @@ def attention_forward(q, k, v, causal: bool, scale: float):
     else:
         q_arg, k_arg, v_arg, o_arg = q, k, v, o
     launch(
-        _attn_fwd_kernel, (B * HQ * cdiv(SQ, BM), ),
+        _attn_fwd_kernel,
+        (B * HQ * cdiv(SQ, BM),),
         # Pointers
-        Q=q_arg, K=k_arg, V=v_arg, O=o_arg, LSE=lse,
+        Q=q_arg,
+        K=k_arg,
+        V=v_arg,
+        O=o_arg,
+        LSE=lse,
         # Sizes
-        HQ=HQ, GROUP=HQ // HKV, SEQ_Q=SQ, SEQ_K=SK, SEQ_PAD=lse.shape[-1],
+        HQ=HQ,
+        GROUP=HQ // HKV,
+        SEQ_Q=SQ,
+        SEQ_K=SK,
+        SEQ_PAD=lse.shape[-1],
         # Strides
-        stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qs=q.stride(2),
-        stride_kb=k.stride(0), stride_kh=k.stride(1), stride_ks=k.stride(2),
-        stride_vb=v.stride(0), stride_vh=v.stride(1), stride_vs=v.stride(2),
-        stride_ob=o.stride(0), stride_oh=o.stride(1), stride_os=o.stride(2),
+        stride_qb=q.stride(0),
+        stride_qh=q.stride(1),
+        stride_qs=q.stride(2),
+        stride_kb=k.stride(0),
+        stride_kh=k.stride(1),
+        stride_ks=k.stride(2),
+        stride_vb=v.stride(0),
+        stride_vh=v.stride(1),
+        stride_vs=v.stride(2),
+        stride_ob=o.stride(0),
+        stride_oh=o.stride(1),
+        stride_os=o.stride(2),
         # Scales
         qk_scale=scale * LOG2E,
         # Meta-parameters
-        D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), SCALE_POS=scale > 0, TMA=tma,
-        WARP_SPEC=cfg.WARP_SPECIALIZE, **cfg.options)
+        D=D,
+        DP=DP,
+        BLOCK_M=BM,
+        BLOCK_N=BN,
+        CAUSAL=bool(causal),
+        SCALE_POS=scale > 0,
+        TMA=tma,
+        WARP_SPEC=cfg.WARP_SPECIALIZE,
+        **cfg.options,
+    )
     return o, lse
 
 
@@ -651,28 +924,52 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     dqa = torch.empty((B, HQ, SQ, DP), device=q.device, dtype=torch.float32) if accumulate else delta
     pre_bm = cfg_pre.BLOCK_M
     launch(
-        _attn_bwd_pre_kernel, (B * HQ, cdiv(SQ, pre_bm)),
+        _attn_bwd_pre_kernel,
+        (B * HQ, cdiv(SQ, pre_bm)),
         # Pointers
-        O=o, DO=do, DELTA=delta, DQA=dqa,
+        O=o,
+        DO=do,
+        DELTA=delta,
+        DQA=dqa,
         # Sizes
-        HQ=HQ, SEQ_Q=SQ, SEQ_PAD=lse.shape[-1],
+        HQ=HQ,
+        SEQ_Q=SQ,
+        SEQ_PAD=lse.shape[-1],
         # Strides
-        stride_ob=o.stride(0), stride_oh=o.stride(1), stride_os=o.stride(2),
-        stride_dob=do.stride(0), stride_doh=do.stride(1), stride_dos=do.stride(2),
+        stride_ob=o.stride(0),
+        stride_oh=o.stride(1),
+        stride_os=o.stride(2),
+        stride_dob=do.stride(0),
+        stride_doh=do.stride(1),
+        stride_dos=do.stride(2),
         # Meta-parameters
-        D=D, DP=DP, BLOCK_M=pre_bm, ZERO_DQA=accumulate, **cfg_pre.options)
+        D=D,
+        DP=DP,
+        BLOCK_M=pre_bm,
+        ZERO_DQA=accumulate,
+        **cfg_pre.options,
+    )
 
     def dq_from_accumulator():
         launch(
-            _attn_bwd_dq_convert_kernel, (B * HQ, cdiv(SQ, pre_bm)),
+            _attn_bwd_dq_convert_kernel,
+            (B * HQ, cdiv(SQ, pre_bm)),
             # Pointers
-            DQA=dqa, DQ=dq,
+            DQA=dqa,
+            DQ=dq,
             # Sizes
-            HQ=HQ, SEQ_Q=SQ,
+            HQ=HQ,
+            SEQ_Q=SQ,
             # Strides
-            stride_dqb=dq.stride(0), stride_dqh=dq.stride(1), stride_dqs=dq.stride(2),
+            stride_dqb=dq.stride(0),
+            stride_dqh=dq.stride(1),
+            stride_dqs=dq.stride(2),
             # Meta-parameters
-            D=D, DP=DP, BLOCK_M=pre_bm, **cfg_pre.options)
+            D=D,
+            DP=DP,
+            BLOCK_M=pre_bm,
+            **cfg_pre.options,
+        )
         return dq, dk, dv
 
     if own is not None and own(q, k, v, do, dqa, dk, dv, lse, delta, bool(causal), scale):
@@ -689,24 +986,58 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     else:
         q_arg, k_arg, v_arg, do_arg, dk_arg, dv_arg = q, k, v, do, dk, dv
     launch(
-        _attn_bwd_dkdv_kernel, (B * HKV * cdiv(SK, BN), ),
+        _attn_bwd_dkdv_kernel,
+        (B * HKV * cdiv(SK, BN),),
         # Pointers
-        Q=q_arg, K=k_arg, V=v_arg, DO=do_arg, DK=dk_arg, DV=dv_arg, LSE=lse, DELTA=delta,
+        Q=q_arg,
+        K=k_arg,
+        V=v_arg,
+        DO=do_arg,
+        DK=dk_arg,
+        DV=dv_arg,
+        LSE=lse,
+        DELTA=delta,
         DQA=_desc(dqa, BM, DP) if tma_reduce else dqa,
         # Sizes
-        HQ=HQ, HKV=HKV, GROUP=HQ // HKV, SEQ_Q=SQ, SEQ_K=SK, SEQ_PAD=lse.shape[-1],
+        HQ=HQ,
+        HKV=HKV,
+        GROUP=HQ // HKV,
+        SEQ_Q=SQ,
+        SEQ_K=SK,
+        SEQ_PAD=lse.shape[-1],
         # Strides
-        stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qs=q.stride(2),
-        stride_kb=k.stride(0), stride_kh=k.stride(1), stride_ks=k.stride(2),
-        stride_vb=v.stride(0), stride_vh=v.stride(1), stride_vs=v.stride(2),
-        stride_dob=do.stride(0), stride_doh=do.stride(1), stride_dos=do.stride(2),
-        stride_dkb=dk.stride(0), stride_dkh=dk.stride(1), stride_dks=dk.stride(2),
-        stride_dvb=dv.stride(0), stride_dvh=dv.stride(1), stride_dvs=dv.stride(2),
+        stride_qb=q.stride(0),
+        stride_qh=q.stride(1),
+        stride_qs=q.stride(2),
+        stride_kb=k.stride(0),
+        stride_kh=k.stride(1),
+        stride_ks=k.stride(2),
+        stride_vb=v.stride(0),
+        stride_vh=v.stride(1),
+        stride_vs=v.stride(2),
+        stride_dob=do.stride(0),
+        stride_doh=do.stride(1),
+        stride_dos=do.stride(2),
+        stride_dkb=dk.stride(0),
+        stride_dkh=dk.stride(1),
+        stride_dks=dk.stride(2),
+        stride_dvb=dv.stride(0),
+        stride_dvh=dv.stride(1),
+        stride_dvs=dv.stride(2),
         # Scales
-        qk_scale=qk_scale, sm_scale=scale,
+        qk_scale=qk_scale,
+        sm_scale=scale,
         # Meta-parameters
-        D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), TMA=tma, DQ_ATOMIC=atomic,
-        DQ_TMA_REDUCE=tma_reduce, **cfg_kv.options)
+        D=D,
+        DP=DP,
+        BLOCK_M=BM,
+        BLOCK_N=BN,
+        CAUSAL=bool(causal),
+        TMA=tma,
+        DQ_ATOMIC=atomic,
+        DQ_TMA_REDUCE=tma_reduce,
+        **cfg_kv.options,
+    )
 
     if atomic:
         return dq_from_accumulator()
@@ -720,21 +1051,50 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     else:
         q_arg, k_arg, v_arg, do_arg, dq_arg = q, k, v, do, dq
     launch(
-        _attn_bwd_dq_kernel, (B * HQ * cdiv(SQ, BM), ),
+        _attn_bwd_dq_kernel,
+        (B * HQ * cdiv(SQ, BM),),
         # Pointers
-        Q=q_arg, K=k_arg, V=v_arg, DO=do_arg, DQ=dq_arg, LSE=lse, DELTA=delta,
+        Q=q_arg,
+        K=k_arg,
+        V=v_arg,
+        DO=do_arg,
+        DQ=dq_arg,
+        LSE=lse,
+        DELTA=delta,
         # Sizes
-        HQ=HQ, GROUP=HQ // HKV, SEQ_Q=SQ, SEQ_K=SK, SEQ_PAD=lse.shape[-1],
+        HQ=HQ,
+        GROUP=HQ // HKV,
+        SEQ_Q=SQ,
+        SEQ_K=SK,
+        SEQ_PAD=lse.shape[-1],
         # Strides
-        stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qs=q.stride(2),
-        stride_kb=k.stride(0), stride_kh=k.stride(1), stride_ks=k.stride(2),
-        stride_vb=v.stride(0), stride_vh=v.stride(1), stride_vs=v.stride(2),
-        stride_dob=do.stride(0), stride_doh=do.stride(1), stride_dos=do.stride(2),
-        stride_dqb=dq.stride(0), stride_dqh=dq.stride(1), stride_dqs=dq.stride(2),
+        stride_qb=q.stride(0),
+        stride_qh=q.stride(1),
+        stride_qs=q.stride(2),
+        stride_kb=k.stride(0),
+        stride_kh=k.stride(1),
+        stride_ks=k.stride(2),
+        stride_vb=v.stride(0),
+        stride_vh=v.stride(1),
+        stride_vs=v.stride(2),
+        stride_dob=do.stride(0),
+        stride_doh=do.stride(1),
+        stride_dos=do.stride(2),
+        stride_dqb=dq.stride(0),
+        stride_dqh=dq.stride(1),
+        stride_dqs=dq.stride(2),
         # Scales
-        qk_scale=qk_scale, sm_scale=scale,
+        qk_scale=qk_scale,
+        sm_scale=scale,
         # Meta-parameters
-        D=D, DP=DP, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), TMA=tma, **cfg_q.options)
+        D=D,
+        DP=DP,
+        BLOCK_M=BM,
+        BLOCK_N=BN,
+        CAUSAL=bool(causal),
+        TMA=tma,
+        **cfg_q.options,
+    )
     return dq, dk, dv
 
 
@@ -742,13 +1102,15 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
 # TensorDescriptors, which torch.library's Triton kernel tracing does not take. Inductor calls them
 # as they are, with no graph break. The forward returns (out, lse), of which the caller sees out;
 # the backward saves q, k, v, out and lse, and takes causal and scale again.
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, *,
-               traced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, *, traced: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     return attention_forward(q, k, v, causal, scale)
 
 
-def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     return _out_like(q), q.new_empty((q.shape[0], q.shape[1], _padded_len(q.shape[2])), dtype=torch.float32)
 
 
@@ -757,21 +1119,46 @@ def _attention_save(inputs: tuple, outputs: tuple) -> tuple:
     return q, k, v, o, lse
 
 
-def _attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                        lse: torch.Tensor, causal: bool, scale: float, *, in_place: bool,
-                        traced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _attention_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    *,
+    in_place: bool,
+    traced: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return attention_backward(do, q, k, v, o, lse, causal, scale)
 
 
-def _attention_backward_fake(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                             lse: torch.Tensor, causal: bool,
-                             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _attention_backward_fake(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-ATTENTION = Op("attention", forward=_attention, fake=_attention_fake, save=_attention_save,
-               backward=_attention_backward, backward_fake=_attention_backward_fake, statics=(3, 4),
-               grads=(0, 1, 2, None, None), opaque=True)
+ATTENTION = Op(
+    "attention",
+    forward=_attention,
+    fake=_attention_fake,
+    save=_attention_save,
+    backward=_attention_backward,
+    backward_fake=_attention_backward_fake,
+    statics=(3, 4),
+    grads=(0, 1, 2, None, None),
+    opaque=True,
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -785,21 +1172,27 @@ def _check(q, k, v, causal, scale) -> float:
     check_same_device(op, q=q, k=k, v=v)
     check_same_dtype(op, q=q, k=k, v=v)
     if q.dtype == torch.float32 and q.device.type != "cpu":
-        raise TypeError(f"attention: argument 'q' has dtype {q.dtype}, not supported on {q.device.type} (float32 "
-                        "only on the CPU interpreter); use torch.float16 or torch.bfloat16")
+        raise TypeError(
+            f"attention: argument 'q' has dtype {q.dtype}, not supported on {q.device.type} (float32 "
+            "only on the CPU interpreter); use torch.float16 or torch.bfloat16"
+        )
     if k.shape != v.shape:
-        raise ValueError(f"attention: arguments 'k' and 'v' must have the same shape, got {tuple(k.shape)} and "
-                         f"{tuple(v.shape)}")
+        raise ValueError(
+            f"attention: arguments 'k' and 'v' must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     B, HQ, _, D = q.shape
     if k.shape[0] != B:
         raise ValueError(f"attention: argument 'k' has batch {k.shape[0]} but 'q' has {B}")
     if k.shape[3] != D:
-        raise ValueError(f"attention: argument 'k' has head_dim {k.shape[3]} but 'q' has {D}; q, k and v must "
-                         "share head_dim")
+        raise ValueError(
+            f"attention: argument 'k' has head_dim {k.shape[3]} but 'q' has {D}; q, k and v must share head_dim"
+        )
     HKV = k.shape[1]
     if HKV == 0 or HQ % HKV:
-        raise ValueError(f"attention: argument 'q' has {HQ} heads, which is not a positive multiple of the "
-                         f"{HKV} heads of 'k' and 'v'")
+        raise ValueError(
+            f"attention: argument 'q' has {HQ} heads, which is not a positive multiple of the "
+            f"{HKV} heads of 'k' and 'v'"
+        )
     if not 1 <= D <= MAX_HEAD_DIM:
         raise ValueError(f"attention: argument 'q' has head_dim {D}; supported are 1..{MAX_HEAD_DIM}")
     if k.shape[2] == 0 and q.shape[2] > 0:
@@ -813,8 +1206,9 @@ def _check(q, k, v, causal, scale) -> float:
     return float(scale)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-              scale: float | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, scale: float | None = None
+) -> torch.Tensor:
     """softmax(q k^T * scale [+ causal mask]) v, differentiable in q, k and v.
 
     Args:

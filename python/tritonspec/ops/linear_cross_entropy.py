@@ -38,6 +38,7 @@ every 64-256 tokens: memory-bound. Ours takes 512 tokens, where that addmm reach
 H=4096, V=128256 that holds 1191 MiB against Liger's 1129 (+5.5%, the larger chunk's logits) and runs 0.74x
 Liger's time (bench/RESULTS.md). cuBLAS sums each chunk's products in fp32 and rounds d weight once per chunk.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -70,8 +71,18 @@ def chunk_tokens(n: int) -> int:
 # ----------------------------------------------------------------------------------------------
 # float64 reference (shared by tests and benchmarks)
 # ----------------------------------------------------------------------------------------------
-def linear_cross_entropy_ref(hidden, weight, labels, *, bias=None, ignore_index=-100, reduction="mean",
-                             label_smoothing=0.0, softcap=None, num_items_in_batch=None) -> torch.Tensor:
+def linear_cross_entropy_ref(
+    hidden,
+    weight,
+    labels,
+    *,
+    bias=None,
+    ignore_index=-100,
+    reduction="mean",
+    label_smoothing=0.0,
+    softcap=None,
+    num_items_in_batch=None,
+) -> torch.Tensor:
     """``linear_cross_entropy`` in float64 with the logits materialized, differentiable: the definition of correct.
 
     torch's own cross-entropy per token; "mean" divides the sum by the non-ignored count (1 when there is
@@ -82,8 +93,13 @@ def linear_cross_entropy_ref(hidden, weight, labels, *, bias=None, ignore_index=
         logits = logits + bias.double()
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
-    per_token = F.cross_entropy(logits.reshape(-1, weight.shape[0]), labels.reshape(-1), ignore_index=ignore_index,
-                                reduction="none", label_smoothing=label_smoothing)
+    per_token = F.cross_entropy(
+        logits.reshape(-1, weight.shape[0]),
+        labels.reshape(-1),
+        ignore_index=ignore_index,
+        reduction="none",
+        label_smoothing=label_smoothing,
+    )
     if reduction == "none":
         return per_token.reshape(labels.shape)
     total = per_token.sum()
@@ -209,9 +225,21 @@ def _default(v: int) -> LinearCrossEntropy:
 # ----------------------------------------------------------------------------------------------
 # the chunk loop
 # ----------------------------------------------------------------------------------------------
-def linear_cross_entropy_chunks(hidden, weight, labels, bias, scale, *, ignore_index: int, label_smoothing: float,
-                                softcap: float, loss_rows=None, dh=None, need_dw: bool = False,
-                                need_db: bool = False):
+def linear_cross_entropy_chunks(
+    hidden,
+    weight,
+    labels,
+    bias,
+    scale,
+    *,
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float,
+    loss_rows=None,
+    dh=None,
+    need_dw: bool = False,
+    need_db: bool = False,
+):
     """The chunks over ``hidden`` (N, H) with ``labels`` (N,) contiguous int64; returns ``(dweight, dbias)``
     (None where not asked for).
 
@@ -235,24 +263,38 @@ def linear_cross_entropy_chunks(hidden, weight, labels, bias, scale, *, ignore_i
     per_row = scale.numel() != 1
     wt = weight.t()
     # the kernel's meta-parameters and launch options, the same for every chunk
-    meta = dict(BLOCK_V=cfg.BLOCK_V, HAS_SOFTCAP=softcap > 0, HAS_SMOOTHING=label_smoothing > 0,
-                WRITE_LOSS=loss_rows is not None, WRITE_GRAD=grads, **cfg.options)
+    meta = dict(
+        BLOCK_V=cfg.BLOCK_V,
+        HAS_SOFTCAP=softcap > 0,
+        HAS_SMOOTHING=label_smoothing > 0,
+        WRITE_LOSS=loss_rows is not None,
+        WRITE_GRAD=grads,
+        **cfg.options,
+    )
     for s in range(0, n, c):
         e = min(s + c, n)
         x = hidden[s:e]
-        logits = buf[:e - s]
+        logits = buf[: e - s]
         if bias is None:
             torch.mm(x, wt, out=logits)
         else:
             torch.addmm(bias, x, wt, out=logits)
         # Without loss_rows, scale stands in for loss_ptr, which the kernel then never writes.
-        launch(_cross_entropy_rows_kernel, (e - s,),
-               logits_ptr=logits, labels_ptr=labels[s:e], loss_ptr=scale if loss_rows is None else loss_rows[s:e],
-               scale_ptr=scale[s:e] if per_row else scale,
-               V=v,
-               stride_logits=v, stride_scale=int(per_row),
-               ignore_index=ignore_index, smoothing=label_smoothing, softcap=softcap or 1.0,
-               **meta)
+        launch(
+            _cross_entropy_rows_kernel,
+            (e - s,),
+            logits_ptr=logits,
+            labels_ptr=labels[s:e],
+            loss_ptr=scale if loss_rows is None else loss_rows[s:e],
+            scale_ptr=scale[s:e] if per_row else scale,
+            V=v,
+            stride_logits=v,
+            stride_scale=int(per_row),
+            ignore_index=ignore_index,
+            smoothing=label_smoothing,
+            softcap=softcap or 1.0,
+            **meta,
+        )
         if need_dw:
             if s == 0:
                 torch.mm(logits.t(), x, out=dw)
@@ -273,10 +315,22 @@ def _grad_like(t: torch.Tensor, need: bool) -> torch.Tensor:
     return torch.empty(t.shape if need else 0, dtype=t.dtype, device=t.device)
 
 
-def _forward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: Optional[torch.Tensor],
-             num_items: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, softcap: float,
-             reduction: str, need_dh: bool, need_dw: bool, need_db: bool, *,
-             traced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    num_items: Optional[torch.Tensor],
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float,
+    reduction: str,
+    need_dh: bool,
+    need_dw: bool,
+    need_db: bool,
+    *,
+    traced: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, dhidden, dweight, dbias)`` for "mean" / "sum": the gradients of the loss, placeholders where
     not needed. ``num_items`` (float32, 0-dim) replaces the mean's count of non-ignored tokens."""
     x = hidden.reshape(-1, hidden.shape[-1])
@@ -288,23 +342,51 @@ def _forward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, b
         denom, scale = None, torch.ones(1, dtype=torch.float32, device=hidden.device)
     loss_rows = torch.empty(y.shape, dtype=torch.float32, device=hidden.device)
     dh = _grad_like(hidden, need_dh)
-    dw, db = linear_cross_entropy_chunks(x, weight, y, bias, scale, ignore_index=ignore_index,
-                                         label_smoothing=label_smoothing, softcap=softcap, loss_rows=loss_rows,
-                                         dh=dh.view(x.shape) if need_dh else None, need_dw=need_dw,
-                                         need_db=need_db and bias is not None)
+    dw, db = linear_cross_entropy_chunks(
+        x,
+        weight,
+        y,
+        bias,
+        scale,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        softcap=softcap,
+        loss_rows=loss_rows,
+        dh=dh.view(x.shape) if need_dh else None,
+        need_dw=need_dw,
+        need_db=need_db and bias is not None,
+    )
     loss = loss_rows.sum()
     if denom is not None:
         loss = loss / denom
-    return (loss, dh, weight.new_empty(0) if dw is None else dw,
-            (bias if bias is not None else weight).new_empty(0) if db is None else db)
+    return (
+        loss,
+        dh,
+        weight.new_empty(0) if dw is None else dw,
+        (bias if bias is not None else weight).new_empty(0) if db is None else db,
+    )
 
 
-def _fake(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: Optional[torch.Tensor],
-          num_items: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, softcap: float,
-          reduction: str, need_dh: bool, need_dw: bool,
-          need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (hidden.new_empty((), dtype=torch.float32), _grad_like(hidden, need_dh), _grad_like(weight, need_dw),
-            _grad_like(bias if bias is not None else weight, need_db and bias is not None))
+def _fake(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    num_items: Optional[torch.Tensor],
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float,
+    reduction: str,
+    need_dh: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (
+        hidden.new_empty((), dtype=torch.float32),
+        _grad_like(hidden, need_dh),
+        _grad_like(weight, need_dw),
+        _grad_like(bias if bias is not None else weight, need_db and bias is not None),
+    )
 
 
 def _save(inputs: tuple, outputs: tuple) -> tuple:
@@ -312,8 +394,15 @@ def _save(inputs: tuple, outputs: tuple) -> tuple:
     return outputs[1:]
 
 
-def _backward(dloss: torch.Tensor, dhidden: torch.Tensor, dweight: torch.Tensor, dbias: torch.Tensor, *,
-              in_place: bool, traced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward(
+    dloss: torch.Tensor,
+    dhidden: torch.Tensor,
+    dweight: torch.Tensor,
+    dbias: torch.Tensor,
+    *,
+    in_place: bool,
+    traced: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward's gradients times grad_output: in place in eager (our own buffers; skipped when it is 1),
     out of place when traced (a custom op returns fresh tensors)."""
     if dloss is None:
@@ -327,31 +416,68 @@ def _backward(dloss: torch.Tensor, dhidden: torch.Tensor, dweight: torch.Tensor,
     return gradients
 
 
-def _backward_fake(dloss: torch.Tensor, dhidden: torch.Tensor, dweight: torch.Tensor,
-                   dbias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward_fake(
+    dloss: torch.Tensor, dhidden: torch.Tensor, dweight: torch.Tensor, dbias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return dhidden.new_empty(dhidden.shape), dweight.new_empty(dweight.shape), dbias.new_empty(dbias.shape)
 
 
-LINEAR_CROSS_ENTROPY = Op("linear_cross_entropy", forward=_forward, fake=_fake, save=_save, backward=_backward,
-                          backward_fake=_backward_fake, grads=(0, 1, None, 2) + (None,) * 8, opaque=True)
+LINEAR_CROSS_ENTROPY = Op(
+    "linear_cross_entropy",
+    forward=_forward,
+    fake=_fake,
+    save=_save,
+    backward=_backward,
+    backward_fake=_backward_fake,
+    grads=(0, 1, None, 2) + (None,) * 8,
+    opaque=True,
+)
 
 
-def _none_forward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: Optional[torch.Tensor],
-                  ignore_index: int, label_smoothing: float, softcap: float, need_dh: bool, need_dw: bool,
-                  need_db: bool, *, traced: bool) -> torch.Tensor:
+def _none_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float,
+    need_dh: bool,
+    need_dw: bool,
+    need_db: bool,
+    *,
+    traced: bool,
+) -> torch.Tensor:
     """Per-token losses shaped like ``labels``; no gradient work (the backward recomputes)."""
     y = labels.reshape(-1).contiguous()
     loss = torch.empty(labels.shape, dtype=torch.float32, device=hidden.device)
     scale = torch.ones(1, dtype=torch.float32, device=hidden.device)  # unused: no gradient is written
-    linear_cross_entropy_chunks(hidden.reshape(-1, hidden.shape[-1]), weight, y, bias, scale,
-                                ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
-                                loss_rows=loss.view(-1))
+    linear_cross_entropy_chunks(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        y,
+        bias,
+        scale,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        softcap=softcap,
+        loss_rows=loss.view(-1),
+    )
     return loss
 
 
-def _none_fake(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: Optional[torch.Tensor],
-               ignore_index: int, label_smoothing: float, softcap: float, need_dh: bool, need_dw: bool,
-               need_db: bool) -> torch.Tensor:
+def _none_fake(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float,
+    need_dh: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> torch.Tensor:
     return hidden.new_empty(labels.shape, dtype=torch.float32)
 
 
@@ -360,34 +486,78 @@ def _none_save(inputs: tuple, outputs: tuple) -> tuple:
     return inputs[:4]
 
 
-def _none_backward(dloss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                   bias: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, softcap: float,
-                   need_dh: bool, need_dw: bool, need_db: bool, *, in_place: bool,
-                   traced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _none_backward(
+    dloss: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float,
+    need_dh: bool,
+    need_dw: bool,
+    need_db: bool,
+    *,
+    in_place: bool,
+    traced: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The chunks again, each token's gradient row weighted by its grad_output before the sums over tokens."""
     if dloss is None:
         return None, None, None
     x = hidden.reshape(-1, hidden.shape[-1])
     dh = _grad_like(hidden, need_dh)
-    dw, db = linear_cross_entropy_chunks(x, weight, labels.reshape(-1).contiguous(), bias,
-                                         dloss.reshape(-1).to(torch.float32).contiguous(), ignore_index=ignore_index,
-                                         label_smoothing=label_smoothing, softcap=softcap,
-                                         dh=dh.view(x.shape) if need_dh else None, need_dw=need_dw,
-                                         need_db=need_db and bias is not None)
-    return (dh, weight.new_empty(0) if dw is None else dw,
-            (bias if bias is not None else weight).new_empty(0) if db is None else db)
+    dw, db = linear_cross_entropy_chunks(
+        x,
+        weight,
+        labels.reshape(-1).contiguous(),
+        bias,
+        dloss.reshape(-1).to(torch.float32).contiguous(),
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        softcap=softcap,
+        dh=dh.view(x.shape) if need_dh else None,
+        need_dw=need_dw,
+        need_db=need_db and bias is not None,
+    )
+    return (
+        dh,
+        weight.new_empty(0) if dw is None else dw,
+        (bias if bias is not None else weight).new_empty(0) if db is None else db,
+    )
 
 
-def _none_backward_fake(dloss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                        bias: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, softcap: float,
-                        need_dh: bool, need_dw: bool, need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (_grad_like(hidden, need_dh), _grad_like(weight, need_dw),
-            _grad_like(bias if bias is not None else weight, need_db and bias is not None))
+def _none_backward_fake(
+    dloss: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float,
+    need_dh: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (
+        _grad_like(hidden, need_dh),
+        _grad_like(weight, need_dw),
+        _grad_like(bias if bias is not None else weight, need_db and bias is not None),
+    )
 
 
-LINEAR_CROSS_ENTROPY_NONE = Op("linear_cross_entropy_none", forward=_none_forward, fake=_none_fake, save=_none_save,
-                               statics=(4, 5, 6, 7, 8, 9), backward=_none_backward, backward_fake=_none_backward_fake,
-                               grads=(0, 1, None, 2) + (None,) * 6, opaque=True)
+LINEAR_CROSS_ENTROPY_NONE = Op(
+    "linear_cross_entropy_none",
+    forward=_none_forward,
+    fake=_none_fake,
+    save=_none_save,
+    statics=(4, 5, 6, 7, 8, 9),
+    backward=_none_backward,
+    backward_fake=_none_backward_fake,
+    grads=(0, 1, None, 2) + (None,) * 6,
+    opaque=True,
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -414,23 +584,28 @@ def _check(hidden, weight, labels, bias, ignore_index, reduction, label_smoothin
     if h == 0:
         raise ValueError(f"{op}: argument 'hidden' has an empty last (hidden) dimension, shape {tuple(hidden.shape)}")
     if weight.shape[1] != h:
-        raise ValueError(f"{op}: argument 'weight' has shape {tuple(weight.shape)} but the hidden size "
-                         f"(hidden.shape[-1]) is {h}")
+        raise ValueError(
+            f"{op}: argument 'weight' has shape {tuple(weight.shape)} but the hidden size (hidden.shape[-1]) is {h}"
+        )
     if v == 0:
         raise ValueError(f"{op}: argument 'weight' has no rows (an empty vocabulary), shape {tuple(weight.shape)}")
     if bias is not None and bias.shape[0] != v:
-        raise ValueError(f"{op}: argument 'bias' has shape {tuple(bias.shape)} but the vocabulary (weight.shape[0]) "
-                         f"is {v}")
+        raise ValueError(
+            f"{op}: argument 'bias' has shape {tuple(bias.shape)} but the vocabulary (weight.shape[0]) is {v}"
+        )
     if labels.shape != hidden.shape[:-1]:
-        raise ValueError(f"{op}: argument 'labels' has shape {tuple(labels.shape)} but hidden's leading dims are "
-                         f"{tuple(hidden.shape[:-1])} (one label per token)")
+        raise ValueError(
+            f"{op}: argument 'labels' has shape {tuple(labels.shape)} but hidden's leading dims are "
+            f"{tuple(hidden.shape[:-1])} (one label per token)"
+        )
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"{op}: argument 'ignore_index' must be an int, got {type(ignore_index).__name__}")
-    if not -2**63 <= ignore_index < 2**63:  # compared with int64 labels, in the kernel and in torch alike
+    if not -(2**63) <= ignore_index < 2**63:  # compared with int64 labels, in the kernel and in torch alike
         raise ValueError(f"{op}: argument 'ignore_index' must fit in int64 (labels' dtype), got {ignore_index}")
     if reduction not in REDUCTIONS:
-        raise ValueError(f"{op}: argument 'reduction' must be one of {', '.join(map(repr, REDUCTIONS))}, got "
-                         f"{reduction!r}")
+        raise ValueError(
+            f"{op}: argument 'reduction' must be one of {', '.join(map(repr, REDUCTIONS))}, got {reduction!r}"
+        )
     if not _is_number(label_smoothing):
         raise TypeError(f"{op}: argument 'label_smoothing' must be a float, got {type(label_smoothing).__name__}")
     if not 0.0 <= label_smoothing <= 1.0:
@@ -442,24 +617,41 @@ def _check(hidden, weight, labels, bias, ignore_index, reduction, label_smoothin
             raise ValueError(f"{op}: argument 'softcap' must be a finite number > 0 (or None), got {softcap}")
     if num_items_in_batch is not None:
         if reduction != "mean":
-            raise ValueError(f"{op}: argument 'num_items_in_batch' divides the summed loss in place of the mean's "
-                             f"token count, so it needs reduction='mean', got reduction={reduction!r}")
+            raise ValueError(
+                f"{op}: argument 'num_items_in_batch' divides the summed loss in place of the mean's "
+                f"token count, so it needs reduction='mean', got reduction={reduction!r}"
+            )
         if isinstance(num_items_in_batch, torch.Tensor):
-            if num_items_in_batch.numel() != 1 or num_items_in_batch.dtype in (torch.bool, torch.complex64,
-                                                                                 torch.complex128):
-                raise ValueError(f"{op}: argument 'num_items_in_batch' must be a one-element real tensor (or an "
-                                 f"int), got shape {tuple(num_items_in_batch.shape)}, dtype {num_items_in_batch.dtype}")
+            if num_items_in_batch.numel() != 1 or num_items_in_batch.dtype in (
+                torch.bool,
+                torch.complex64,
+                torch.complex128,
+            ):
+                raise ValueError(
+                    f"{op}: argument 'num_items_in_batch' must be a one-element real tensor (or an "
+                    f"int), got shape {tuple(num_items_in_batch.shape)}, dtype {num_items_in_batch.dtype}"
+                )
         elif isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, int):
-            raise TypeError(f"{op}: argument 'num_items_in_batch' must be an int or a tensor, got "
-                            f"{type(num_items_in_batch).__name__}")
+            raise TypeError(
+                f"{op}: argument 'num_items_in_batch' must be an int or a tensor, got "
+                f"{type(num_items_in_batch).__name__}"
+            )
         elif num_items_in_batch <= 0:
             raise ValueError(f"{op}: argument 'num_items_in_batch' must be > 0, got {num_items_in_batch}")
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                         bias: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
-                         label_smoothing: float = 0.0, softcap: float | None = None,
-                         num_items_in_batch=None) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    num_items_in_batch=None,
+) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels``, never materializing the logits.
 
     Args:
@@ -491,8 +683,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         bias = None if bias is None else bias.to(dtype)
     check_same_dtype(_OP, hidden=hidden, weight=weight, **({} if bias is None else {"bias": bias}))
     grad = torch.is_grad_enabled()
-    need = (grad and hidden.requires_grad, grad and weight.requires_grad,
-            grad and bias is not None and bias.requires_grad)
+    need = (
+        grad and hidden.requires_grad,
+        grad and weight.requires_grad,
+        grad and bias is not None and bias.requires_grad,
+    )
     label_smoothing, softcap = float(label_smoothing), 0.0 if softcap is None else float(softcap)
     if reduction == "none":
         return LINEAR_CROSS_ENTROPY_NONE(hidden, weight, labels, bias, ignore_index, label_smoothing, softcap, *need)
@@ -502,5 +697,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
             num_items = num_items_in_batch.detach().reshape(()).to(device=hidden.device, dtype=torch.float32)
         else:
             num_items = torch.full((), float(num_items_in_batch), dtype=torch.float32, device=hidden.device)
-    return LINEAR_CROSS_ENTROPY(hidden, weight, labels, bias, num_items, ignore_index, label_smoothing, softcap,
-                                reduction, *need)
+    return LINEAR_CROSS_ENTROPY(
+        hidden, weight, labels, bias, num_items, ignore_index, label_smoothing, softcap, reduction, *need
+    )

@@ -29,6 +29,7 @@ Layers: ``sort_by_expert`` and the ``_moe_*`` kernels -> ``moe_experts_forward``
 ``moe_experts``. The router in front of it, ``moe_route`` (top-k ids and weights from router logits),
 is :mod:`tritonspec.ops.moe_routing`'s.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -57,8 +58,21 @@ GPT_OSS_ALPHA = 1.702
 # ----------------------------------------------------------------------------------------------
 # the reference: float64 for tests and benchmarks, the weights' dtype for offloaded experts on the CPU
 # ----------------------------------------------------------------------------------------------
-def moe_experts_ref(x, ids, weights, gate_up_proj, down_proj, *, gate_up_bias=None, down_bias=None,
-                    layout="concatenated", activation="silu", clamp=None, dtype=torch.float64, experts=None):
+def moe_experts_ref(
+    x,
+    ids,
+    weights,
+    gate_up_proj,
+    down_proj,
+    *,
+    gate_up_bias=None,
+    down_bias=None,
+    layout="concatenated",
+    activation="silu",
+    clamp=None,
+    dtype=torch.float64,
+    experts=None,
+):
     """The experts with a loop over experts, differentiable: in float64, the definition of correct.
 
     ``dtype`` is the matmuls' dtype (the sum is at least float32); ``experts`` limits the loop to those ids
@@ -66,7 +80,7 @@ def moe_experts_ref(x, ids, weights, gate_up_proj, down_proj, *, gate_up_bias=No
     """
     x64, w64 = x.to(dtype), weights.to(torch.promote_types(dtype, torch.float32))
     out = torch.zeros(x.shape, dtype=w64.dtype, device=x.device)
-    for e in (range(gate_up_proj.shape[0]) if experts is None else experts):
+    for e in range(gate_up_proj.shape[0]) if experts is None else experts:
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         if tok.numel() == 0:
             continue
@@ -79,8 +93,11 @@ def moe_experts_ref(x, ids, weights, gate_up_proj, down_proj, *, gate_up_bias=No
             gate, up = gu[:, ::2], gu[:, 1::2]
         if gate_up_bias is not None:
             b = gate_up_bias[e].to(dtype)
-            gate, up = (gate + b[:gate.shape[1]], up + b[gate.shape[1]:]) if layout == "concatenated" else \
-                (gate + b[::2], up + b[1::2])
+            gate, up = (
+                (gate + b[: gate.shape[1]], up + b[gate.shape[1] :])
+                if layout == "concatenated"
+                else (gate + b[::2], up + b[1::2])
+            )
         if activation == "silu":
             h = torch.nn.functional.silu(gate) * up
         else:
@@ -92,8 +109,6 @@ def moe_experts_ref(x, ids, weights, gate_up_proj, down_proj, *, gate_up_bias=No
             y = y + down_bias[e].to(dtype)
         out.index_add_(0, tok, y.to(out.dtype) * w64[tok, slot, None])
     return out
-
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,8 +200,11 @@ def _moe_up_kernel(
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             a = tl.load(x_rows + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(w_e + ks[:, None] * stride_w_k + c2[None, :] * stride_w_n, mask=k_ok[:, None] & c2_ok[None, :],
-                        other=0.0)
+            b = tl.load(
+                w_e + ks[:, None] * stride_w_k + c2[None, :] * stride_w_n,
+                mask=k_ok[:, None] & c2_ok[None, :],
+                other=0.0,
+            )
             acc = tl.dot(a, b, acc)
         if HAS_BIAS:
             acc += tl.load(b_e + c2 * stride_bias_n, mask=c2_ok, other=0.0).to(tl.float32)[None, :]
@@ -260,8 +278,11 @@ def _moe_rows_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     if expert < 0:  # a block past the last expert's rows: zeros, so every output element is defined
-        tl.store(C + rows.to(tl.int64)[:, None] * N + cols[None, :],
-                 tl.zeros([BLOCK_M, BLOCK_N], dtype=C.dtype.element_ty), mask=col_ok[None, :])
+        tl.store(
+            C + rows.to(tl.int64)[:, None] * N + cols[None, :],
+            tl.zeros([BLOCK_M, BLOCK_N], dtype=C.dtype.element_ty),
+            mask=col_ok[None, :],
+        )
         return
     a_rows = A + (tokens if GATHER else rows).to(tl.int64)[:, None] * stride_a_m
     b_e = B + expert.to(tl.int64) * stride_b_e
@@ -270,14 +291,16 @@ def _moe_rows_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_rows + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_e + ks[:, None] * stride_b_k + cols[None, :] * stride_b_n, mask=k_ok[:, None] & col_ok[None, :],
-                    other=0.0)
+        b = tl.load(
+            b_e + ks[:, None] * stride_b_k + cols[None, :] * stride_b_n, mask=k_ok[:, None] & col_ok[None, :], other=0.0
+        )
         acc = tl.dot(a, b, acc)
     if HAS_SCALE:
         acc *= tl.load(SCALE + tl.where(valid, pairs, 0), mask=valid, other=0.0).to(tl.float32)[:, None]
     if HAS_BIAS:
-        acc += tl.load(BIAS + expert.to(tl.int64) * stride_bias_e + cols * stride_bias_n, mask=col_ok,
-                       other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(BIAS + expert.to(tl.int64) * stride_bias_e + cols * stride_bias_n, mask=col_ok, other=0.0).to(
+            tl.float32
+        )[None, :]
     acc = tl.where(valid[:, None], acc, 0.0)  # padding rows: zeros
     tl.store(C + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(C.dtype.element_ty), mask=col_ok[None, :])
 
@@ -365,8 +388,9 @@ def _moe_act_backward_kernel(
             cols = c0 + tl.arange(0, BLOCK_N)
             mask = used[:, None] & (cols < H)[None, :]
             d = tl.load(DOUT + tokens[:, None] * stride_dout_t + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            b = tl.load(DOWN_BIAS + expert[:, None] * stride_down_bias_e + cols[None, :], mask=mask,
-                        other=0.0).to(tl.float32)
+            b = tl.load(DOWN_BIAS + expert[:, None] * stride_down_bias_e + cols[None, :], mask=mask, other=0.0).to(
+                tl.float32
+            )
             dw += tl.sum(d * b, axis=1)
     tl.store(DW + tl.where(used, pairs, 0), dw, mask=used)
 
@@ -398,13 +422,19 @@ def _moe_combine_kernel(
     for j in tl.static_range(TOP_K):
         pos = tl.load(POS + tokens * TOP_K + j, mask=t_ok, other=-1)
         ok = pos >= 0
-        y = tl.load(Y + tl.where(ok, pos, 0).to(tl.int64)[:, None] * H + cols[None, :],
-                    mask=ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        y = tl.load(
+            Y + tl.where(ok, pos, 0).to(tl.int64)[:, None] * H + cols[None, :],
+            mask=ok[:, None] & col_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
         if HAS_WEIGHTS:
             y *= tl.load(WEIGHTS + tokens * TOP_K + j, mask=t_ok, other=0.0).to(tl.float32)[:, None]
         acc += y
-    tl.store(OUT + tokens.to(tl.int64)[:, None] * stride_out_t + cols[None, :], acc.to(OUT.dtype.element_ty),
-             mask=t_ok[:, None] & col_ok[None, :])
+    tl.store(
+        OUT + tokens.to(tl.int64)[:, None] * stride_out_t + cols[None, :],
+        acc.to(OUT.dtype.element_ty),
+        mask=t_ok[:, None] & col_ok[None, :],
+    )
 
 
 @triton.jit
@@ -465,8 +495,7 @@ def _moe_weight_grad_kernel(
         l_rows = tokens if GATHER_L else rows.to(tl.int64)
         r_rows = tokens if GATHER_R else rows.to(tl.int64)
         lt = tl.load(L + l_rows[:, None] * stride_l_k + ms[None, :], mask=valid[:, None] & m_ok[None, :], other=0.0)
-        rt = tl.load(RHS + r_rows[:, None] * stride_rhs_k + ns[None, :], mask=valid[:, None] & n_ok[None, :],
-                     other=0.0)
+        rt = tl.load(RHS + r_rows[:, None] * stride_rhs_k + ns[None, :], mask=valid[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(tl.trans(lt), rt, acc)
         if HAS_BIAS:
             lf = lt.to(tl.float32)
@@ -474,8 +503,11 @@ def _moe_weight_grad_kernel(
                 lf *= tl.load(SCALE + tl.where(valid, pairs, 0), mask=valid, other=0.0).to(tl.float32)[:, None]
             bias += tl.sum(lf, axis=0)
     e64 = e.to(tl.int64)
-    tl.store(DW + e64 * stride_dw_e + ms[:, None] * stride_dw_m + ns[None, :] * stride_dw_n,
-             acc.to(DW.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(
+        DW + e64 * stride_dw_e + ms[:, None] * stride_dw_m + ns[None, :] * stride_dw_n,
+        acc.to(DW.dtype.element_ty),
+        mask=m_ok[:, None] & n_ok[None, :],
+    )
     if HAS_BIAS:
         if pid_n == 0:
             tl.store(DBIAS + e64 * stride_dbias_e + ms * stride_dbias_m, bias.to(DBIAS.dtype.element_ty), mask=m_ok)
@@ -515,8 +547,13 @@ _COMBINE_DEFAULT = MoECombine(BLOCK_T=4, BLOCK_H=256, num_warps=4)
 
 
 def _problem(x, num_experts, intermediate, top_k) -> dict:
-    return dict(tokens_per_expert=_tokens_per_expert(x.shape[0] * top_k, num_experts), H=int(x.shape[1]),
-                I=int(intermediate), E=int(num_experts), dtype=str(x.dtype))
+    return dict(
+        tokens_per_expert=_tokens_per_expert(x.shape[0] * top_k, num_experts),
+        H=int(x.shape[1]),
+        I=int(intermediate),
+        E=int(num_experts),
+        dtype=str(x.dtype),
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -536,13 +573,24 @@ def _dummy(device) -> torch.Tensor:
     return torch.empty(1, device=device)
 
 
-
-
 # ----------------------------------------------------------------------------------------------
 # launchers
 # ----------------------------------------------------------------------------------------------
-def moe_experts_forward(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, layout: str,
-                        activation: str, clamp: float, *, save: bool, traced: bool = False):
+def moe_experts_forward(
+    x,
+    ids,
+    weights,
+    gate_up_proj,
+    down_proj,
+    gate_up_bias,
+    down_bias,
+    layout: str,
+    activation: str,
+    clamp: float,
+    *,
+    save: bool,
+    traced: bool = False,
+):
     """``(out, saved)``; ``saved`` is what the backward needs (empty unless ``save``)."""
     T, H = x.shape
     k = ids.shape[1]
@@ -559,19 +607,53 @@ def moe_experts_forward(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, 
     w = _gate_up_view(gate_up_proj, layout)
     has_bias = gate_up_bias is not None
     bias = gate_up_bias if has_bias else _dummy(device)
-    launch(_moe_up_kernel, (num_m * cdiv(I, cfg.BLOCK_N),),
-           X=x, W=w, BIAS=bias, H_OUT=h, GU_OUT=gu,
-           ROW_PAIR=row_pair, BLOCK_EXPERT=block_expert,
-           N=I, K=H, num_m=num_m, TOP_K=k,
-           stride_x_m=x.stride(0), stride_w_e=w.stride(0), stride_w_k=w.stride(1), stride_w_n=w.stride(2),
-           stride_bias_e=bias.stride(0) if has_bias else 0, stride_bias_n=bias.stride(1) if has_bias else 0,
-           clamp=float(clamp if clamp is not None else 0.0),
-           INTERLEAVED=layout != "concatenated", HAS_BIAS=has_bias, STORE_GU=save, ACT=activation,
-           BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, **cfg.options,
-           traced=traced)
+    launch(
+        _moe_up_kernel,
+        (num_m * cdiv(I, cfg.BLOCK_N),),
+        X=x,
+        W=w,
+        BIAS=bias,
+        H_OUT=h,
+        GU_OUT=gu,
+        ROW_PAIR=row_pair,
+        BLOCK_EXPERT=block_expert,
+        N=I,
+        K=H,
+        num_m=num_m,
+        TOP_K=k,
+        stride_x_m=x.stride(0),
+        stride_w_e=w.stride(0),
+        stride_w_k=w.stride(1),
+        stride_w_n=w.stride(2),
+        stride_bias_e=bias.stride(0) if has_bias else 0,
+        stride_bias_n=bias.stride(1) if has_bias else 0,
+        clamp=float(clamp if clamp is not None else 0.0),
+        INTERLEAVED=layout != "concatenated",
+        HAS_BIAS=has_bias,
+        STORE_GU=save,
+        ACT=activation,
+        BLOCK_M=cfg.BLOCK_M,
+        BLOCK_N=cfg.BLOCK_N,
+        BLOCK_K=cfg.BLOCK_K,
+        GROUP_M=cfg.GROUP_M,
+        **cfg.options,
+        traced=traced,
+    )
     y = torch.empty((R, H), dtype=x.dtype, device=device)
-    _rows(h, False, row_pair, block_expert, None, _down_view(down_proj, layout), down_bias, y, k, cfg.BLOCK_M,
-          problem, traced)
+    _rows(
+        h,
+        False,
+        row_pair,
+        block_expert,
+        None,
+        _down_view(down_proj, layout),
+        down_bias,
+        y,
+        k,
+        cfg.BLOCK_M,
+        problem,
+        traced,
+    )
     out = torch.empty((T, H), dtype=x.dtype, device=device)
     _combine(y, pair_pos, weights, out, k, problem, traced)
     saved = (row_pair, block_expert, pair_pos, expert_start, expert_rows, gu) if save else ()
@@ -584,50 +666,117 @@ def _rows(a, gather, row_pair, block_expert, scale, b, bias, c, top_k, block_m, 
     dummy = _dummy(c.device)
     n = c.shape[1]
     num_m = row_pair.numel() // block_m
-    launch(_moe_rows_kernel, (num_m * cdiv(n, cfg.BLOCK_N),),
-           A=a, B=b, BIAS=dummy if bias is None else bias, SCALE=dummy if scale is None else scale, C=c,
-           ROW_PAIR=row_pair, BLOCK_EXPERT=block_expert,
-           N=n, K=b.shape[1], num_m=num_m, TOP_K=top_k,
-           stride_a_m=a.stride(0), stride_b_e=b.stride(0), stride_b_k=b.stride(1), stride_b_n=b.stride(2),
-           stride_bias_e=0 if bias is None else bias.stride(0), stride_bias_n=0 if bias is None else bias.stride(1),
-           GATHER=gather, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
-           BLOCK_M=block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, **cfg.options,
-           traced=traced)
+    launch(
+        _moe_rows_kernel,
+        (num_m * cdiv(n, cfg.BLOCK_N),),
+        A=a,
+        B=b,
+        BIAS=dummy if bias is None else bias,
+        SCALE=dummy if scale is None else scale,
+        C=c,
+        ROW_PAIR=row_pair,
+        BLOCK_EXPERT=block_expert,
+        N=n,
+        K=b.shape[1],
+        num_m=num_m,
+        TOP_K=top_k,
+        stride_a_m=a.stride(0),
+        stride_b_e=b.stride(0),
+        stride_b_k=b.stride(1),
+        stride_b_n=b.stride(2),
+        stride_bias_e=0 if bias is None else bias.stride(0),
+        stride_bias_n=0 if bias is None else bias.stride(1),
+        GATHER=gather,
+        HAS_SCALE=scale is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.BLOCK_N,
+        BLOCK_K=cfg.BLOCK_K,
+        GROUP_M=cfg.GROUP_M,
+        **cfg.options,
+        traced=traced,
+    )
 
 
 def _combine(y, pair_pos, weights, out, top_k, problem, traced):
     cfg = launch_config(MoECombine, out.device, _COMBINE_DEFAULT, **problem)
     T, H = out.shape
-    launch(_moe_combine_kernel, (cdiv(T, cfg.BLOCK_T), cdiv(H, cfg.BLOCK_H)),
-           Y=y, POS=pair_pos, WEIGHTS=_dummy(out.device) if weights is None else weights, OUT=out,
-           T=T, H=H,
-           stride_out_t=out.stride(0),
-           TOP_K=top_k, HAS_WEIGHTS=weights is not None, BLOCK_T=cfg.BLOCK_T, BLOCK_H=cfg.BLOCK_H, **cfg.options,
-           traced=traced)
+    launch(
+        _moe_combine_kernel,
+        (cdiv(T, cfg.BLOCK_T), cdiv(H, cfg.BLOCK_H)),
+        Y=y,
+        POS=pair_pos,
+        WEIGHTS=_dummy(out.device) if weights is None else weights,
+        OUT=out,
+        T=T,
+        H=H,
+        stride_out_t=out.stride(0),
+        TOP_K=top_k,
+        HAS_WEIGHTS=weights is not None,
+        BLOCK_T=cfg.BLOCK_T,
+        BLOCK_H=cfg.BLOCK_H,
+        **cfg.options,
+        traced=traced,
+    )
 
 
-def _weight_grad(lhs, gather_l, rhs, gather_r, row_pair, expert_start, expert_rows, scale, dw, dbias, top_k,
-                 problem, traced):
+def _weight_grad(
+    lhs, gather_l, rhs, gather_r, row_pair, expert_start, expert_rows, scale, dw, dbias, top_k, problem, traced
+):
     """dw: an (E, M, N) view of a weight's gradient; dbias: its (E, M) bias gradient or None."""
-    cfg = launch_config(MoEWeightGrad, dw.device, lambda: _weight_grad_default(problem["tokens_per_expert"]),
-                        **problem)
+    cfg = launch_config(MoEWeightGrad, dw.device, lambda: _weight_grad_default(problem["tokens_per_expert"]), **problem)
     E, m, n = dw.shape
     dummy = _dummy(dw.device)
-    launch(_moe_weight_grad_kernel, (cdiv(m, cfg.BLOCK_M) * cdiv(n, cfg.BLOCK_N), E),
-           L=lhs, RHS=rhs, SCALE=dummy if scale is None else scale, DW=dw, DBIAS=dummy if dbias is None else dbias,
-           ROW_PAIR=row_pair, EXPERT_START=expert_start, EXPERT_ROWS=expert_rows,
-           M=m, N=n, TOP_K=top_k,
-           stride_l_k=lhs.stride(0), stride_rhs_k=rhs.stride(0),
-           stride_dw_e=dw.stride(0), stride_dw_m=dw.stride(1), stride_dw_n=dw.stride(2),
-           stride_dbias_e=0 if dbias is None else dbias.stride(0),
-           stride_dbias_m=0 if dbias is None else dbias.stride(1),
-           GATHER_L=gather_l, GATHER_R=gather_r, HAS_SCALE=scale is not None, HAS_BIAS=dbias is not None,
-           BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, **cfg.options,
-           traced=traced)
+    launch(
+        _moe_weight_grad_kernel,
+        (cdiv(m, cfg.BLOCK_M) * cdiv(n, cfg.BLOCK_N), E),
+        L=lhs,
+        RHS=rhs,
+        SCALE=dummy if scale is None else scale,
+        DW=dw,
+        DBIAS=dummy if dbias is None else dbias,
+        ROW_PAIR=row_pair,
+        EXPERT_START=expert_start,
+        EXPERT_ROWS=expert_rows,
+        M=m,
+        N=n,
+        TOP_K=top_k,
+        stride_l_k=lhs.stride(0),
+        stride_rhs_k=rhs.stride(0),
+        stride_dw_e=dw.stride(0),
+        stride_dw_m=dw.stride(1),
+        stride_dw_n=dw.stride(2),
+        stride_dbias_e=0 if dbias is None else dbias.stride(0),
+        stride_dbias_m=0 if dbias is None else dbias.stride(1),
+        GATHER_L=gather_l,
+        GATHER_R=gather_r,
+        HAS_SCALE=scale is not None,
+        HAS_BIAS=dbias is not None,
+        BLOCK_M=cfg.BLOCK_M,
+        BLOCK_N=cfg.BLOCK_N,
+        BLOCK_K=cfg.BLOCK_K,
+        GROUP_M=cfg.GROUP_M,
+        **cfg.options,
+        traced=traced,
+    )
 
 
-def moe_experts_backward(dout, x, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, saved, layout: str,
-                         activation: str, clamp: float, top_k: int, *, traced: bool = False):
+def moe_experts_backward(
+    dout,
+    x,
+    weights,
+    gate_up_proj,
+    down_proj,
+    gate_up_bias,
+    down_bias,
+    saved,
+    layout: str,
+    activation: str,
+    clamp: float,
+    top_k: int,
+    *,
+    traced: bool = False,
+):
     """``(dx, dweights, dgate_up, ddown, dgate_up_bias or None, ddown_bias or None)``."""
     row_pair, block_expert, pair_pos, expert_start, expert_rows, gu = saved
     T, H = x.shape
@@ -641,20 +790,49 @@ def moe_experts_backward(dout, x, weights, gate_up_proj, down_proj, gate_up_bias
     w_flat = weights.reshape(-1)
     # g = dout_t @ down_e^T per row; then the activation's backward, dw = <g, h> (+ the bias term) and s * h
     g = torch.empty((R, I), dtype=x.dtype, device=device)
-    _rows(dout, True, row_pair, block_expert, None, _down_view(down_proj, layout).transpose(1, 2), None, g,
-          top_k, block_m, problem, traced)
+    _rows(
+        dout,
+        True,
+        row_pair,
+        block_expert,
+        None,
+        _down_view(down_proj, layout).transpose(1, 2),
+        None,
+        g,
+        top_k,
+        block_m,
+        problem,
+        traced,
+    )
     dgu = torch.empty((R, 2 * I), dtype=x.dtype, device=device)
     dweights = torch.zeros(T * top_k, dtype=torch.float32, device=device)  # dropped pairs keep 0
-    launch(_moe_act_backward_kernel, (cdiv(R, 16),),
-           G=g, GU=gu, DGU=dgu, SCALE=w_flat, DW=dweights, DOUT=dout,
-           DOWN_BIAS=_dummy(device) if down_bias is None else down_bias,
-           ROW_PAIR=row_pair, BLOCK_EXPERT=block_expert,
-           R=R, N=I, H=H, TOP_K=top_k, ALIGN=block_m,
-           stride_dout_t=dout.stride(0), stride_down_bias_e=0 if down_bias is None else down_bias.stride(0),
-           clamp=float(clamp or 0.0),
-           ACT=activation, INTERLEAVED=layout != "concatenated", HAS_BIAS=down_bias is not None,
-           BLOCK_M=16, BLOCK_N=128,
-           traced=traced)
+    launch(
+        _moe_act_backward_kernel,
+        (cdiv(R, 16),),
+        G=g,
+        GU=gu,
+        DGU=dgu,
+        SCALE=w_flat,
+        DW=dweights,
+        DOUT=dout,
+        DOWN_BIAS=_dummy(device) if down_bias is None else down_bias,
+        ROW_PAIR=row_pair,
+        BLOCK_EXPERT=block_expert,
+        R=R,
+        N=I,
+        H=H,
+        TOP_K=top_k,
+        ALIGN=block_m,
+        stride_dout_t=dout.stride(0),
+        stride_down_bias_e=0 if down_bias is None else down_bias.stride(0),
+        clamp=float(clamp or 0.0),
+        ACT=activation,
+        INTERLEAVED=layout != "concatenated",
+        HAS_BIAS=down_bias is not None,
+        BLOCK_M=16,
+        BLOCK_N=128,
+        traced=traced,
+    )
     hw = g
     # dx: each pair's d(gate, up) @ gate_up_e^T, then the same gather-reduce as the forward
     w_t = _gate_up_view(gate_up_proj, layout).transpose(1, 2)  # (E, 2I, H)
@@ -665,36 +843,90 @@ def moe_experts_backward(dout, x, weights, gate_up_proj, down_proj, gate_up_bias
     # weight gradients: each expert's rows, written in the weights' own layout
     dgate_up = torch.empty_like(gate_up_proj)
     dgb = torch.empty_like(gate_up_bias) if gate_up_bias is not None else None
-    _weight_grad(dgu, False, x, True, row_pair, expert_start, expert_rows, None,
-                 _gate_up_view(dgate_up, layout).transpose(1, 2), dgb, top_k, problem, traced)
+    _weight_grad(
+        dgu,
+        False,
+        x,
+        True,
+        row_pair,
+        expert_start,
+        expert_rows,
+        None,
+        _gate_up_view(dgate_up, layout).transpose(1, 2),
+        dgb,
+        top_k,
+        problem,
+        traced,
+    )
     ddown = torch.empty_like(down_proj)
     ddb = torch.empty_like(down_bias) if down_bias is not None else None
     # d down_e (as (E, H, I)) = sum of dout_t^T (s * h_row); its bias: sum of s * dout_t
-    _weight_grad(dout, True, hw, False, row_pair, expert_start, expert_rows, w_flat,
-                 _down_view(ddown, layout).transpose(1, 2), ddb, top_k, problem, traced)
+    _weight_grad(
+        dout,
+        True,
+        hw,
+        False,
+        row_pair,
+        expert_start,
+        expert_rows,
+        w_flat,
+        _down_view(ddown, layout).transpose(1, 2),
+        ddb,
+        top_k,
+        problem,
+        traced,
+    )
     return dx, dweights.view(T, top_k), dgate_up, ddown, dgb, ddb
 
 
 # ----------------------------------------------------------------------------------------------
 # the op (eager autograd and the torch.library ops, from one declaration)
 # ----------------------------------------------------------------------------------------------
-def _forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
-             down_proj: torch.Tensor, gate_up_bias: Optional[torch.Tensor], down_bias: Optional[torch.Tensor],
-             layout: str, activation: str, clamp: float, *,
-             traced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                    torch.Tensor]:
+def _forward(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    gate_up_bias: Optional[torch.Tensor],
+    down_bias: Optional[torch.Tensor],
+    layout: str,
+    activation: str,
+    clamp: float,
+    *,
+    traced: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, row_pair, block_expert, pair_pos, expert_start, expert_rows, gu)``: the output, then the sort
     and the pre-activations the backward reads."""
-    out, saved = moe_experts_forward(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, layout,
-                                     activation, clamp, save=True, traced=traced)
+    out, saved = moe_experts_forward(
+        x,
+        ids,
+        weights,
+        gate_up_proj,
+        down_proj,
+        gate_up_bias,
+        down_bias,
+        layout,
+        activation,
+        clamp,
+        save=True,
+        traced=traced,
+    )
     return (out, *saved)
 
 
-def _fake(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
-          down_proj: torch.Tensor, gate_up_bias: Optional[torch.Tensor], down_bias: Optional[torch.Tensor],
-          layout: str, activation: str,
-          clamp: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                 torch.Tensor]:
+def _fake(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    gate_up_bias: Optional[torch.Tensor],
+    down_bias: Optional[torch.Tensor],
+    layout: str,
+    activation: str,
+    clamp: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     T, H = x.shape
     E = gate_up_proj.shape[0]
     I = down_proj.shape[2] if layout == "concatenated" else down_proj.shape[1]
@@ -703,8 +935,15 @@ def _fake(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up_pro
     block_m = launch_config(MoEUp, x.device, lambda: _up_default(problem["tokens_per_expert"]), **problem).BLOCK_M
     R = padded_rows(P, E, block_m)
     i32 = dict(dtype=torch.int32, device=x.device)
-    return (x.new_empty((T, H)), torch.empty(R, **i32), torch.empty(R // block_m, **i32), torch.empty(P, **i32),
-            torch.empty(E, **i32), torch.empty(E, **i32), x.new_empty((R, 2 * I)))
+    return (
+        x.new_empty((T, H)),
+        torch.empty(R, **i32),
+        torch.empty(R // block_m, **i32),
+        torch.empty(P, **i32),
+        torch.empty(E, **i32),
+        torch.empty(E, **i32),
+        x.new_empty((R, 2 * I)),
+    )
 
 
 def _save(inputs: tuple, outputs: tuple) -> tuple:
@@ -712,36 +951,94 @@ def _save(inputs: tuple, outputs: tuple) -> tuple:
     return (inputs[0], *inputs[2:7], *outputs[1:])
 
 
-def _backward(dout: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
-              down_proj: torch.Tensor, gate_up_bias: Optional[torch.Tensor], down_bias: Optional[torch.Tensor],
-              row_pair: torch.Tensor, block_expert: torch.Tensor, pair_pos: torch.Tensor, expert_start: torch.Tensor,
-              expert_rows: torch.Tensor, gu: torch.Tensor, layout: str, activation: str, clamp: float, *,
-              in_place: bool, traced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                     torch.Tensor, torch.Tensor]:
+def _backward(
+    dout: torch.Tensor,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    gate_up_bias: Optional[torch.Tensor],
+    down_bias: Optional[torch.Tensor],
+    row_pair: torch.Tensor,
+    block_expert: torch.Tensor,
+    pair_pos: torch.Tensor,
+    expert_start: torch.Tensor,
+    expert_rows: torch.Tensor,
+    gu: torch.Tensor,
+    layout: str,
+    activation: str,
+    clamp: float,
+    *,
+    in_place: bool,
+    traced: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if dout is None:  # eager autograd passes None for an output that got no gradient
         dout = torch.zeros_like(x)
     saved = (row_pair, block_expert, pair_pos, expert_start, expert_rows, gu)
-    dx, dw, dgu, dd, dgb, ddb = moe_experts_backward(dout, x, weights, gate_up_proj, down_proj, gate_up_bias,
-                                                     down_bias, saved, layout, activation, clamp, weights.shape[1],
-                                                     traced=traced)
+    dx, dw, dgu, dd, dgb, ddb = moe_experts_backward(
+        dout,
+        x,
+        weights,
+        gate_up_proj,
+        down_proj,
+        gate_up_bias,
+        down_bias,
+        saved,
+        layout,
+        activation,
+        clamp,
+        weights.shape[1],
+        traced=traced,
+    )
     # absent biases get empty gradients of their own (library op outputs may not alias each other)
-    return (dx, dw.to(weights.dtype), dgu, dd, x.new_empty(0) if dgb is None else dgb,
-            x.new_empty(0) if ddb is None else ddb)
+    return (
+        dx,
+        dw.to(weights.dtype),
+        dgu,
+        dd,
+        x.new_empty(0) if dgb is None else dgb,
+        x.new_empty(0) if ddb is None else ddb,
+    )
 
 
-def _backward_fake(dout: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
-                   down_proj: torch.Tensor, gate_up_bias: Optional[torch.Tensor], down_bias: Optional[torch.Tensor],
-                   row_pair: torch.Tensor, block_expert: torch.Tensor, pair_pos: torch.Tensor,
-                   expert_start: torch.Tensor, expert_rows: torch.Tensor, gu: torch.Tensor, layout: str,
-                   activation: str, clamp: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                            torch.Tensor, torch.Tensor]:
-    return (torch.empty_like(x), torch.empty_like(weights), torch.empty_like(gate_up_proj),
-            torch.empty_like(down_proj), x.new_empty(0) if gate_up_bias is None else torch.empty_like(gate_up_bias),
-            x.new_empty(0) if down_bias is None else torch.empty_like(down_bias))
+def _backward_fake(
+    dout: torch.Tensor,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    gate_up_bias: Optional[torch.Tensor],
+    down_bias: Optional[torch.Tensor],
+    row_pair: torch.Tensor,
+    block_expert: torch.Tensor,
+    pair_pos: torch.Tensor,
+    expert_start: torch.Tensor,
+    expert_rows: torch.Tensor,
+    gu: torch.Tensor,
+    layout: str,
+    activation: str,
+    clamp: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (
+        torch.empty_like(x),
+        torch.empty_like(weights),
+        torch.empty_like(gate_up_proj),
+        torch.empty_like(down_proj),
+        x.new_empty(0) if gate_up_bias is None else torch.empty_like(gate_up_bias),
+        x.new_empty(0) if down_bias is None else torch.empty_like(down_bias),
+    )
 
 
-MOE_EXPERTS = Op("moe_experts", forward=_forward, fake=_fake, save=_save, statics=(7, 8, 9), backward=_backward,
-                 backward_fake=_backward_fake, grads=(0, None, 1, 2, 3, 4, 5, None, None, None))
+MOE_EXPERTS = Op(
+    "moe_experts",
+    forward=_forward,
+    fake=_fake,
+    save=_save,
+    statics=(7, 8, 9),
+    backward=_backward,
+    backward_fake=_backward_fake,
+    grads=(0, None, 1, 2, 3, 4, 5, None, None, None),
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -754,16 +1051,20 @@ def _check(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, la
     check_tensor(op, "down_proj", down_proj, ndim=3)
     check_tensor(op, "top_k_weights", weights, ndim=2)
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 2:
-        raise TypeError(f"{op}: argument 'top_k_ids' must be a 2-D int32 or int64 tensor (tokens, top_k), got "
-                        f"{getattr(ids, 'dtype', type(ids).__name__)} of shape {tuple(getattr(ids, 'shape', ()))}")
+        raise TypeError(
+            f"{op}: argument 'top_k_ids' must be a 2-D int32 or int64 tensor (tokens, top_k), got "
+            f"{getattr(ids, 'dtype', type(ids).__name__)} of shape {tuple(getattr(ids, 'shape', ()))}"
+        )
     biases = {n: b for n, b in (("gate_up_bias", gate_up_bias), ("down_bias", down_bias)) if b is not None}
     for name, bias in biases.items():
         check_tensor(op, name, bias, ndim=2)
-    check_same_device(op, x=x, top_k_ids=ids, top_k_weights=weights, gate_up_proj=gate_up_proj, down_proj=down_proj,
-                      **biases)
+    check_same_device(
+        op, x=x, top_k_ids=ids, top_k_weights=weights, gate_up_proj=gate_up_proj, down_proj=down_proj, **biases
+    )
     if weights.shape != ids.shape:
-        raise ValueError(f"{op}: argument 'top_k_weights' has shape {tuple(weights.shape)} but 'top_k_ids' has "
-                         f"{tuple(ids.shape)}")
+        raise ValueError(
+            f"{op}: argument 'top_k_weights' has shape {tuple(weights.shape)} but 'top_k_ids' has {tuple(ids.shape)}"
+        )
     T, H = x.shape
     if ids.shape[0] != T:
         raise ValueError(f"{op}: argument 'top_k_ids' has {ids.shape[0]} rows but 'x' has {T} tokens")
@@ -785,12 +1086,14 @@ def _check(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, la
         h_in, two_i = gate_up_proj.shape[1:]
         want_down = (E, two_i // 2, H)
     if h_in != H or two_i % 2 or two_i == 0:
-        raise ValueError(f"{op}: argument 'gate_up_proj' has shape {tuple(gate_up_proj.shape)}; with layout "
-                         f"{layout!r} and hidden size {H} it must be "
-                         + ("(E, 2I, H)" if layout == "concatenated" else "(E, H, 2I)"))
+        raise ValueError(
+            f"{op}: argument 'gate_up_proj' has shape {tuple(gate_up_proj.shape)}; with layout "
+            f"{layout!r} and hidden size {H} it must be " + ("(E, 2I, H)" if layout == "concatenated" else "(E, H, 2I)")
+        )
     if tuple(down_proj.shape) != want_down:
-        raise ValueError(f"{op}: argument 'down_proj' has shape {tuple(down_proj.shape)}; expected {want_down} "
-                         f"for layout {layout!r}")
+        raise ValueError(
+            f"{op}: argument 'down_proj' has shape {tuple(down_proj.shape)}; expected {want_down} for layout {layout!r}"
+        )
     for name, t in (("x", x), ("down_proj", down_proj)):
         if t.dtype != gate_up_proj.dtype:
             raise TypeError(f"{op}: argument '{name}' has dtype {t.dtype} but 'gate_up_proj' has {gate_up_proj.dtype}")
@@ -799,18 +1102,29 @@ def _check(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, la
             if tuple(bias.shape) != shape:
                 raise ValueError(f"{op}: argument '{name}' has shape {tuple(bias.shape)}; expected {shape}")
     if x.dtype == torch.float32 and x.device.type != "cpu":
-        raise TypeError(f"{op}: argument 'x' has dtype float32, not supported on {x.device.type} (float32 only on the "
-                        "CPU interpreter); use torch.float16 or torch.bfloat16")
+        raise TypeError(
+            f"{op}: argument 'x' has dtype float32, not supported on {x.device.type} (float32 only on the "
+            "CPU interpreter); use torch.float16 or torch.bfloat16"
+        )
 
 
 def _contiguous_last(t):
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
-def moe_experts(x: torch.Tensor, top_k_ids: torch.Tensor, top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
-                down_proj: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
-                down_bias: torch.Tensor | None = None, layout: str = "concatenated", activation: str = "silu",
-                clamp: float | None = None) -> torch.Tensor:
+def moe_experts(
+    x: torch.Tensor,
+    top_k_ids: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    *,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    layout: str = "concatenated",
+    activation: str = "silu",
+    clamp: float | None = None,
+) -> torch.Tensor:
     """``out[t] = sum_j w[t, j] * down_e(act(gate_e x_t, up_e x_t))``, ``e = top_k_ids[t, j]``, in Triton.
 
     Args:
@@ -833,12 +1147,30 @@ def moe_experts(x: torch.Tensor, top_k_ids: torch.Tensor, top_k_weights: torch.T
         # Triton's interpreter (3.6 to 3.9) feeds bf16 tl.dot operands to numpy as raw bits: compute in
         # float32 there and round the result (on GPUs bf16 runs as it is).
         f = lambda t: None if t is None else t.float()  # noqa: E731
-        return moe_experts(x.float(), top_k_ids, top_k_weights, f(gate_up_proj), f(down_proj),
-                           gate_up_bias=f(gate_up_bias), down_bias=f(down_bias), layout=layout, activation=activation,
-                           clamp=clamp).to(x.dtype)
+        return moe_experts(
+            x.float(),
+            top_k_ids,
+            top_k_weights,
+            f(gate_up_proj),
+            f(down_proj),
+            gate_up_bias=f(gate_up_bias),
+            down_bias=f(down_bias),
+            layout=layout,
+            activation=activation,
+            clamp=clamp,
+        ).to(x.dtype)
     if x.shape[0] == 0:
         return x.new_zeros(x.shape) + 0 * top_k_weights.sum() + 0 * gate_up_proj.sum() + 0 * down_proj.sum()
     x, top_k_weights = x.contiguous(), top_k_weights.contiguous()
-    return MOE_EXPERTS(x, top_k_ids.contiguous(), top_k_weights, gate_up_proj, down_proj,
-                       _contiguous_last(gate_up_bias), _contiguous_last(down_bias), layout, activation,
-                       float(clamp) if clamp is not None else 0.0)
+    return MOE_EXPERTS(
+        x,
+        top_k_ids.contiguous(),
+        top_k_weights,
+        gate_up_proj,
+        down_proj,
+        _contiguous_last(gate_up_bias),
+        _contiguous_last(down_bias),
+        layout,
+        activation,
+        float(clamp) if clamp is not None else 0.0,
+    )

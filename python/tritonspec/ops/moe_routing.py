@@ -13,6 +13,7 @@ host synchronization and no data-dependent shapes, so it is CUDA-graph capturabl
 What comes after it is the experts' (:mod:`tritonspec.ops.moe`): they sort the chosen (token, expert)
 pairs by expert (:mod:`tritonspec.ops.moe_sort`) and run the grouped GEMMs.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,8 +37,10 @@ def _check(router_logits, top_k, scoring, correction_bias, n_group, topk_group, 
     if not router_logits.is_floating_point():
         raise TypeError(f"{_OP}: argument 'router_logits' has dtype {router_logits.dtype}; expected a floating dtype")
     if router_logits.dim() != 2:
-        raise ValueError(f"{_OP}: argument 'router_logits' must have 2 dimensions (tokens, experts), got shape "
-                         f"{tuple(router_logits.shape)}")
+        raise ValueError(
+            f"{_OP}: argument 'router_logits' must have 2 dimensions (tokens, experts), got shape "
+            f"{tuple(router_logits.shape)}"
+        )
     n_experts = router_logits.shape[1]
     if not _is_int(top_k):
         raise TypeError(f"{_OP}: argument 'top_k' must be an int, got {type(top_k).__name__}")
@@ -49,17 +52,24 @@ def _check(router_logits, top_k, scoring, correction_bias, n_group, topk_group, 
         raise TypeError(f"{_OP}: argument 'scaling_factor' must be a float, got {type(scaling_factor).__name__}")
     if correction_bias is not None:
         if not isinstance(correction_bias, torch.Tensor):
-            raise TypeError(f"{_OP}: argument 'correction_bias' must be a torch.Tensor or None, got "
-                            f"{type(correction_bias).__name__}")
+            raise TypeError(
+                f"{_OP}: argument 'correction_bias' must be a torch.Tensor or None, got "
+                f"{type(correction_bias).__name__}"
+            )
         if not correction_bias.is_floating_point():
-            raise TypeError(f"{_OP}: argument 'correction_bias' has dtype {correction_bias.dtype}; expected a "
-                            "floating dtype")
+            raise TypeError(
+                f"{_OP}: argument 'correction_bias' has dtype {correction_bias.dtype}; expected a floating dtype"
+            )
         if tuple(correction_bias.shape) != (n_experts,):
-            raise ValueError(f"{_OP}: argument 'correction_bias' must have shape ({n_experts},) (one per expert), "
-                             f"got {tuple(correction_bias.shape)}")
+            raise ValueError(
+                f"{_OP}: argument 'correction_bias' must have shape ({n_experts},) (one per expert), "
+                f"got {tuple(correction_bias.shape)}"
+            )
         if correction_bias.device != router_logits.device:
-            raise ValueError(f"{_OP}: argument 'correction_bias' is on {correction_bias.device} but 'router_logits' "
-                             f"is on {router_logits.device}")
+            raise ValueError(
+                f"{_OP}: argument 'correction_bias' is on {correction_bias.device} but 'router_logits' "
+                f"is on {router_logits.device}"
+            )
     if n_group is None:
         if topk_group is not None:
             raise ValueError(f"{_OP}: argument 'topk_group' needs 'n_group' (the number of expert groups)")
@@ -69,8 +79,10 @@ def _check(router_logits, top_k, scoring, correction_bias, n_group, topk_group, 
     if n_group < 1 or n_experts % n_group:
         raise ValueError(f"{_OP}: argument 'n_group' must divide the number of experts ({n_experts}), got {n_group}")
     if n_experts // n_group < 2:
-        raise ValueError(f"{_OP}: argument 'n_group' leaves {n_experts // n_group} expert per group; groups are "
-                         "scored by their top 2 experts, so each needs at least 2")
+        raise ValueError(
+            f"{_OP}: argument 'n_group' leaves {n_experts // n_group} expert per group; groups are "
+            "scored by their top 2 experts, so each needs at least 2"
+        )
     if topk_group is None:
         raise ValueError(f"{_OP}: argument 'topk_group' (how many groups to keep) is needed with 'n_group'")
     if not _is_int(topk_group):
@@ -78,8 +90,10 @@ def _check(router_logits, top_k, scoring, correction_bias, n_group, topk_group, 
     if not 1 <= topk_group <= n_group:
         raise ValueError(f"{_OP}: argument 'topk_group' must be in 1..{n_group} (n_group), got {topk_group}")
     if topk_group * (n_experts // n_group) < top_k:
-        raise ValueError(f"{_OP}: argument 'topk_group'={topk_group} keeps {topk_group * (n_experts // n_group)} "
-                         f"experts ({n_experts // n_group} per group), fewer than top_k={top_k}")
+        raise ValueError(
+            f"{_OP}: argument 'topk_group'={topk_group} keeps {topk_group * (n_experts // n_group)} "
+            f"experts ({n_experts // n_group} per group), fewer than top_k={top_k}"
+        )
 
 
 def _keep_top_groups(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
@@ -94,9 +108,17 @@ def _keep_top_groups(choice: torch.Tensor, n_group: int, topk_group: int) -> tor
     return choice.masked_fill(~expert_mask, float("-inf"))
 
 
-def moe_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", renormalize: bool = True,
-              correction_bias: torch.Tensor | None = None, n_group: int | None = None, topk_group: int | None = None,
-              scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route(
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    correction_bias: torch.Tensor | None = None,
+    n_group: int | None = None,
+    topk_group: int | None = None,
+    scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights, ids)`` of the ``top_k`` experts each token is routed to.
 
     ``router_logits`` is (tokens, experts), any floating dtype; the math runs in float32. ``weights`` is

@@ -9,6 +9,7 @@ is outside ``[0, E)`` (transformers' expert-parallel sentinels) are dropped.
 
 Not the router: choosing each token's experts and weights is :mod:`tritonspec.ops.moe_routing`'s.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -133,8 +134,9 @@ def _moe_sort_scatter_kernel(
         tl.store(ROW_PAIR + start + count + pad, tl.full([ALIGN], -1, tl.int32), mask=pad < n_blocks * ALIGN - count)
         for b0 in range(0, n_blocks, BLOCK_P):
             blocks = b0 + tl.arange(0, BLOCK_P)
-            tl.store(BLOCK_EXPERT + start // ALIGN + blocks, tl.full([BLOCK_P], 0, tl.int32) + e,
-                     mask=blocks < n_blocks)
+            tl.store(
+                BLOCK_EXPERT + start // ALIGN + blocks, tl.full([BLOCK_P], 0, tl.int32) + e, mask=blocks < n_blocks
+            )
 
 
 def padded_rows(pairs: int, experts: int, block_m: int) -> int:
@@ -145,6 +147,7 @@ def padded_rows(pairs: int, experts: int, block_m: int) -> int:
 
 class SortedPairs(NamedTuple):
     """The (token, expert) pairs sorted by expert; pair ``t * k + j`` is token t's j-th choice. int32, all."""
+
     row_pair: torch.Tensor  # (R,) the pair in each padded expert-sorted row, -1 for padding
     block_expert: torch.Tensor  # (R / block_m,) each block's expert, -1 past the last expert's rows
     pair_pos: torch.Tensor  # (T*k,) each pair's row, -1 when its id is outside [0, E) (dropped)
@@ -168,18 +171,49 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, traced: bo
     slice_rows, slice_start = torch.empty((E, S), **i32), torch.empty((E, S), **i32)
     flat = ids.reshape(-1)
     block_p = min(next_pow2(P), 1024, slice_pairs)
-    launch(_moe_sort_count_kernel, (E, S),
-           IDS=flat, SLICE_ROWS=slice_rows,
-           P=P, SLICE=slice_pairs,
-           BLOCK_P=block_p, traced=traced)
-    launch(_moe_sort_offsets_kernel, (1,),
-           SLICE_ROWS=slice_rows, SLICE_START=slice_start, EXPERT_ROWS=expert_rows, EXPERT_START=expert_start,
-           BLOCK_EXPERT=block_expert, ROW_PAIR=row_pair,
-           E=E, S=S, R=R,
-           ALIGN=block_m, E_PAD=next_pow2(E), S_PAD=next_pow2(S), BLOCK_R=1024, traced=traced)
-    launch(_moe_sort_scatter_kernel, (E, S),
-           IDS=flat, SLICE_START=slice_start, EXPERT_START=expert_start, EXPERT_ROWS=expert_rows,
-           ROW_PAIR=row_pair, PAIR_POS=pair_pos, BLOCK_EXPERT=block_expert,
-           P=P, E=E, SLICE=slice_pairs,
-           ALIGN=block_m, BLOCK_P=block_p, traced=traced)
+    launch(
+        _moe_sort_count_kernel,
+        (E, S),
+        IDS=flat,
+        SLICE_ROWS=slice_rows,
+        P=P,
+        SLICE=slice_pairs,
+        BLOCK_P=block_p,
+        traced=traced,
+    )
+    launch(
+        _moe_sort_offsets_kernel,
+        (1,),
+        SLICE_ROWS=slice_rows,
+        SLICE_START=slice_start,
+        EXPERT_ROWS=expert_rows,
+        EXPERT_START=expert_start,
+        BLOCK_EXPERT=block_expert,
+        ROW_PAIR=row_pair,
+        E=E,
+        S=S,
+        R=R,
+        ALIGN=block_m,
+        E_PAD=next_pow2(E),
+        S_PAD=next_pow2(S),
+        BLOCK_R=1024,
+        traced=traced,
+    )
+    launch(
+        _moe_sort_scatter_kernel,
+        (E, S),
+        IDS=flat,
+        SLICE_START=slice_start,
+        EXPERT_START=expert_start,
+        EXPERT_ROWS=expert_rows,
+        ROW_PAIR=row_pair,
+        PAIR_POS=pair_pos,
+        BLOCK_EXPERT=block_expert,
+        P=P,
+        E=E,
+        SLICE=slice_pairs,
+        ALIGN=block_m,
+        BLOCK_P=block_p,
+        traced=traced,
+    )
     return SortedPairs(row_pair, block_expert, pair_pos, expert_start, expert_rows)

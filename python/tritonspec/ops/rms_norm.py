@@ -15,6 +15,7 @@ Rows up to ``MAX_FUSED_N`` elements stay in registers (one read of x); longer ro
 persistent grid of about ``programs_per_unit`` programs per SM each sums its rows into one fp32
 partial row, then a small kernel sums the partials.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -25,8 +26,15 @@ import triton.language as tl
 
 from ..kernel_table import RMSNormBackward, RMSNormForward
 from ..launch import launch_config
-from ._checks import (check_eps, check_same_device, check_same_dtype, check_same_shape, check_tensor, rows_of,
-                      unit_last_stride)
+from ._checks import (
+    check_eps,
+    check_same_device,
+    check_same_dtype,
+    check_same_shape,
+    check_tensor,
+    rows_of,
+    unit_last_stride,
+)
 from ..devices import compute_units
 from ._library import Op, PlanCache, cdiv, launch, next_pow2
 
@@ -54,8 +62,20 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 # kernels
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _input_block(x_ptr, stride_x, residual_ptr, stride_residual, new_residual_ptr, stride_new_residual, rows, c, mask,
-                 in_ty, HAS_RESIDUAL: tl.constexpr, STORE_RESIDUAL: tl.constexpr):
+def _input_block(
+    x_ptr,
+    stride_x,
+    residual_ptr,
+    stride_residual,
+    new_residual_ptr,
+    stride_new_residual,
+    rows,
+    c,
+    mask,
+    in_ty,
+    HAS_RESIDUAL: tl.constexpr,
+    STORE_RESIDUAL: tl.constexpr,
+):
     """A block of x (or of x + residual, rounded to the input dtype as a decoder layer rounds it);
     STORE_RESIDUAL also writes that sum, the new residual."""
     x = tl.load(x_ptr + rows[:, None] * stride_x + c[None, :], mask=mask, other=0.0)
@@ -100,15 +120,28 @@ def _rms_norm_fwd_kernel(
     in_ty = x_ptr.dtype.element_ty
     if not LOOPED:
         mask = row_ok[:, None] & (cols < N)[None, :]
-        x = _input_block(x_ptr, stride_x, residual_ptr, stride_residual, new_residual_ptr, stride_new_residual,
-                         rows, cols, mask, in_ty, HAS_RESIDUAL, True)
+        x = _input_block(
+            x_ptr,
+            stride_x,
+            residual_ptr,
+            stride_residual,
+            new_residual_ptr,
+            stride_new_residual,
+            rows,
+            cols,
+            mask,
+            in_ty,
+            HAS_RESIDUAL,
+            True,
+        )
         xf = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / N + eps)
         tl.store(rstd_ptr + rows, rstd, mask=row_ok)
         w = tl.load(weight_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
         xn = (xf * rstd[:, None]).to(in_ty).to(tl.float32)
-        tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], (xn * w[None, :]).to(y_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(
+            y_ptr + rows[:, None] * stride_y + cols[None, :], (xn * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask
+        )
     else:
         # Pass 1: sum of squares (and the new residual); pass 2 re-reads the inputs rather than the new
         # residual, so no program ever loads what it just stored.
@@ -116,8 +149,20 @@ def _rms_norm_fwd_kernel(
         for n0 in range(0, N, BLOCK_N):
             c = n0 + cols
             mask = row_ok[:, None] & (c < N)[None, :]
-            x = _input_block(x_ptr, stride_x, residual_ptr, stride_residual, new_residual_ptr,
-                             stride_new_residual, rows, c, mask, in_ty, HAS_RESIDUAL, True)
+            x = _input_block(
+                x_ptr,
+                stride_x,
+                residual_ptr,
+                stride_residual,
+                new_residual_ptr,
+                stride_new_residual,
+                rows,
+                c,
+                mask,
+                in_ty,
+                HAS_RESIDUAL,
+                True,
+            )
             xf = x.to(tl.float32)
             acc += xf * xf
         rstd = tl.rsqrt(tl.sum(acc, axis=1) / N + eps)
@@ -125,12 +170,25 @@ def _rms_norm_fwd_kernel(
         for n0 in range(0, N, BLOCK_N):
             c = n0 + cols
             mask = row_ok[:, None] & (c < N)[None, :]
-            x = _input_block(x_ptr, stride_x, residual_ptr, stride_residual, new_residual_ptr,
-                             stride_new_residual, rows, c, mask, in_ty, HAS_RESIDUAL, False)
+            x = _input_block(
+                x_ptr,
+                stride_x,
+                residual_ptr,
+                stride_residual,
+                new_residual_ptr,
+                stride_new_residual,
+                rows,
+                c,
+                mask,
+                in_ty,
+                HAS_RESIDUAL,
+                False,
+            )
             w = tl.load(weight_ptr + c, mask=c < N, other=0.0).to(tl.float32)
             xn = (x.to(tl.float32) * rstd[:, None]).to(in_ty).to(tl.float32)
-            tl.store(y_ptr + rows[:, None] * stride_y + c[None, :], (xn * w[None, :]).to(y_ptr.dtype.element_ty),
-                     mask=mask)
+            tl.store(
+                y_ptr + rows[:, None] * stride_y + c[None, :], (xn * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask
+            )
 
 
 @triton.jit
@@ -186,8 +244,9 @@ def _rms_norm_bwd_kernel(
             c = tl.sum(dxhat * xhat, axis=1) / N
             dx = (dxhat - xhat * c[:, None]) * rstd[:, None]
             if HAS_DRES:
-                dx += tl.load(dres_ptr + rows[:, None] * stride_dres + cols[None, :], mask=mask,
-                              other=0.0).to(tl.float32)
+                dx += tl.load(dres_ptr + rows[:, None] * stride_dres + cols[None, :], mask=mask, other=0.0).to(
+                    tl.float32
+                )
             tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
         tl.store(dw_part_ptr + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
     else:
@@ -216,8 +275,9 @@ def _rms_norm_bwd_kernel(
                 xhat = x * rstd[:, None]
                 dx = (dy * w[None, :] - xhat * c[:, None]) * rstd[:, None]
                 if HAS_DRES:
-                    dx += tl.load(dres_ptr + rows[:, None] * stride_dres + c_[None, :], mask=mask,
-                                  other=0.0).to(tl.float32)
+                    dx += tl.load(dres_ptr + rows[:, None] * stride_dres + c_[None, :], mask=mask, other=0.0).to(
+                        tl.float32
+                    )
                 tl.store(dx_ptr + rows[:, None] * stride_dx + c_[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
                 part = dw_part_ptr + pid.to(tl.int64) * N + c_
                 dw = tl.load(part, mask=col_ok, other=0.0)
@@ -265,11 +325,13 @@ def _bwd_default(n: int) -> RMSNormBackward:
     # earlier tuning: two programs per SM and ~2K-element blocks.
     block_n = min(next_pow2(n), MAX_FUSED_N)
     if block_n >= 4096:
-        return RMSNormBackward(BLOCK_N=block_n, BLOCK_M=max(1, 16384 // block_n), num_warps=min(16, block_n // 512),
-                               programs_per_unit=1)
+        return RMSNormBackward(
+            BLOCK_N=block_n, BLOCK_M=max(1, 16384 // block_n), num_warps=min(16, block_n // 512), programs_per_unit=1
+        )
     block_m = max(1, min(16, 2048 // block_n))
-    return RMSNormBackward(BLOCK_N=block_n, BLOCK_M=block_m, num_warps=min(16, max(4, block_m * block_n // 256)),
-                           programs_per_unit=2)
+    return RMSNormBackward(
+        BLOCK_N=block_n, BLOCK_M=block_m, num_warps=min(16, max(4, block_m * block_n // 256)), programs_per_unit=2
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,8 +346,9 @@ _FWD_PLANS = PlanCache()
 _BWD_PLANS = PlanCache()
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-                     *, traced: bool = False):
+def rms_norm_forward(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *, traced: bool = False
+):
     """Returns ``(y, new_residual or None, rstd)``; ``y`` has dtype promote(x, weight), rstd is (...,) fp32."""
     n = x.shape[-1]
     y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
@@ -309,15 +372,30 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
     grid = (cdiv(m, cfg.BLOCK_M),)
     # Without a residual, x and y stand in for residual_ptr and new_residual_ptr, which the kernel then never
     # touches; y and s are contiguous (row stride n).
-    plan = launch(_rms_norm_fwd_kernel, grid,
-                  x_ptr=x2, residual_ptr=r2, new_residual_ptr=y if s is None else s, y_ptr=y, weight_ptr=weight,
-                  rstd_ptr=rstd,
-                  M=m, N=n,
-                  stride_x=sx, stride_residual=sr, stride_new_residual=n, stride_y=n,
-                  eps=eps,
-                  BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, LOOPED=block_n < n_,
-                  **cfg.options,
-                  traced=traced, plan=key is not None)
+    plan = launch(
+        _rms_norm_fwd_kernel,
+        grid,
+        x_ptr=x2,
+        residual_ptr=r2,
+        new_residual_ptr=y if s is None else s,
+        y_ptr=y,
+        weight_ptr=weight,
+        rstd_ptr=rstd,
+        M=m,
+        N=n,
+        stride_x=sx,
+        stride_residual=sr,
+        stride_new_residual=n,
+        stride_y=n,
+        eps=eps,
+        BLOCK_M=cfg.BLOCK_M,
+        BLOCK_N=block_n,
+        HAS_RESIDUAL=residual is not None,
+        LOOPED=block_n < n_,
+        **cfg.options,
+        traced=traced,
+        plan=key is not None,
+    )
     if plan is not None:
         _FWD_PLANS[key] = plan
     return y, s, rstd
@@ -326,15 +404,31 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
 def _launch_dw_reduce(dw_part, dw, programs, n, *, traced: bool = False, plan: bool = False):
     """dw = the column sums of the (programs, n) fp32 partials; returns launch()'s plan."""
     red_n = min(256, next_pow2(int(n)))
-    return launch(_rms_norm_dw_kernel, (cdiv(n, red_n),),
-                  dw_part_ptr=dw_part, dw_ptr=dw,
-                  P=programs, N=n,
-                  BLOCK_P=min(32, next_pow2(programs)), BLOCK_N=red_n, num_warps=4,
-                  traced=traced, plan=plan)
+    return launch(
+        _rms_norm_dw_kernel,
+        (cdiv(n, red_n),),
+        dw_part_ptr=dw_part,
+        dw_ptr=dw,
+        P=programs,
+        N=n,
+        BLOCK_P=min(32, next_pow2(programs)),
+        BLOCK_N=red_n,
+        num_warps=4,
+        traced=traced,
+        plan=plan,
+    )
 
 
-def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                      dres: torch.Tensor | None = None, *, in_place: bool = False, traced: bool = False):
+def rms_norm_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    dres: torch.Tensor | None = None,
+    *,
+    in_place: bool = False,
+    traced: bool = False,
+):
     """Returns ``(dx, dweight)``; ``x`` is the normalized input (the new residual for add_rms_norm).
 
     ``in_place=True`` writes dx into ``dy`` (saves one activation; dy must be contiguous, of x's dtype).
@@ -371,12 +465,30 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     dw_part = alloc((programs, n), dtype=torch.float32, device=x.device)
     grid = (programs,)
     # Without dres, dy stands in for dres_ptr, which the kernel then never reads; dx is contiguous.
-    main = launch(_rms_norm_bwd_kernel, grid,
-                  dy_ptr=dy2, x_ptr=x2, weight_ptr=weight, rstd_ptr=rstd, dres_ptr=d2, dx_ptr=dx, dw_part_ptr=dw_part,
-                  M=m, N=n,
-                  stride_dy=sdy, stride_x=sx, stride_dres=sd, stride_dx=n,
-                  BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, HAS_DRES=dres is not None, LOOPED=looped, **cfg.options,
-                  traced=traced, plan=key is not None)
+    main = launch(
+        _rms_norm_bwd_kernel,
+        grid,
+        dy_ptr=dy2,
+        x_ptr=x2,
+        weight_ptr=weight,
+        rstd_ptr=rstd,
+        dres_ptr=d2,
+        dx_ptr=dx,
+        dw_part_ptr=dw_part,
+        M=m,
+        N=n,
+        stride_dy=sdy,
+        stride_x=sx,
+        stride_dres=sd,
+        stride_dx=n,
+        BLOCK_M=cfg.BLOCK_M,
+        BLOCK_N=block_n,
+        HAS_DRES=dres is not None,
+        LOOPED=looped,
+        **cfg.options,
+        traced=traced,
+        plan=key is not None,
+    )
     dw = torch.empty_like(weight)  # after the main launch: the GPU starts sooner
     reduce = _launch_dw_reduce(dw_part, dw, programs, n, traced=traced, plan=key is not None)
     if main is not None and reduce is not None:
@@ -410,8 +522,7 @@ def _rstd_fake(x):
 
 
 # rms_norm: (y, rstd); the backward saves x, weight and rstd.
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
-              traced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, traced: bool) -> tuple[torch.Tensor, torch.Tensor]:
     y, _, rstd = rms_norm_forward(x, weight, eps, traced=traced)
     return y, rstd
 
@@ -425,29 +536,40 @@ def _rms_norm_save(inputs: tuple, outputs: tuple) -> tuple:
     return x, weight, rstd
 
 
-def _rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, *,
-                       in_place: bool, traced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_backward(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, *, in_place: bool, traced: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     return _backward(dy, None, x, weight, rstd, in_place=in_place, traced=traced)
 
 
-def _rms_norm_backward_fake(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                            rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_backward_fake(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty(x.shape), torch.empty_like(weight)
 
 
-RMS_NORM = Op("rms_norm", forward=_rms_norm, fake=_rms_norm_fake, save=_rms_norm_save, backward=_rms_norm_backward,
-              backward_fake=_rms_norm_backward_fake, grads=(0, 1, None))
+RMS_NORM = Op(
+    "rms_norm",
+    forward=_rms_norm,
+    fake=_rms_norm_fake,
+    save=_rms_norm_save,
+    backward=_rms_norm_backward,
+    backward_fake=_rms_norm_backward_fake,
+    grads=(0, 1, None),
+)
 
 
 # add_rms_norm: (y, new residual s, rstd); the backward saves s (the normalized input), weight and rstd. Either
 # visible output may go unused, so both gradients are optional.
-def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                  traced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, traced: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return rms_norm_forward(x, weight, eps, residual, traced=traced)
 
 
-def _add_rms_norm_fake(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _add_rms_norm_fake(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _out_fake(x, weight), x.new_empty(x.shape), _rstd_fake(x)
 
 
@@ -456,20 +578,35 @@ def _add_rms_norm_save(inputs: tuple, outputs: tuple) -> tuple:
     return s, weight, rstd
 
 
-def _add_rms_norm_backward(dy: Optional[torch.Tensor], ds: Optional[torch.Tensor], s: torch.Tensor,
-                           weight: torch.Tensor, rstd: torch.Tensor, *, in_place: bool,
-                           traced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _add_rms_norm_backward(
+    dy: Optional[torch.Tensor],
+    ds: Optional[torch.Tensor],
+    s: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    *,
+    in_place: bool,
+    traced: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     return _backward(dy, ds, s, weight, rstd, in_place=in_place, traced=traced)
 
 
-def _add_rms_norm_backward_fake(dy: Optional[torch.Tensor], ds: Optional[torch.Tensor], s: torch.Tensor,
-                                weight: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _add_rms_norm_backward_fake(
+    dy: Optional[torch.Tensor], ds: Optional[torch.Tensor], s: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     return s.new_empty(s.shape), torch.empty_like(weight)
 
 
-ADD_RMS_NORM = Op("add_rms_norm", forward=_add_rms_norm, fake=_add_rms_norm_fake, save=_add_rms_norm_save,
-                  backward=_add_rms_norm_backward, backward_fake=_add_rms_norm_backward_fake, grads=(0, 0, 1, None),
-                  visible=2)
+ADD_RMS_NORM = Op(
+    "add_rms_norm",
+    forward=_add_rms_norm,
+    fake=_add_rms_norm_fake,
+    save=_add_rms_norm_save,
+    backward=_add_rms_norm_backward,
+    backward_fake=_add_rms_norm_backward_fake,
+    grads=(0, 0, 1, None),
+    visible=2,
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -489,8 +626,9 @@ def _check(op: str, x, weight, eps, residual=None) -> float:
     if n == 0:
         raise ValueError(f"{op}: argument 'x' has an empty last (hidden) dimension, shape {tuple(x.shape)}")
     if weight.shape[0] != n:
-        raise ValueError(f"{op}: argument 'weight' has shape {tuple(weight.shape)} but the hidden size "
-                         f"(x.shape[-1]) is {n}")
+        raise ValueError(
+            f"{op}: argument 'weight' has shape {tuple(weight.shape)} but the hidden size (x.shape[-1]) is {n}"
+        )
     return check_eps(op, eps)
 
 
@@ -511,8 +649,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, in_pla
     return RMS_NORM(x, weight, eps, in_place_backward=in_place_backward)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
-                 in_place_backward: bool = False):
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, in_place_backward: bool = False
+):
     """Fused ``new_residual = x + residual; out = rms_norm(new_residual)``; returns ``(out, new_residual)``.
 
     ``x`` and ``residual`` have the same shape and dtype; gradients of both are the same tensor.

@@ -13,6 +13,7 @@ the forward with -sin. Outputs may alias inputs (each tile is read before it is 
 Layers: ``_rope_kernel`` -> ``rope_forward`` / ``rope_backward`` -> the ``ROPE`` op (eager autograd,
 and ``tritonspec::rope_*`` for torch.compile) -> ``rope``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,8 +39,29 @@ def rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 
 
 @triton.jit
-def _rope_heads(x_ptr, stride_xb, stride_xh, stride_xs, out_ptr, stride_ob, stride_oh, stride_os, b, s, s_ok, d, d_ok,
-                c1, c2, s1, s2, H, HALF, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr):
+def _rope_heads(
+    x_ptr,
+    stride_xb,
+    stride_xh,
+    stride_xs,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    b,
+    s,
+    s_ok,
+    d,
+    d_ok,
+    c1,
+    c2,
+    s1,
+    s2,
+    H,
+    HALF,
+    BLOCK_H: tl.constexpr,
+    BACKWARD: tl.constexpr,
+):
     """Rotate heads [0, H) of one (batch, seq block) tile, BLOCK_H heads at a time."""
     for h0 in range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
@@ -111,10 +133,52 @@ def _rope_kernel(
     c2 = tl.load(co + HALF, mask=mask, other=0.0).to(tl.float32)
     s1 = tl.load(so, mask=mask, other=0.0).to(tl.float32)
     s2 = tl.load(so + HALF, mask=mask, other=0.0).to(tl.float32)
-    _rope_heads(q_ptr, stride_qb, stride_qh, stride_qs, q_out_ptr, stride_qob, stride_qoh, stride_qos, b, s, s_ok, d,
-                d_ok, c1, c2, s1, s2, HQ, HALF, BLOCK_HQ, BACKWARD)
-    _rope_heads(k_ptr, stride_kb, stride_kh, stride_ks, k_out_ptr, stride_kob, stride_koh, stride_kos, b, s, s_ok, d,
-                d_ok, c1, c2, s1, s2, HK, HALF, BLOCK_HK, BACKWARD)
+    _rope_heads(
+        q_ptr,
+        stride_qb,
+        stride_qh,
+        stride_qs,
+        q_out_ptr,
+        stride_qob,
+        stride_qoh,
+        stride_qos,
+        b,
+        s,
+        s_ok,
+        d,
+        d_ok,
+        c1,
+        c2,
+        s1,
+        s2,
+        HQ,
+        HALF,
+        BLOCK_HQ,
+        BACKWARD,
+    )
+    _rope_heads(
+        k_ptr,
+        stride_kb,
+        stride_kh,
+        stride_ks,
+        k_out_ptr,
+        stride_kob,
+        stride_koh,
+        stride_kos,
+        b,
+        s,
+        s_ok,
+        d,
+        d_ok,
+        c1,
+        c2,
+        s1,
+        s2,
+        HK,
+        HALF,
+        BLOCK_HK,
+        BACKWARD,
+    )
 
 
 def _default(hq: int, hk: int, half: int) -> RoPE:
@@ -124,8 +188,9 @@ def _default(hq: int, hk: int, half: int) -> RoPE:
     block_d = next_pow2(half)
     block_s = max(1, min(16, 1024 // block_d))
     tile_heads = max(1, 2048 // (block_s * block_d))  # ~2K elements per half tile
-    return RoPE(BLOCK_S=block_s, BLOCK_HQ=min(next_pow2(hq), tile_heads), BLOCK_HK=min(next_pow2(hk), tile_heads),
-                num_warps=8)
+    return RoPE(
+        BLOCK_S=block_s, BLOCK_HQ=min(next_pow2(hq), tile_heads), BLOCK_HK=min(next_pow2(hk), tile_heads), num_warps=8
+    )
 
 
 # Eager LaunchPlans (see _launch_cache), keyed by every shape and stride the launch passes. The launch
@@ -138,36 +203,78 @@ def _launch(q, k, qo, ko, cos, sin, backward: bool, traced: bool):
         return
     key = None
     if not traced:
-        key = (q.shape, q.stride(), k.shape, k.stride(), qo.stride(), ko.stride(), cos.shape, cos.stride(),
-               sin.stride(), q.dtype, cos.dtype, backward, q.device)
+        key = (
+            q.shape,
+            q.stride(),
+            k.shape,
+            k.stride(),
+            qo.stride(),
+            ko.stride(),
+            cos.shape,
+            cos.stride(),
+            sin.stride(),
+            q.dtype,
+            cos.dtype,
+            backward,
+            q.device,
+        )
         plan = _PLANS.get(key)
         if plan is not None and plan(q, k, qo, ko, cos, sin):
             return
     b, hq, s, d = q.shape
     hk = k.shape[1]
     hq, hk, half = int(hq), int(hk), int(d) // 2  # specialized if torch.compile made them symbolic
-    cfg = launch_config(RoPE, q.device, lambda: _default(hq, hk, half), heads_q=hq, heads_k=hk, head_dim=2 * half,
-                        dtype=str(q.dtype))
+    cfg = launch_config(
+        RoPE, q.device, lambda: _default(hq, hk, half), heads_q=hq, heads_k=hk, head_dim=2 * half, dtype=str(q.dtype)
+    )
     cb = 0 if cos.shape[0] == 1 else cos.stride(0)  # (1, seq, dim) broadcasts over the batch
     sb = 0 if sin.shape[0] == 1 else sin.stride(0)
     grid = (cdiv(s, cfg.BLOCK_S), b)
-    plan = launch(_rope_kernel, grid,
-                  q_ptr=q, k_ptr=k, q_out_ptr=qo, k_out_ptr=ko, cos_ptr=cos, sin_ptr=sin,
-                  HQ=hq, HK=hk, S=s, HALF=half,
-                  stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qs=q.stride(2),
-                  stride_kb=k.stride(0), stride_kh=k.stride(1), stride_ks=k.stride(2),
-                  stride_qob=qo.stride(0), stride_qoh=qo.stride(1), stride_qos=qo.stride(2),
-                  stride_kob=ko.stride(0), stride_koh=ko.stride(1), stride_kos=ko.stride(2),
-                  stride_cb=cb, stride_cs=cos.stride(1), stride_sb=sb, stride_ss=sin.stride(1),
-                  BLOCK_HQ=cfg.BLOCK_HQ, BLOCK_HK=cfg.BLOCK_HK, BLOCK_S=cfg.BLOCK_S, BLOCK_D=next_pow2(half),
-                  BACKWARD=backward, **cfg.options,
-                  traced=traced, plan=key is not None)
+    plan = launch(
+        _rope_kernel,
+        grid,
+        q_ptr=q,
+        k_ptr=k,
+        q_out_ptr=qo,
+        k_out_ptr=ko,
+        cos_ptr=cos,
+        sin_ptr=sin,
+        HQ=hq,
+        HK=hk,
+        S=s,
+        HALF=half,
+        stride_qb=q.stride(0),
+        stride_qh=q.stride(1),
+        stride_qs=q.stride(2),
+        stride_kb=k.stride(0),
+        stride_kh=k.stride(1),
+        stride_ks=k.stride(2),
+        stride_qob=qo.stride(0),
+        stride_qoh=qo.stride(1),
+        stride_qos=qo.stride(2),
+        stride_kob=ko.stride(0),
+        stride_koh=ko.stride(1),
+        stride_kos=ko.stride(2),
+        stride_cb=cb,
+        stride_cs=cos.stride(1),
+        stride_sb=sb,
+        stride_ss=sin.stride(1),
+        BLOCK_HQ=cfg.BLOCK_HQ,
+        BLOCK_HK=cfg.BLOCK_HK,
+        BLOCK_S=cfg.BLOCK_S,
+        BLOCK_D=next_pow2(half),
+        BACKWARD=backward,
+        **cfg.options,
+        traced=traced,
+        plan=key is not None,
+    )
     if plan is not None:
         _PLANS[key] = plan
 
 
-def rope_forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-                 traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_forward(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, traced: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q_embed, k_embed)``, laid out like ``q`` and ``k``."""
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     _launch(q, k, qo, ko, cos, sin, False, traced)
@@ -186,8 +293,9 @@ def _writable(t: torch.Tensor) -> bool:
     return t.is_contiguous() or t.transpose(1, 2).is_contiguous()
 
 
-def _rope_fake(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_fake(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), torch.empty_like(k)
 
 
@@ -196,8 +304,9 @@ def _save(inputs: tuple, outputs: tuple) -> tuple:
     return inputs[2:]
 
 
-def _backward(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, in_place: bool,
-              traced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _backward(
+    dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, in_place: bool, traced: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dq, dk)``: the transposed rotation; with ``in_place`` it overwrites the output gradients. On the eager
     path an unused output's gradient is None (the library op always gets both)."""
     if dq is None or dk is None:  # an unused output (rare: attention consumes both): rotate the other alone
@@ -214,13 +323,22 @@ def _backward(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.
     return gq, gk
 
 
-def _backward_fake(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _backward_fake(
+    dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(dq), torch.empty_like(dk)
 
 
-ROPE = Op("rope", forward=rope_forward, fake=_rope_fake, save=_save, backward=_backward,
-          backward_fake=_backward_fake, grads=(0, 1, None, None), visible=2)
+ROPE = Op(
+    "rope",
+    forward=rope_forward,
+    fake=_rope_fake,
+    save=_save,
+    backward=_backward,
+    backward_fake=_backward_fake,
+    grads=(0, 1, None, None),
+    visible=2,
+)
 
 
 def _check(q, k, cos, sin) -> None:
@@ -236,20 +354,27 @@ def _check(q, k, cos, sin) -> None:
     if d % 2 or d == 0:
         raise ValueError(f"rope: argument 'q' has head_dim {d}; rotate-half needs an even, nonzero one")
     if (k.shape[0], k.shape[2], k.shape[3]) != (b, s, d):
-        raise ValueError(f"rope: argument 'k' has shape {tuple(k.shape)}; expected (batch={b}, heads, seq={s}, "
-                         f"head_dim={d}) to match 'q' {tuple(q.shape)}")
+        raise ValueError(
+            f"rope: argument 'k' has shape {tuple(k.shape)}; expected (batch={b}, heads, seq={s}, "
+            f"head_dim={d}) to match 'q' {tuple(q.shape)}"
+        )
     if cos.shape != sin.shape:
         raise ValueError(f"rope: argument 'sin' has shape {tuple(sin.shape)} but 'cos' has {tuple(cos.shape)}")
     if cos.shape[0] not in (1, b) or cos.shape[1:] != (s, d):
-        raise ValueError(f"rope: argument 'cos' has shape {tuple(cos.shape)}; expected ({b} or 1, {s}, {d}) = "
-                         "(batch, seq, head_dim) as HF's rotary embedding returns it")
+        raise ValueError(
+            f"rope: argument 'cos' has shape {tuple(cos.shape)}; expected ({b} or 1, {s}, {d}) = "
+            "(batch, seq, head_dim) as HF's rotary embedding returns it"
+        )
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
-        raise ValueError("rope: arguments 'cos'/'sin' require grad, but rope gives them no gradient; "
-                         "detach them (HF computes them under no_grad)")
+        raise ValueError(
+            "rope: arguments 'cos'/'sin' require grad, but rope gives them no gradient; "
+            "detach them (HF computes them under no_grad)"
+        )
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-         in_place_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, in_place_backward: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """HF ``apply_rotary_pos_emb(q, k, cos, sin)`` (``unsqueeze_dim=1``) with a Triton backward.
 
     Outputs have q's dtype (cos/sin may be any supported float dtype; math is float32).

@@ -11,6 +11,7 @@ Layers: ``_swiglu_fwd_kernel`` / ``_swiglu_bwd_kernel`` -> ``swiglu_forward`` / 
 -> the ``SWIGLU`` op (eager autograd, and ``tritonspec::swiglu_*`` for torch.compile) -> ``swiglu``
 -> ``tritonspec.nn.SwiGLUMLP``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -134,17 +135,29 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, *, traced: bool = False
     m, n = g.shape
     cfg = _config(SwiGLUForward, gate, n, flat)
     grid, n_col_blocks = _grid(m, n, cfg)
-    launch(_swiglu_fwd_kernel, grid,
-           gate_ptr=g, up_ptr=u, y_ptr=y,
-           M=m, N=n, n_col_blocks=n_col_blocks,
-           stride_gate=g.stride(0), stride_up=u.stride(0), stride_y=y.stride(0),
-           BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, **cfg.options,
-           traced=traced)
+    launch(
+        _swiglu_fwd_kernel,
+        grid,
+        gate_ptr=g,
+        up_ptr=u,
+        y_ptr=y,
+        M=m,
+        N=n,
+        n_col_blocks=n_col_blocks,
+        stride_gate=g.stride(0),
+        stride_up=u.stride(0),
+        stride_y=y.stride(0),
+        BLOCK_M=cfg.BLOCK_M,
+        BLOCK_N=cfg.BLOCK_N,
+        **cfg.options,
+        traced=traced,
+    )
     return out
 
 
-def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, in_place: bool = False,
-                    traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_backward(
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, in_place: bool = False, traced: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dgate, dup)``; ``in_place=True`` writes them into ``gate`` and ``up`` and returns those."""
     if in_place:
         dg, du = gate, up
@@ -158,13 +171,27 @@ def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, i
     m, n = g.shape
     cfg = _config(SwiGLUBackward, gate, n, flat)
     grid, n_col_blocks = _grid(m, n, cfg)
-    launch(_swiglu_bwd_kernel, grid,
-           dy_ptr=d, gate_ptr=g, up_ptr=u, dgate_ptr=dg2, dup_ptr=du2,
-           M=m, N=n, n_col_blocks=n_col_blocks,
-           stride_dy=d.stride(0), stride_gate=g.stride(0), stride_up=u.stride(0), stride_dgate=dg2.stride(0),
-           stride_dup=du2.stride(0),
-           BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, **cfg.options,
-           traced=traced)
+    launch(
+        _swiglu_bwd_kernel,
+        grid,
+        dy_ptr=d,
+        gate_ptr=g,
+        up_ptr=u,
+        dgate_ptr=dg2,
+        dup_ptr=du2,
+        M=m,
+        N=n,
+        n_col_blocks=n_col_blocks,
+        stride_dy=d.stride(0),
+        stride_gate=g.stride(0),
+        stride_up=u.stride(0),
+        stride_dgate=dg2.stride(0),
+        stride_dup=du2.stride(0),
+        BLOCK_M=cfg.BLOCK_M,
+        BLOCK_N=cfg.BLOCK_N,
+        **cfg.options,
+        traced=traced,
+    )
     return dg, du
 
 
@@ -177,8 +204,9 @@ def _save(inputs: tuple, outputs: tuple) -> tuple:
     return inputs
 
 
-def _backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, in_place: bool,
-              traced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _backward(
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, in_place: bool, traced: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dgate, dup)``; with ``in_place`` they overwrite gate and up (Liger style)."""
     if dy is None:
         dy = torch.zeros(gate.shape, dtype=gate.dtype, device=gate.device)
@@ -197,8 +225,15 @@ def _backward_fake(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tu
     return gate.new_empty(gate.shape), up.new_empty(up.shape)
 
 
-SWIGLU = Op("swiglu", forward=swiglu_forward, fake=_swiglu_fake, save=_save, backward=_backward,
-            backward_fake=_backward_fake, grads=(0, 1))
+SWIGLU = Op(
+    "swiglu",
+    forward=swiglu_forward,
+    fake=_swiglu_fake,
+    save=_save,
+    backward=_backward,
+    backward_fake=_backward_fake,
+    grads=(0, 1),
+)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, in_place_backward: bool = False) -> torch.Tensor:

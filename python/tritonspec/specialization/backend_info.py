@@ -4,6 +4,7 @@ The core never spells a vendor's names: which Triton compile targets a spec appl
 torch device types its kernels serve, what ``tritonspec check`` compiles for it, and whether it
 really runs here are read from these declarations, for in-tree and out-of-tree backends alike.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,5 +50,6 @@ class BackendInfo:
                 raise TypeError(f"BackendInfo: {name} must be a tuple of names, got {value!r}")
             object.__setattr__(self, name, tuple(value))
         if self.check_target is not None and (not isinstance(self.check_target, tuple) or len(self.check_target) != 3):
-            raise TypeError("BackendInfo: check_target must be GPUTarget's (backend, arch, warp_size), "
-                            f"got {self.check_target!r}")
+            raise TypeError(
+                f"BackendInfo: check_target must be GPUTarget's (backend, arch, warp_size), got {self.check_target!r}"
+            )

@@ -10,6 +10,7 @@ Exit status 0 only when everything that should apply did. Every line fits in 100
 continue on the next lines in their column, and lists are summarised unless ``verbose``. The command
 line's options are declared in ``tritonspec.cli``; ``parse_tables`` reads the output back.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,6 +34,7 @@ OWN_POINTS = frozenset({"tritonspec.launch_config", "tritonspec.ops.attention"})
 
 
 # -- sample kernels: plain functions, wrapped as compiled or interpreted kernels below -----------
+
 
 def _scale_add(x_ptr, y_ptr, out_ptr, n, alpha, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -66,24 +68,30 @@ def _histogram(idx_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 SAMPLES = {
-    "scale_add": (_scale_add, {"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32",
-                               "alpha": "fp32", "BLOCK": "constexpr"}, {"BLOCK": 128}),
-    "row_sum": (_row_sum, {"x_ptr": "*fp32", "out_ptr": "*fp32", "n_cols": "i32", "BLOCK": "constexpr"},
-                {"BLOCK": 64}),
-    "dot": (_dot, {"a_ptr": "*fp16", "b_ptr": "*fp16", "c_ptr": "*fp32", "M": "constexpr", "N": "constexpr",
-                   "K": "constexpr"}, {"M": 16, "N": 16, "K": 16}),
-    "histogram": (_histogram, {"idx_ptr": "*i32", "out_ptr": "*i32", "n": "i32", "BLOCK": "constexpr"},
-                  {"BLOCK": 64}),
+    "scale_add": (
+        _scale_add,
+        {"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "alpha": "fp32", "BLOCK": "constexpr"},
+        {"BLOCK": 128},
+    ),
+    "row_sum": (_row_sum, {"x_ptr": "*fp32", "out_ptr": "*fp32", "n_cols": "i32", "BLOCK": "constexpr"}, {"BLOCK": 64}),
+    "dot": (
+        _dot,
+        {"a_ptr": "*fp16", "b_ptr": "*fp16", "c_ptr": "*fp32", "M": "constexpr", "N": "constexpr", "K": "constexpr"},
+        {"M": 16, "N": 16, "K": 16},
+    ),
+    "histogram": (_histogram, {"idx_ptr": "*i32", "out_ptr": "*i32", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 64}),
 }
 
 
 def _compiled(fn):
     from triton.runtime.jit import JITFunction
+
     return JITFunction(fn)
 
 
 def _interpreted(fn):
     from triton.runtime.interpreter import InterpretedFunction
+
     if not interpreting():
         raise RuntimeError("run_samples_interpreted needs TRITON_INTERPRET=1 before triton is imported")
     return InterpretedFunction(fn)
@@ -92,6 +100,7 @@ def _interpreted(fn):
 def run_samples_interpreted() -> dict[str, str]:
     """Run every sample in the interpreter against float64 references; name -> "ok" or the error."""
     import torch
+
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     results = {}
 
@@ -141,6 +150,7 @@ def compile_samples(target) -> dict[str, str]:
     (``metadata.not_built``), never as ok.
     """
     from triton.compiler import ASTSource
+
     results = {}
     for name, (fn, signature, constexprs) in SAMPLES.items():
         try:
@@ -177,8 +187,16 @@ def kernel_rows(providers: dict) -> tuple[list, list]:
         for cfg in kernel.configs or (None,):
             set_by = [b for b, t in tables.items() if isinstance(t, ConfigTable) and cfg and cfg.kernel in t.entries]
             opaque = [b for b, t in tables.items() if t is not None and not isinstance(t, ConfigTable)]
-            rows.append([kernel.name, ", ".join(kernel.ops), f"{kernel.site}: {layer}", cfg.kernel if cfg else "-",
-                         ", ".join(set_by + [f"{b} (a function)" for b in opaque]) or "default", status])
+            rows.append(
+                [
+                    kernel.name,
+                    ", ".join(kernel.ops),
+                    f"{kernel.site}: {layer}",
+                    cfg.kernel if cfg else "-",
+                    ", ".join(set_by + [f"{b} (a function)" for b in opaque]) or "default",
+                    status,
+                ]
+            )
     return rows, failures
 
 
@@ -224,8 +242,11 @@ def _widths(rows, header, width, keep=()) -> list[int]:
     floors = [max(len(h), 6) for h in header]
     budget = width - len(_GAP) * (len(header) - 1)
     while sum(widths) > budget:
-        wide = ([i for i, w in enumerate(widths) if w > floors[i] and i not in keep] or
-                [i for i, w in enumerate(widths) if w > floors[i]] or [i for i, w in enumerate(widths) if w > 1])
+        wide = (
+            [i for i, w in enumerate(widths) if w > floors[i] and i not in keep]
+            or [i for i, w in enumerate(widths) if w > floors[i]]
+            or [i for i, w in enumerate(widths) if w > 1]
+        )
         if not wide:
             break
         widths[max(wide, key=lambda i: (widths[i], i))] -= 1
@@ -281,8 +302,10 @@ def parse_tables(text: str) -> dict[str, list[list[str]]]:
         for line in lines[3:]:
             cells = [line[a:b].strip() for a, b in zip(starts, starts[1:] + [None])]
             if rows and not cells[0]:
-                rows[-1] = [old + ("" if old.endswith(("_", "/", ".")) else " ") + new if new else old
-                            for old, new in zip(rows[-1], cells)]
+                rows[-1] = [
+                    old + ("" if old.endswith(("_", "/", ".")) else " ") + new if new else old
+                    for old, new in zip(rows[-1], cells)
+                ]
             else:
                 rows.append(cells)
         tables[lines[0]] = rows
@@ -369,6 +392,7 @@ def main(verbose: bool = False, interpreter: bool = True) -> int:
     the samples are not run in the interpreter (a subprocess), only compiled. The command line
     (``tritonspec check --verbose --no-interpreter``) is ``tritonspec.cli``'s."""
     from triton.backends.compiler import GPUTarget
+
     # Say what FP fusion is (Triton 3.9 otherwise warns on stderr in the middle of the tables).
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     failures = []
@@ -386,8 +410,12 @@ def main(verbose: bool = False, interpreter: bool = True) -> int:
             row[3] = _spec_functions(providers[row[0]], verbose)
     _section("Spec providers", rows, ["backend", "runs", "from", "spec functions", "compile cache"], keep=(0, 1, 2))
     if verbose:
-        _section("Spec functions", _spec_function_rows(providers), ["backend", "hooks or injector list", "names"],
-                 keep=(0, 1))
+        _section(
+            "Spec functions",
+            _spec_function_rows(providers),
+            ["backend", "hooks or injector list", "names"],
+            keep=(0, 1),
+        )
 
     # 2. the hooks, then where they are installed
     hook_rows, point_rows = _hook_rows(providers, failures)
@@ -401,8 +429,12 @@ def main(verbose: bool = False, interpreter: bool = True) -> int:
     for kernel, ops, replaces, _, _, status in rows:
         kernels.setdefault(kernel, [kernel, ops or "-", replaces, status])
     _section("Kernels", list(kernels.values()), ["kernel", "ops", "replaces", "loads"], keep=(0, 1))
-    _section("Launch configs", [[cfg, kernel, set_by] for kernel, _, _, cfg, set_by, _ in rows if cfg != "-"],
-             ["launch config", "kernel", "set by (else the kernel's default)"], keep=(0, 1))
+    _section(
+        "Launch configs",
+        [[cfg, kernel, set_by] for kernel, _, _, cfg, set_by, _ in rows if cfg != "-"],
+        ["launch config", "kernel", "set by (else the kernel's default)"],
+        keep=(0, 1),
+    )
 
     # 4. sample kernels: offline compile per backend target, then the interpreter
     results = []
@@ -419,15 +451,19 @@ def main(verbose: bool = False, interpreter: bool = True) -> int:
         failures += [f"interpret {k}: {r}" for k, r in interpreted.items() if r != "ok"]
     header = ["backend", "target", "kernel", "result"] if verbose else ["backend", "target", "result"]
     _section("Sample kernels", _sample_rows(results, verbose), header, keep=(0, 1, 2) if verbose else (0, 1))
-    note = f"({', '.join(SAMPLES)}: compiled offline for each target; " + \
-        ("run in the interpreter)" if interpreter else "not run in the interpreter: --no-interpreter)")
+    note = f"({', '.join(SAMPLES)}: compiled offline for each target; " + (
+        "run in the interpreter)" if interpreter else "not run in the interpreter: --no-interpreter)"
+    )
     print("\n" + "\n".join(_wrap(note, WIDTH)))
 
     if failures:
         print("\nFAILED:")
         for failure in failures:
-            print("\n".join(textwrap.wrap(failure, WIDTH, initial_indent="  ", subsequent_indent="    ",
-                                          break_on_hyphens=False)))
+            print(
+                "\n".join(
+                    textwrap.wrap(failure, WIDTH, initial_indent="  ", subsequent_indent="    ", break_on_hyphens=False)
+                )
+            )
         return 1
     print("\nall checks passed")
     return 0
@@ -437,6 +473,7 @@ def _interpret_in_subprocess() -> dict[str, str]:
     """The interpreter must be chosen before triton.language is imported: run it in a fresh process."""
     import json
     import subprocess
+
     env = dict(os.environ, TRITON_INTERPRET="1")
     code = "import json, tritonspec.specialization.check as c; print(json.dumps(c.run_samples_interpreted()))"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)

@@ -17,6 +17,7 @@ says why). That is an object whose state cannot be read back (an arbitrary insta
 that looks a module up by a name computed at run time or loads one from a path, code outside the
 spec's package that reads files, and a package too large to hash.
 """
+
 from __future__ import annotations
 
 import builtins
@@ -37,8 +38,9 @@ import types
 from dataclasses import dataclass
 
 # Modules counted by name and version, not by their files.
-_LIBRARIES = frozenset({"triton", "torch", "numpy"}) | frozenset(sys.stdlib_module_names) | frozenset(
-    sys.builtin_module_names)
+_LIBRARIES = (
+    frozenset({"triton", "torch", "numpy"}) | frozenset(sys.stdlib_module_names) | frozenset(sys.builtin_module_names)
+)
 _PRIMITIVES = (type(None), bool, int, float, complex, str, bytes)
 _NONCE = os.urandom(16).hex()
 # A package's files are hashed whole; a larger file counts by its size and mtime (editing it changes
@@ -59,7 +61,6 @@ class _Unreadable(Exception):
 
 
 class _Hasher:
-
     def __init__(self, package: str | None = None):
         self.h = hashlib.sha256()
         self.seen: set[int] = set()
@@ -104,8 +105,9 @@ class _Hasher:
             self.update("seen", type(x).__name__)
             return
         self.seen.add(id(x))
-        if isinstance(x, enum.Enum) or (type(x).__module__.split(".")[0] == "triton" and not callable(x)
-                                        and _plain_repr(x)):
+        if isinstance(x, enum.Enum) or (
+            type(x).__module__.split(".")[0] == "triton" and not callable(x) and _plain_repr(x)
+        ):
             self.update(type(x).__qualname__, repr(x))  # enums, tl.dtype, ir.CACHE_MODIFIER values
         elif isinstance(x, (tuple, list, frozenset, set)):
             items = sorted(x, key=repr) if isinstance(x, (set, frozenset)) else x
@@ -267,6 +269,7 @@ class _Hasher:
 
     def reached(self, co: types.CodeType, globals_: dict, cells: dict, where: str) -> None:
         """What ``co`` reaches beyond the names of its globals: attributes of them, imports, files."""
+
         def resolve(name):
             if name in cells:
                 return cells[name]
@@ -314,12 +317,21 @@ class _Hasher:
 
 
 # What a class body holds besides its own definitions.
-_CLASS_BOOKKEEPING = frozenset({"__dict__", "__weakref__", "__module__", "__qualname__", "__doc__",
-                                "__orig_bases__", "__parameters__", "__annotations__"})
+_CLASS_BOOKKEEPING = frozenset(
+    {
+        "__dict__",
+        "__weakref__",
+        "__module__",
+        "__qualname__",
+        "__doc__",
+        "__orig_bases__",
+        "__parameters__",
+        "__annotations__",
+    }
+)
 _MISSING = object()
 # Attribute targets worth following into: code and the things that hold it.
-_FOLLOWED = (types.FunctionType, types.MethodType, type, types.ModuleType, staticmethod, classmethod,
-             functools.partial)
+_FOLLOWED = (types.FunctionType, types.MethodType, type, types.ModuleType, staticmethod, classmethod, functools.partial)
 
 
 def _plain_repr(x) -> bool:
@@ -381,13 +393,32 @@ class _Watched:
         import pathlib
         import pkgutil
         import runpy
+
         by_name = (importlib.import_module, builtins.__import__, importlib.__import__)  # followed if constant
-        by_path = (importlib.reload, importlib.util.spec_from_file_location, importlib.util.spec_from_loader,
-                   importlib.util.module_from_spec, runpy.run_path, runpy.run_module)
-        readers = [builtins.open, io.open, io.open_code, os.open, os.fdopen, pkgutil.get_data, pathlib.Path.open,
-                   pathlib.Path.read_text, pathlib.Path.read_bytes]
-        readers += [getattr(resources, n) for n in ("files", "read_text", "read_binary", "open_text", "open_binary",
-                                                    "path", "as_file") if hasattr(resources, n)]
+        by_path = (
+            importlib.reload,
+            importlib.util.spec_from_file_location,
+            importlib.util.spec_from_loader,
+            importlib.util.module_from_spec,
+            runpy.run_path,
+            runpy.run_module,
+        )
+        readers = [
+            builtins.open,
+            io.open,
+            io.open_code,
+            os.open,
+            os.fdopen,
+            pkgutil.get_data,
+            pathlib.Path.open,
+            pathlib.Path.read_text,
+            pathlib.Path.read_bytes,
+        ]
+        readers += [
+            getattr(resources, n)
+            for n in ("files", "read_text", "read_binary", "open_text", "open_binary", "path", "as_file")
+            if hasattr(resources, n)
+        ]
         numpy, torch = sys.modules.get("numpy"), sys.modules.get("torch")
         if numpy is not None:
             readers += [numpy.load, numpy.fromfile, numpy.loadtxt, numpy.genfromtxt, numpy.memmap]

@@ -4,6 +4,7 @@ Mainline call sites and spec modules both go through this table, so a typo is an
 with a suggestion instead of a silent fallback to the default (FlagTree's weak spot), and
 upgrading Triton means re-validating this one file against the new release.
 """
+
 from __future__ import annotations
 
 import enum
@@ -44,6 +45,7 @@ def _int_at_least(lo: int) -> Check:
     def check(x):
         if isinstance(x, bool) or not isinstance(x, int) or x < lo:
             return f"an int >= {lo}, got {_got(x)}"
+
     return check
 
 
@@ -54,6 +56,7 @@ def _is(*types_: type, none: bool = False) -> Check:
         if (x is None and none) or (isinstance(x, types_) and not (bool not in types_ and isinstance(x, bool))):
             return None
         return f"{names}, got {_got(x)}"
+
     return check
 
 
@@ -63,8 +66,9 @@ def _cache_modifier(x):
 
 
 def _timings(x):
-    if isinstance(x, bool) or not (isinstance(x, (int, float)) or isinstance(x, (list, tuple))
-                                   and all(isinstance(v, (int, float)) for v in x)):
+    if isinstance(x, bool) or not (
+        isinstance(x, (int, float)) or isinstance(x, (list, tuple)) and all(isinstance(v, (int, float)) for v in x)
+    ):
         return f"a time in ms (float) or a list of them, got {_got(x)}"
 
 
@@ -156,55 +160,133 @@ _BOOL = _is(bool)
 
 HOOKS: dict[str, Hook] = _table(
     # -- language semantics (TritonSemantic methods; compiled and interpreted kernels alike) --
-    Hook("atomic_add_int64", F, "semantic.atomic_add", "one 64-bit atomic_rmw",
-         "(semantic, ptr, val, mask, sem, scope) -> tensor: lower an int64/uint64 atomic add",
-         signature=atomic_add_int64_call),
-    Hook("atomic_disable_bf16", P, "semantic.atom_red_typechecking_impl", "bf16 atomic add allowed",
-         "True when the backend has no bf16 atomics: a bf16 atomic op raises a clear error", check=_BOOL),
-    Hook("arange_disable_check_power_of_two", P, "semantic.arange", "range must be a power of two",
-         "True lifts the power-of-two rule on tl.arange's length", check=_BOOL,
-         interpreter_only="stock Triton's IR verifier requires tt.make_range lengths to be powers of two, "
-                          "so a compiled kernel cannot use a lifted range until a compiler pass provides one"),
-    Hook("ext_str_to_load_cache_modifier", F, "semantic.load_cache_modifier", "'.ca', '.cg', '.cv'",
-         "(cache_modifier: str) -> ir.CACHE_MODIFIER | None: accept extra load cache modifiers",
-         signature=cache_modifier_call, check=_cache_modifier),
+    Hook(
+        "atomic_add_int64",
+        F,
+        "semantic.atomic_add",
+        "one 64-bit atomic_rmw",
+        "(semantic, ptr, val, mask, sem, scope) -> tensor: lower an int64/uint64 atomic add",
+        signature=atomic_add_int64_call,
+    ),
+    Hook(
+        "atomic_disable_bf16",
+        P,
+        "semantic.atom_red_typechecking_impl",
+        "bf16 atomic add allowed",
+        "True when the backend has no bf16 atomics: a bf16 atomic op raises a clear error",
+        check=_BOOL,
+    ),
+    Hook(
+        "arange_disable_check_power_of_two",
+        P,
+        "semantic.arange",
+        "range must be a power of two",
+        "True lifts the power-of-two rule on tl.arange's length",
+        check=_BOOL,
+        interpreter_only="stock Triton's IR verifier requires tt.make_range lengths to be powers of two, "
+        "so a compiled kernel cannot use a lifted range until a compiler pass provides one",
+    ),
+    Hook(
+        "ext_str_to_load_cache_modifier",
+        F,
+        "semantic.load_cache_modifier",
+        "'.ca', '.cg', '.cv'",
+        "(cache_modifier: str) -> ir.CACHE_MODIFIER | None: accept extra load cache modifiers",
+        signature=cache_modifier_call,
+        check=_cache_modifier,
+    ),
     # -- compiler pipeline (knobs.runtime.add_stages_inspection_hook) --
-    Hook("pipeline_stages", F, "compiler.add_stages", "stock stages",
-         "(backend, stages, options, language, capability) -> None: add or replace compile stages",
-         signature=pipeline_stages_call, check=_none),
-    Hook("num_stages_cap", V, "compiler.parse_options", "no cap",
-         "int >= 1: the most software-pipelining stages the backend supports; larger requests are clamped",
-         check=_int_at_least(1)),
+    Hook(
+        "pipeline_stages",
+        F,
+        "compiler.add_stages",
+        "stock stages",
+        "(backend, stages, options, language, capability) -> None: add or replace compile stages",
+        signature=pipeline_stages_call,
+        check=_none,
+    ),
+    Hook(
+        "num_stages_cap",
+        V,
+        "compiler.parse_options",
+        "no cap",
+        "int >= 1: the most software-pipelining stages the backend supports; larger requests are clamped",
+        check=_int_at_least(1),
+    ),
     # -- runtime --
-    Hook("get_pruned_configs", F, "autotuner.prune_configs", "all configs",
-         "(configs: list[Config], named_args: dict) -> list[Config]: drop configs the backend cannot run",
-         signature=prune_configs_call, check=_is(list, tuple)),
-    Hook("do_bench", F, "testing.do_bench", "triton.testing.do_bench",
-         "(fn, warmup, rep, ...) -> float | list: the backend's timing routine", signature=do_bench_call,
-         check=_timings),
-    Hook("get_cc", F, "runtime.build", "$CC, then clang, then gcc",
-         "() -> str | None: the host C compiler for launcher stubs", signature=host_compiler_call,
-         check=_is(str, none=True)),
+    Hook(
+        "get_pruned_configs",
+        F,
+        "autotuner.prune_configs",
+        "all configs",
+        "(configs: list[Config], named_args: dict) -> list[Config]: drop configs the backend cannot run",
+        signature=prune_configs_call,
+        check=_is(list, tuple),
+    ),
+    Hook(
+        "do_bench",
+        F,
+        "testing.do_bench",
+        "triton.testing.do_bench",
+        "(fn, warmup, rep, ...) -> float | list: the backend's timing routine",
+        signature=do_bench_call,
+        check=_timings,
+    ),
+    Hook(
+        "get_cc",
+        F,
+        "runtime.build",
+        "$CC, then clang, then gcc",
+        "() -> str | None: the host C compiler for launcher stubs",
+        signature=host_compiler_call,
+        check=_is(str, none=True),
+    ),
     # -- interpreter (TRITON_INTERPRET=1) --
-    Hook("interpreter_libdevice", V, "interpreter.libdevice", "extern calls raise NotImplementedError",
-         "module: numpy-backed libdevice functions for interpreted kernels (or a function returning it, "
-         "so the module loads only when a kernel is interpreted)", check=_is(types.ModuleType),
-         interpreter_only="compiled kernels call the target's own libdevice"),
+    Hook(
+        "interpreter_libdevice",
+        V,
+        "interpreter.libdevice",
+        "extern calls raise NotImplementedError",
+        "module: numpy-backed libdevice functions for interpreted kernels (or a function returning it, "
+        "so the module loads only when a kernel is interpreted)",
+        check=_is(types.ModuleType),
+        interpreter_only="compiled kernels call the target's own libdevice",
+    ),
     # -- tritonspec kernels (ops ask the backend for launch parameters) --
-    Hook("kernel_config", F, "tritonspec.launch_config", "the kernel's own heuristic",
-         "(kernel: str, *, device, **problem) -> dict | None: the launch parameters (tile sizes, num_warps, "
-         "num_stages, flags) to override for a tritonspec kernel on that torch device; checked against the "
-         "kernel's LaunchConfig type (tritonspec.launch.ConfigTable writes it as a table by kernel)",
-         signature=launch_config_call, check=_is(dict, none=True)),
-    Hook("attention_forward", F, "tritonspec.ops.attention", "the portable Triton forward kernel",
-         "(q, k, v, o, lse, causal: bool, scale: float) -> bool: run the backend's own forward kernel, writing o "
-         "and lse (base-2 logsumexp of the scaled scores per row, padded rows already +inf); False keeps the "
-         "portable kernel", signature=attention_forward_call, check=_BOOL),
-    Hook("attention_backward", F, "tritonspec.ops.attention", "the portable Triton backward kernels",
-         "(q, k, v, do, dqa, dk, dv, lse, delta, causal: bool, scale: float) -> bool: run the backend's own "
-         "backward, adding dQ into dqa (zeroed fp32, head dim padded to a power of two; the op converts it) "
-         "and writing dk and dv (lse and delta = rowsum(dO * O) per q row, padded rows +inf and 0); False "
-         "keeps the portable kernels", signature=attention_backward_call, check=_BOOL),
+    Hook(
+        "kernel_config",
+        F,
+        "tritonspec.launch_config",
+        "the kernel's own heuristic",
+        "(kernel: str, *, device, **problem) -> dict | None: the launch parameters (tile sizes, num_warps, "
+        "num_stages, flags) to override for a tritonspec kernel on that torch device; checked against the "
+        "kernel's LaunchConfig type (tritonspec.launch.ConfigTable writes it as a table by kernel)",
+        signature=launch_config_call,
+        check=_is(dict, none=True),
+    ),
+    Hook(
+        "attention_forward",
+        F,
+        "tritonspec.ops.attention",
+        "the portable Triton forward kernel",
+        "(q, k, v, o, lse, causal: bool, scale: float) -> bool: run the backend's own forward kernel, writing o "
+        "and lse (base-2 logsumexp of the scaled scores per row, padded rows already +inf); False keeps the "
+        "portable kernel",
+        signature=attention_forward_call,
+        check=_BOOL,
+    ),
+    Hook(
+        "attention_backward",
+        F,
+        "tritonspec.ops.attention",
+        "the portable Triton backward kernels",
+        "(q, k, v, do, dqa, dk, dv, lse, delta, causal: bool, scale: float) -> bool: run the backend's own "
+        "backward, adding dQ into dqa (zeroed fp32, head dim padded to a power of two; the op converts it) "
+        "and writing dk and dv (lse and delta = rowsum(dO * O) per q row, padded rows +inf and 0); False "
+        "keeps the portable kernels",
+        signature=attention_backward_call,
+        check=_BOOL,
+    ),
 )
 
 # FlagTree's injector lists: each names functions the spec module also defines.
@@ -222,6 +304,7 @@ SEMANTIC_PREFIX = "ext_semantic_"
 
 def suggest(name: str, candidates) -> str:
     import difflib  # only on an error path
+
     close = difflib.get_close_matches(name, list(candidates), n=3, cutoff=0.6)
     return f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
 
@@ -266,16 +349,21 @@ def validate_spec_module(backend: str, module) -> None:
             if names is None:
                 continue
             if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) and n for n in names):
-                raise SpecError(f"backend {backend!r}: {module.__name__}.{list_name} must be a list of names, "
-                                f"got {_got(names)}")
+                raise SpecError(
+                    f"backend {backend!r}: {module.__name__}.{list_name} must be a list of names, got {_got(names)}"
+                )
             for fn_name in names:
                 attr = SEMANTIC_PREFIX + fn_name if group == "semantic" else fn_name
                 if not hasattr(module, attr):
-                    raise SpecError(f"backend {backend!r}: {list_name} names {fn_name!r} but the spec module "
-                                    f"{module.__name__} defines no {attr!r}")
+                    raise SpecError(
+                        f"backend {backend!r}: {list_name} names {fn_name!r} but the spec module "
+                        f"{module.__name__} defines no {attr!r}"
+                    )
                 if not callable(getattr(module, attr)):
-                    raise SpecError(f"backend {backend!r}: {list_name} names {fn_name!r} but "
-                                    f"{module.__name__}.{attr} is not a function")
+                    raise SpecError(
+                        f"backend {backend!r}: {list_name} names {fn_name!r} but "
+                        f"{module.__name__}.{attr} is not a function"
+                    )
     listed = set(injected(module))
     for name in spec_module_exports(module):
         if not hasattr(module, name):
@@ -285,5 +373,7 @@ def validate_spec_module(backend: str, module) -> None:
             if error is not None:
                 raise error
         elif name not in LIST_NAMES and name not in listed and name != BACKEND_INFO:
-            raise SpecError(f"backend {backend!r}: spec module {module.__name__} exports {name!r}, which is not a "
-                            f"declared hook{suggest(name, list(HOOKS) + sorted(LIST_NAMES))}")
+            raise SpecError(
+                f"backend {backend!r}: spec module {module.__name__} exports {name!r}, which is not a "
+                f"declared hook{suggest(name, list(HOOKS) + sorted(LIST_NAMES))}"
+            )

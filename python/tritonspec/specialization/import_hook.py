@@ -4,6 +4,7 @@ This makes activation safe from inside ``import triton`` (our backends' entry po
 Triton's backend discovery): a point whose module is not imported yet, or is mid-import, installs
 the moment that module is complete.
 """
+
 from __future__ import annotations
 
 import importlib.abc

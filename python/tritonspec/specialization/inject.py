@@ -10,6 +10,7 @@ thread. So the code that reads them, a kernel's code generation and an interpret
 ``applied(spec)``: the lock, with that spec's injections in place. Outside kernels, ``tl`` shows the
 injections of the most recent selection change in any thread.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,6 +28,7 @@ _applied_spec = None  # the spec module whose injections are in place
 def _targets(group: str, replace: bool):
     import triton.language as tl
     from triton.language import core, math, semantic, standard
+
     if group == "core":
         return [tl, core]
     if group == "math":
@@ -48,12 +50,16 @@ def _inject(spec, group: str) -> None:
             targets = _targets(group, replace)
             primary = targets[-1]
             if replace and not hasattr(primary, name):
-                raise SpecError(f"{spec.__name__}.{list_name}: {name!r} does not exist in {_where(primary)}; "
-                                f"new names go in {group}_ext_spec_func_list")
+                raise SpecError(
+                    f"{spec.__name__}.{list_name}: {name!r} does not exist in {_where(primary)}; "
+                    f"new names go in {group}_ext_spec_func_list"
+                )
             for ns in targets:
                 if hasattr(ns, name) and not replace and not _applied.touched(ns, name):
-                    raise SpecError(f"{spec.__name__}.{list_name}: {name!r} already exists in {_where(ns)}; list it "
-                                    f"in {group}_ext_base_func_list to replace the mainline one")
+                    raise SpecError(
+                        f"{spec.__name__}.{list_name}: {name!r} already exists in {_where(ns)}; list it "
+                        f"in {group}_ext_base_func_list to replace the mainline one"
+                    )
                 with _lock:
                     _applied.set(ns, name, func)
 

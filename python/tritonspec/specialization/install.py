@@ -4,6 +4,7 @@ Points (``points``) install when their Triton module finishes importing (``impor
 activating works before, during and after ``import triton``. A point that cannot apply never breaks
 the import: its outcome is in ``STATUS``, which ``tritonspec check`` reports.
 """
+
 from __future__ import annotations
 
 import sys
@@ -16,8 +17,9 @@ from .resolve import on_selection_change
 
 _active = False
 # every area's points, in install order
-INSTALL_POINTS: tuple[InstallPoint, ...] = (language.POINTS + compiler.POINTS + runtime.POINTS + jit_caches.POINTS
-                                             + interpreter.POINTS)
+INSTALL_POINTS: tuple[InstallPoint, ...] = (
+    language.POINTS + compiler.POINTS + runtime.POINTS + jit_caches.POINTS + interpreter.POINTS
+)
 
 # outcome per point: "installed", "pending" (module not imported yet), "n/a: ..." or "failed: ..."
 STATUS: dict[str, str] = {}
@@ -25,6 +27,7 @@ STATUS: dict[str, str] = {}
 
 def _version() -> tuple[int, int]:
     import triton
+
     major, minor = triton.__version__.split(".")[:2]
     return int(major), int(minor)
 

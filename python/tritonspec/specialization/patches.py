@@ -3,13 +3,13 @@
 Used for both the hook points (install.py) and the tl injections (inject.py): "deactivating
 restores the exact original objects" is this class's one job.
 """
+
 from __future__ import annotations
 
 _MISSING = object()
 
 
 class PatchLog:
-
     def __init__(self):
         self._entries: list[tuple[object, str, object]] = []
 

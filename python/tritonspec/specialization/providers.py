@@ -24,6 +24,7 @@ The allow-list is read once, when a provider is first needed (set it before the 
 
 ``tritonspec check`` lists every provider with its distribution, and every conflict.
 """
+
 from __future__ import annotations
 
 import ast
@@ -63,13 +64,16 @@ class Provider:
         validate_spec_module(self.backend, self.module)
         info = getattr(self.module, BACKEND_INFO, None)
         if info is not None and not isinstance(info, BackendInfo):
-            raise SpecError(f"backend {self.backend!r}: {self.module.__name__}.{BACKEND_INFO} must be a "
-                            f"tritonspec.BackendInfo, got {type(info).__name__}")
+            raise SpecError(
+                f"backend {self.backend!r}: {self.module.__name__}.{BACKEND_INFO} must be a "
+                f"tritonspec.BackendInfo, got {type(info).__name__}"
+            )
         self.info = info or BackendInfo()
         self.exports = frozenset(spec_module_exports(self.module))
         exposed = {name: getattr(self.module, name) for name in self.exports}
         exposed.update(injected(self.module))
         from . import fingerprint  # providers are created on first use, not when triton is imported
+
         self.digest = fingerprint.digest(self.backend, self.module, exposed)
 
     @property
@@ -93,6 +97,7 @@ class Provider:
 class AllowList:
     """``TRITONSPEC_ALLOWED_BACKENDS`` parsed: None allows every backend; a name maps to the distributions
     it is pinned to (empty: any distribution)."""
+
     names: dict | None
 
     @classmethod
@@ -105,7 +110,9 @@ class AllowList:
                 continue
             name, _, dist = (s.strip() for s in item.partition("="))
             if not name or ("=" in item and not dist):
-                raise SpecError(f"{settings.ALLOWED_BACKENDS.shown()}: entry {item!r} must be 'name' or 'name=distribution'")
+                raise SpecError(
+                    f"{settings.ALLOWED_BACKENDS.shown()}: entry {item!r} must be 'name' or 'name=distribution'"
+                )
             pins = names.setdefault(name, set())
             if dist:
                 pins.add(normalize(dist))
@@ -126,6 +133,7 @@ class AllowList:
 @dataclass(frozen=True)
 class Candidate:
     """One ``tritonspec.specs`` entry point, not imported, with the distribution that declares it."""
+
     name: str
     value: str  # the module path
     distribution: str | None
@@ -175,13 +183,17 @@ class ProviderRegistry:
             raise TypeError(f"register_spec: module must be a module, got {type(module).__name__}")
         allow = self.allow_list()
         if allow.pinned(backend):
-            raise SpecError(f"register_spec: backend {backend!r} is pinned to distribution "
-                            f"{' or '.join(sorted(allow.names[backend]))} by {settings.ALLOWED_BACKENDS.shown()}: "
-                            f"its spec comes from that distribution's {ENTRY_POINT_GROUP} entry point only, "
-                            f"not from module {module.__name__} registered at run time")
+            raise SpecError(
+                f"register_spec: backend {backend!r} is pinned to distribution "
+                f"{' or '.join(sorted(allow.names[backend]))} by {settings.ALLOWED_BACKENDS.shown()}: "
+                f"its spec comes from that distribution's {ENTRY_POINT_GROUP} entry point only, "
+                f"not from module {module.__name__} registered at run time"
+            )
         if not allow.allows(backend, None):
-            raise SpecError(f"register_spec: backend {backend!r} (module {module.__name__}) is not allowed by "
-                            f"{settings.ALLOWED_BACKENDS.shown()}")
+            raise SpecError(
+                f"register_spec: backend {backend!r} (module {module.__name__}) is not allowed by "
+                f"{settings.ALLOWED_BACKENDS.shown()}"
+            )
         provider = Provider(backend, module, None, origin)
         with self._lock:
             self._registered[backend] = provider
@@ -212,6 +224,7 @@ class ProviderRegistry:
         ``tritonspec`` could hide the real one's providers); identical declarations are one candidate."""
         if self._entry_points is None:
             from importlib.metadata import distributions
+
             found: dict[str, list] = {}
             index: dict[tuple, int] = {}  # (name, value, distribution) -> its place in found[name]
             projects: dict[str, dict] = {}  # distribution name -> {its declarations: [where installed]}
@@ -246,10 +259,14 @@ class ProviderRegistry:
         who = " and ".join(f"{c.label} ({c.value})" for c in found)
         names = [normalize(c.distribution or "") for c in found]
         if len(set(names)) < len(names):
-            return (f"backend {backend!r} has {len(found)} spec providers: {who}; distributions of one name cannot "
-                    "be told apart by a pin: uninstall the one that is not meant")
-        return (f"backend {backend!r} has {len(found)} spec providers: {who}; pick one with "
-                f"{settings.ALLOWED_BACKENDS.name}={backend}=<distribution>")
+            return (
+                f"backend {backend!r} has {len(found)} spec providers: {who}; distributions of one name cannot "
+                "be told apart by a pin: uninstall the one that is not meant"
+            )
+        return (
+            f"backend {backend!r} has {len(found)} spec providers: {who}; pick one with "
+            f"{settings.ALLOWED_BACKENDS.name}={backend}=<distribution>"
+        )
 
     def pin_problem(self, backend: str, candidate: Candidate) -> str | None:
         """Why ``candidate``, pinned by the allow-list, may not be its distribution's own code; else None.
@@ -260,18 +277,24 @@ class ProviderRegistry:
         self.entry_points()
         projects = self._projects.get(normalize(candidate.distribution or ""), {})
         if len(projects) > 1:
-            where = "; ".join(f"at {', '.join(places)}: {', '.join(sorted(f'{n} = {v}' for n, v in declared))}"
-                              for declared, places in projects.items())
-            return (f"{len(projects)} different installed distributions are named {candidate.distribution!r} "
-                    f"({where}); the pin cannot tell which one is meant")
+            where = "; ".join(
+                f"at {', '.join(places)}: {', '.join(sorted(f'{n} = {v}' for n, v in declared))}"
+                for declared, places in projects.items()
+            )
+            return (
+                f"{len(projects)} different installed distributions are named {candidate.distribution!r} "
+                f"({where}); the pin cannot tell which one is meant"
+            )
         files = _import_files(candidate.value)
         if files is None:
             return f"module {candidate.value} cannot be found"
         owned = [_owned(dist) for dist in candidate.dists]
         for path in files:
             if not any(_owns(found, path) for found in owned):
-                return (f"{path} (imported for {candidate.value}) is not a file of distribution {candidate.label}: "
-                        "neither in its RECORD nor in its editable source")
+                return (
+                    f"{path} (imported for {candidate.value}) is not a file of distribution {candidate.label}: "
+                    "neither in its RECORD nor in its editable source"
+                )
         return None
 
     def get(self, backend: str | None) -> Provider | None:
@@ -298,8 +321,10 @@ class ProviderRegistry:
                 if key not in self._loaded:
                     problem = self.pin_problem(backend, found[0])
                     if problem is not None:
-                        raise SpecError(f"backend {backend!r}: refusing the provider {found[0].value} of "
-                                        f"{found[0].label} pinned by {settings.ALLOWED_BACKENDS.name}: {problem}")
+                        raise SpecError(
+                            f"backend {backend!r}: refusing the provider {found[0].value} of "
+                            f"{found[0].label} pinned by {settings.ALLOWED_BACKENDS.name}: {problem}"
+                        )
                     module = importlib.import_module(found[0].value)
                     self._loaded[key] = Provider(backend, module, key[1], "entry point")
                 provider = self._loaded[key]
@@ -324,14 +349,17 @@ def _import_files(name: str) -> list[str] | None:
     found without importing anything; None if it cannot be found."""
     files, search, parts = [], None, name.split(".")
     for i in range(len(parts)):
-        full = ".".join(parts[:i + 1])
+        full = ".".join(parts[: i + 1])
         module = sys.modules.get(full)
         if module is not None:
             origin, search = getattr(module, "__file__", None), getattr(module, "__path__", None)
         else:
             try:
-                spec = (importlib.util.find_spec(full) if i == 0 or ".".join(parts[:i]) in sys.modules
-                        else importlib.machinery.PathFinder.find_spec(full, list(search or [])))
+                spec = (
+                    importlib.util.find_spec(full)
+                    if i == 0 or ".".join(parts[:i]) in sys.modules
+                    else importlib.machinery.PathFinder.find_spec(full, list(search or []))
+                )
             except (ImportError, ValueError):
                 spec = None
             if spec is None:
@@ -373,8 +401,11 @@ def _finder_mapping(path: str) -> list[str]:
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read(), path)
     for node in tree.body:
-        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign)
-                                                                      and len(node.targets) == 1 else None)
+        target = (
+            node.target
+            if isinstance(node, ast.AnnAssign)
+            else (node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
+        )
         if isinstance(target, ast.Name) and target.id == "MAPPING" and node.value is not None:
             try:
                 mapping = ast.literal_eval(node.value)

@@ -12,6 +12,7 @@ Resolution order:
 Which backend a compile target or a torch device type belongs to is read from the backends' own
 declarations (``BackendInfo``), never spelled here.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,8 +28,7 @@ from .providers import PROVIDERS, Provider
 # use_backend's stack, per thread and per async task: a selection never leaks into another thread.
 _selection: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("tritonspec_selection", default=())
 _default: str | None = settings.DEFAULT_BACKEND.get()  # the process-wide default selection
-_compile_target: contextvars.ContextVar[str | None] = contextvars.ContextVar("tritonspec_compile_target",
-                                                                              default=None)
+_compile_target: contextvars.ContextVar[str | None] = contextvars.ContextVar("tritonspec_compile_target", default=None)
 _driver_providers: dict[int, Provider] = {}
 _selection_listeners: list = []
 
@@ -38,6 +38,7 @@ class SpecHookError(RuntimeError):
 
 
 # -- selection ------------------------------------------------------------------------------------
+
 
 def explicit_backend() -> str | None:
     """The backend selected in this thread / task, else the process-wide default, else None."""
@@ -101,12 +102,16 @@ def _check_selectable(caller: str, name) -> None:
     if PROVIDERS.get(name) is None:
         installed = PROVIDERS.entry_points().get(name, [])
         if installed:
-            raise SpecError(f"{caller}: backend {name!r} (entry point of {installed[0].label}) is not allowed by "
-                            f"{settings.ALLOWED_BACKENDS.shown()}")
-        selectable = [n for n in PROVIDERS.names() if PROVIDERS.conflict(n) or PROVIDERS.candidates(n)
-                      or n in PROVIDERS._registered]
-        raise SpecError(f"{caller}: no spec registered for backend {name!r}; "
-                        f"known: {', '.join(selectable) or 'none'}")
+            raise SpecError(
+                f"{caller}: backend {name!r} (entry point of {installed[0].label}) is not allowed by "
+                f"{settings.ALLOWED_BACKENDS.shown()}"
+            )
+        selectable = [
+            n
+            for n in PROVIDERS.names()
+            if PROVIDERS.conflict(n) or PROVIDERS.candidates(n) or n in PROVIDERS._registered
+        ]
+        raise SpecError(f"{caller}: no spec registered for backend {name!r}; known: {', '.join(selectable) or 'none'}")
 
 
 @contextlib.contextmanager
@@ -161,8 +166,12 @@ def _loadable_providers() -> dict[str, Provider]:
         try:
             provider = None if PROVIDERS.conflict(name) else PROVIDERS.get(name)
         except Exception as e:  # a broken provider must not take every other backend down with it
-            warnings.warn(f"tritonspec: spec provider {name!r} failed to load ({type(e).__name__}: {e}); "
-                          "its compile targets and device types are ignored", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"tritonspec: spec provider {name!r} failed to load ({type(e).__name__}: {e}); "
+                "its compile targets and device types are ignored",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             continue
         if provider is not None:
             found[name] = provider
@@ -175,8 +184,10 @@ def backend_for_target(target_backend: str) -> str:
     if not claimants:
         return target_backend
     if len(claimants) > 1:
-        raise SpecError(f"Triton target {target_backend!r} is claimed by backends {', '.join(claimants)}; "
-                        f"keep one with {settings.ALLOWED_BACKENDS.name}")
+        raise SpecError(
+            f"Triton target {target_backend!r} is claimed by backends {', '.join(claimants)}; "
+            f"keep one with {settings.ALLOWED_BACKENDS.name}"
+        )
     return claimants[0]
 
 
@@ -185,6 +196,7 @@ def _torch_target(device_type: str) -> str | None:
     if device_type != "cuda":
         return None
     import torch
+
     return "hip" if getattr(torch.version, "hip", None) else "cuda"
 
 
@@ -200,8 +212,10 @@ def _backend_of_device_type(device_type: str) -> str:
             target = _torch_target(device_type)
             by_target = [b for b in claimants if target in PROVIDERS.get(b).info.targets]
             if len(by_target) != 1:
-                raise SpecError(f"device type {device_type!r} is claimed by backends {', '.join(claimants)}; "
-                                f"keep one with {settings.ALLOWED_BACKENDS.name}")
+                raise SpecError(
+                    f"device type {device_type!r} is claimed by backends {', '.join(claimants)}; "
+                    f"keep one with {settings.ALLOWED_BACKENDS.name}"
+                )
             claimants = by_target
         hit = claimants[0] if claimants else device_type
         if len(_device_backends) > 64:
@@ -256,8 +270,9 @@ def active_provider(target_backend: str | None = None) -> Provider | None:
     if module is not None:  # FlagTree-style driver.spec
         key = id(module)
         if key not in _driver_providers:
-            _driver_providers[key] = Provider(backend or type(drv).__name__, module, None,
-                                              f"driver {type(drv).__name__}")
+            _driver_providers[key] = Provider(
+                backend or type(drv).__name__, module, None, f"driver {type(drv).__name__}"
+            )
         return _driver_providers[key]
     return None
 
@@ -337,8 +352,9 @@ def value(name: str, backend: str | None = None, target_backend: str | None = No
         try:
             obj = obj()
         except Exception as e:
-            raise SpecHookError(f"backend {provider.backend!r} spec hook {name!r} raised {type(e).__name__}: "
-                                f"{e}") from e
+            raise SpecHookError(
+                f"backend {provider.backend!r} spec hook {name!r} raised {type(e).__name__}: {e}"
+            ) from e
     error = hook.value_error(provider.backend, obj)
     if error is not None:
         raise error
@@ -365,4 +381,3 @@ def spec(name: str, *args, **kwargs):
         return value(name)
     fn = lookup(name)
     return None if fn is None else fn(*args, **kwargs)
-

@@ -7,6 +7,7 @@ need) and the kernel records the missing tool, so *launching* it fails with an e
 We have no CANN toolchain, so the toolchain invocation below (``bishengir-compile <ttir> -o <out>``
 plus ``$TRITONSPEC_ASCEND_COMPILE_FLAGS``) is untested.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -94,6 +95,7 @@ class AscendBackend(BaseBackend):
 
     def get_module_map(self):
         from tritonspec_backends.ascend.language.ascend import libdevice
+
         return {"triton.language.extra.libdevice": libdevice}
 
     def load_dialects(self, ctx):
@@ -126,6 +128,7 @@ class AscendBackend(BaseBackend):
             metadata["not_built"] = f"{TOOLCHAIN} not on PATH"  # what `tritonspec check` reports
             return b""
         from .settings import COMPILE_FLAGS
+
         with tempfile.TemporaryDirectory() as tmp:
             ttir, out = os.path.join(tmp, "kernel.ttir"), os.path.join(tmp, "kernel.o")
             with open(ttir, "w") as f:
@@ -143,10 +146,10 @@ class AscendBackend(BaseBackend):
         stages["ttir"] = lambda src, metadata: self.make_ttir(src, metadata, options)
         stages["npubin"] = lambda src, metadata: self.make_npubin(src, metadata, options)
         from triton import knobs
+
         hook = getattr(knobs.runtime, "add_stages_inspection_hook", None)
         if hook is not None:
             hook(self, stages, options, language, None)
-
 
 
 def _kernel_name(ttir: str) -> str:
@@ -159,4 +162,5 @@ def _kernel_name(ttir: str) -> str:
 def _source_digest() -> str:
     """Every .py file of the ascend package (backend, spec, libdevice), so editing any recompiles."""
     from tritonspec.specialization.fingerprint import source_digest
+
     return source_digest(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -13,6 +13,7 @@ CUDA driver must not also count:
 - triton 3.6 has no such knob: call ``driver.activate()`` (it does
   ``triton.runtime.driver.driver.set_active(IluvatarDriver())``) before the first launch.
 """
+
 import os
 
 # Triton first: imported from here, Triton's backend discovery loads our compiler / driver modules

@@ -8,6 +8,7 @@ part of Triton's cache key so iluvatar and cuda binaries never mix. The arch is 
 compute capability because the emulation runs on NVIDIA GPUs; the real CoreX toolchain is not
 used (see the spec's ``backend_info``).
 """
+
 import os
 
 from triton.backends.nvidia import compiler as _nvidia_compiler
@@ -16,7 +17,6 @@ TARGET_BACKEND = "iluvatar"
 
 
 class IluvatarBackend(_nvidia_compiler.CUDABackend):
-
     @staticmethod
     def supports_target(target):
         return target.backend == TARGET_BACKEND
@@ -29,8 +29,8 @@ class IluvatarBackend(_nvidia_compiler.CUDABackend):
         return f"{TARGET_BACKEND}-{_source_digest()}-{super().hash()}"
 
 
-
 def _source_digest() -> str:
     """Every .py file of the iluvatar package (backend, spec, libdevice), so editing any recompiles."""
     from tritonspec.specialization.fingerprint import source_digest
+
     return source_digest(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -4,6 +4,7 @@
 ``TRITON_DEFAULT_BACKEND`` = ``iluvatar``, or an enclosing ``tritonspec.use_backend("iluvatar")``)
 and a CUDA GPU is present; see the package docstring for how the CUDA driver stops counting.
 """
+
 import os
 
 from triton.backends.compiler import GPUTarget
@@ -25,7 +26,6 @@ def selected() -> bool:
 
 
 class IluvatarDriver(_nvidia_driver.CudaDriver):
-
     @staticmethod
     def is_active():
         return selected() and _nvidia_driver.CudaDriver.is_active()
@@ -41,6 +41,7 @@ def activate():
     Needed on triton 3.6, which cannot be told to skip the CUDA driver; harmless on later ones.
     """
     from triton.runtime.driver import driver
+
     previous = driver._active
     driver.set_active(IluvatarDriver())
     return previous

@@ -4,6 +4,7 @@ Triton imports this package during backend discovery (entry point ``triton.backe
 nothing here touches a device. Select it with ``tritonspec.use_backend("toyvendor")`` (or
 ``TRITONSPEC_DEFAULT_BACKEND=toyvendor``); compiles for a toyvendor target get its spec without selection.
 """
+
 import os
 
 # Triton first: imported from here, discovery loads our compiler / driver modules whole (imported

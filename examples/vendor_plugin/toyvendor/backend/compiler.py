@@ -5,6 +5,7 @@ The target name is what tritonspec resolves a compile's spec from, so every comp
 Only the module is imported from the nvidia backend: Triton's discovery wants exactly one
 concrete BaseBackend subclass in this module's namespace.
 """
+
 import functools
 import hashlib
 import pathlib
@@ -15,7 +16,6 @@ TARGET_BACKEND = "toyvendor"
 
 
 class ToyVendorBackend(_nvidia.CUDABackend):
-
     @staticmethod
     def supports_target(target):
         return target.backend == TARGET_BACKEND

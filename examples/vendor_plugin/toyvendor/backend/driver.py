@@ -3,6 +3,7 @@
 Unselected, it never counts as a second active driver next to CUDA's. Selected in a CUDA process,
 set ``TRITON_DEFAULT_BACKEND=toyvendor`` (triton >= 3.7) so Triton creates only this driver.
 """
+
 import os
 
 from triton.backends.compiler import GPUTarget
@@ -23,7 +24,6 @@ def selected() -> bool:
 
 
 class ToyVendorDriver(_nvidia.CudaDriver):
-
     @staticmethod
     def is_active():
         return selected() and _nvidia.CudaDriver.is_active()

@@ -23,14 +23,29 @@ other than 1, partial rotary, experts in another dtype than their input, a post-
 run the original Hugging Face formula (for the experts, transformers' ``grouped_mm``), so a replaced layer
 never changes results, only speed.
 """
+
 import importlib
 
 import torch
 from torch import nn
 
-__all__ = ["RMSNorm", "SwiGLUMLP", "RotaryPosEmb", "MoEExperts", "MoERouter", "DecoderLayer", "CausalLMLoss",
-           "MoeCausalLMLoss", "rms_norm", "swiglu_mlp", "rotary_pos_emb", "moe_router", "decoder_layer",
-           "causal_lm_loss", "causal_lm_forward"]
+__all__ = [
+    "RMSNorm",
+    "SwiGLUMLP",
+    "RotaryPosEmb",
+    "MoEExperts",
+    "MoERouter",
+    "DecoderLayer",
+    "CausalLMLoss",
+    "MoeCausalLMLoss",
+    "rms_norm",
+    "swiglu_mlp",
+    "rotary_pos_emb",
+    "moe_router",
+    "decoder_layer",
+    "causal_lm_loss",
+    "causal_lm_forward",
+]
 
 
 _IMPORTED: dict = {}
@@ -80,17 +95,23 @@ def _fusable_norm(norm) -> bool:
     ``variance_epsilon``, runs its class forward or our ``RMSNorm`` layer's (not another kernel someone mapped
     to it), and has no hooks that calling it would fire (FSDP2 unsharding its weight, activation capture)."""
     forward = norm.__dict__.get("forward")
-    return (isinstance(getattr(norm, "weight", None), torch.Tensor)
-            and isinstance(getattr(norm, "variance_epsilon", None), float)
-            and (forward is None or getattr(forward, "__func__", None) is RMSNorm.forward)
-            and not (norm._forward_hooks or norm._forward_pre_hooks))
+    return (
+        isinstance(getattr(norm, "weight", None), torch.Tensor)
+        and isinstance(getattr(norm, "variance_epsilon", None), float)
+        and (forward is None or getattr(forward, "__func__", None) is RMSNorm.forward)
+        and not (norm._forward_hooks or norm._forward_pre_hooks)
+    )
 
 
 def _add_post_norm(norm, x, residual):
     """``(norm(residual + x), residual + x)``: one ``add_rms_norm`` (Liger's fused add + RMSNorm) where ``norm``
     allows it (``_fusable_norm``) and the Triton op takes the tensors, else the add and a call of ``norm``."""
-    if (_fusable_norm(norm) and x.shape == residual.shape and x.dtype == residual.dtype
-            and _triton_runs(x, residual, norm.weight)):
+    if (
+        _fusable_norm(norm)
+        and x.shape == residual.shape
+        and x.dtype == residual.dtype
+        and _triton_runs(x, residual, norm.weight)
+    ):
         return _tritonspec("ops.rms_norm", "add_rms_norm")(x, residual, norm.weight, norm.variance_epsilon)
     residual = residual + x
     return norm(residual), residual
@@ -121,8 +142,14 @@ def causal_lm_loss(model, hidden, labels, num_items_in_batch=None, ignore_index=
         shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     head = model.lm_head
     return _tritonspec("ops.linear_cross_entropy", "linear_cross_entropy")(
-        hidden, head.weight, shift_labels.to(hidden.device), bias=head.bias, ignore_index=ignore_index,
-        softcap=getattr(model.config, "final_logit_softcapping", None), num_items_in_batch=num_items_in_batch)
+        hidden,
+        head.weight,
+        shift_labels.to(hidden.device),
+        bias=head.bias,
+        ignore_index=ignore_index,
+        softcap=getattr(model.config, "final_logit_softcapping", None),
+        num_items_in_batch=num_items_in_batch,
+    )
 
 
 def swiglu_mlp(module, x):
@@ -139,7 +166,7 @@ def swiglu_mlp(module, x):
 
 def _rotate_half(x):
     x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2:]
+    x2 = x[..., x.shape[-1] // 2 :]
     return torch.cat((-x2, x1), dim=-1)
 
 
@@ -151,8 +178,15 @@ def _rotary_eager(q, k, cos, sin, unsqueeze_dim=1):
 
 def rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     """HF ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``; q, k are (batch, heads, seq, head_dim)."""
-    if (unsqueeze_dim != 1 or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3
-            or q.shape[-1] != cos.shape[-1] or q.dtype != k.dtype or not _triton_runs(q, k, cos, sin)):
+    if (
+        unsqueeze_dim != 1
+        or q.dim() != 4
+        or k.dim() != 4
+        or cos.dim() != 3
+        or q.shape[-1] != cos.shape[-1]
+        or q.dtype != k.dtype
+        or not _triton_runs(q, k, cos, sin)
+    ):
         # Partial rotary (cos narrower than head_dim) and other layouts stay on the reference formula.
         return _rotary_eager(q, k, cos, sin, unsqueeze_dim)
     return _tritonspec("ops.rope", "rope")(q, k, cos, sin)
@@ -169,9 +203,15 @@ def moe_router(module, hidden_states, kind):
         x, weight, bias = x.float(), weight.float(), None if bias is None else bias.float()
     logits = torch.nn.functional.linear(x, weight, bias)
     weights, ids = _tritonspec("ops.moe_routing", "moe_route")(
-        logits, kind.top_k, scoring=kind.scoring, renormalize=kind.renormalize,
-        correction_bias=module.e_score_correction_bias if kind.correction_bias else None, n_group=kind.n_group,
-        topk_group=kind.topk_group, scaling_factor=kind.scaling_factor)
+        logits,
+        kind.top_k,
+        scoring=kind.scoring,
+        renormalize=kind.renormalize,
+        correction_bias=module.e_score_correction_bias if kind.correction_bias else None,
+        n_group=kind.n_group,
+        topk_group=kind.topk_group,
+        scaling_factor=kind.scaling_factor,
+    )
     return logits, weights if kind.float32_weights else weights.to(logits.dtype), ids
 
 
@@ -224,8 +264,7 @@ class MoEExperts(nn.Module):
     can_torch_compile = True
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        return _tritonspec("nn.experts", "tritonspec_experts_forward")(self, hidden_states, top_k_index,
-                                                                        top_k_weights)
+        return _tritonspec("nn.experts", "tritonspec_experts_forward")(self, hidden_states, top_k_index, top_k_weights)
 
 
 class MoERouter(nn.Module):
@@ -266,16 +305,28 @@ class DecoderLayer(nn.Module):
     has_backward = True
     can_torch_compile = True
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
-                position_embeddings=None, **kwargs):
-        attn_kwargs = dict(attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache,
-                           position_embeddings=position_embeddings, **kwargs)
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        use_cache=False,
+        position_embeddings=None,
+        **kwargs,
+    ):
+        attn_kwargs = dict(
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
         if past_key_values is not None:  # given by name only where the model's layers call it that (5.24: cache)
             attn_kwargs["past_key_values"] = past_key_values
         if self.training and getattr(self, "gradient_checkpointing", False):
             return type(self).forward(self, hidden_states, **attn_kwargs)  # by name: how the checkpointer wants them
         return decoder_layer(self, hidden_states, attn_kwargs)
-
 
 
 def _given(kwargs, **named):
@@ -297,9 +348,13 @@ def causal_lm_forward(module, labels, logits_to_keep, kwargs):
     forward is the plain ``loss_function(lm_head(hidden))`` this relies on."""
     original = type(module).forward
     weight = module.lm_head.weight
-    if not (module.training and (labels is not None or kwargs.get("shift_labels") is not None)
-            and "_loss_function" not in module.__dict__  # a loss the user set is theirs to run
-            and getattr(module, "loss_type", None) in (None, "ForCausalLM") and _triton_runs(weight)):
+    if not (
+        module.training
+        and (labels is not None or kwargs.get("shift_labels") is not None)
+        and "_loss_function" not in module.__dict__  # a loss the user set is theirs to run
+        and getattr(module, "loss_type", None) in (None, "ForCausalLM")
+        and _triton_runs(weight)
+    ):
         return original(module, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     hidden = []
     hook = module.get_decoder().register_forward_hook(lambda mod, inputs, out: hidden.append(out[0]))
@@ -324,11 +379,32 @@ class CausalLMLoss(nn.Module):
     has_backward = True
     can_torch_compile = False  # a hook and a loss function swapped per call: the fused op alone compiles
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
-        return causal_lm_forward(self, labels, logits_to_keep, _given(kwargs, input_ids=input_ids,
-                                 attention_mask=attention_mask, position_ids=position_ids,
-                                 past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache))
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        return causal_lm_forward(
+            self,
+            labels,
+            logits_to_keep,
+            _given(
+                kwargs,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                inputs_embeds=inputs_embeds,
+                use_cache=use_cache,
+            ),
+        )
 
 
 class MoeCausalLMLoss(nn.Module):
@@ -340,10 +416,31 @@ class MoeCausalLMLoss(nn.Module):
     has_backward = True
     can_torch_compile = False
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, output_router_logits=None, logits_to_keep=0,
-                **kwargs):
-        return causal_lm_forward(self, labels, logits_to_keep, _given(kwargs, input_ids=input_ids,
-                                 attention_mask=attention_mask, position_ids=position_ids,
-                                 past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                                 output_router_logits=output_router_logits))
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        output_router_logits=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        return causal_lm_forward(
+            self,
+            labels,
+            logits_to_keep,
+            _given(
+                kwargs,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                inputs_embeds=inputs_embeds,
+                use_cache=use_cache,
+                output_router_logits=output_router_logits,
+            ),
+        )

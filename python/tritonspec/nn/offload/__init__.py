@@ -25,6 +25,7 @@ full, and a revert restores them bit for bit as plain contiguous tensors. Everyt
 expert tensor, the checkpoint's files and tensors) is checked before the first layer changes, and an error
 part-way leaves the model as it was.
 """
+
 from __future__ import annotations
 
 import re
@@ -43,8 +44,18 @@ from .offloaded import CPU_COMPUTE, STORAGES, OffloadedExperts, Stats, plan_offl
 
 __all__ = ["offload_experts", "offload_handle", "OffloadHandle", "OffloadedExperts", "parse_bytes"]
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_bytes(value) -> int:
@@ -68,8 +79,9 @@ class OffloadHandle:
 
     def _live(self, what: str) -> None:
         if not self.layers or any(m.store is None for _, m in self.layers):
-            raise RuntimeError(f"offload handle: {what} after the offload was reverted; the statistics went with the "
-                               "offloaded layers")
+            raise RuntimeError(
+                f"offload handle: {what} after the offload was reverted; the statistics went with the offloaded layers"
+            )
 
     def stats(self) -> dict:
         """Totals over the layers: counters of :class:`Stats`, plus ``hit_rate``, ``prefetch_recall`` and
@@ -99,8 +111,10 @@ class OffloadHandle:
             parent_path, _, name = path.rpartition(".")
             parent = self.model.get_submodule(parent_path) if parent_path else self.model
             if not engine.restore(self.model, parent, name) and parent._modules.get(name) is m:
-                raise RuntimeError(f"{path}: the model has no record of this offload (tritonspec.nn.report(model) "
-                                   "lists what it has), so it cannot be reverted")
+                raise RuntimeError(
+                    f"{path}: the model has no record of this offload (tritonspec.nn.report(model) "
+                    "lists what it has), so it cannot be reverted"
+                )
         self.layers = []
 
 
@@ -109,10 +123,19 @@ def offload_handle(model: nn.Module) -> OffloadHandle:
     return OffloadHandle(model)
 
 
-def offload_experts(model: nn.Module, *, gpu_budget: int | str | None = None, experts_per_layer: int | None = None,
-                    storage: str = "cpu", checkpoint: str | Path | None = None, policy: str = "lru",
-                    prefetch: bool = True, cpu_compute="auto", cpu_threads: int | None = None,
-                    device: torch.device | str | None = None) -> OffloadHandle:
+def offload_experts(
+    model: nn.Module,
+    *,
+    gpu_budget: int | str | None = None,
+    experts_per_layer: int | None = None,
+    storage: str = "cpu",
+    checkpoint: str | Path | None = None,
+    policy: str = "lru",
+    prefetch: bool = True,
+    cpu_compute="auto",
+    cpu_threads: int | None = None,
+    device: torch.device | str | None = None,
+) -> OffloadHandle:
     """Offload every fused experts module of ``model``; returns its :class:`OffloadHandle`.
 
     Args:
@@ -149,13 +172,25 @@ def offload_experts(model: nn.Module, *, gpu_budget: int | str | None = None, ex
         per_expert = plans[0].layout.nbytes
         experts_per_layer = budget // (per_expert * len(found))
         if experts_per_layer < 1:
-            raise ValueError(f"gpu_budget: {budget} bytes is less than one expert per layer ({per_expert} bytes per "
-                             f"expert, {len(found)} offloaded layers need {per_expert * len(found)})")
-    rule = {"match": {"kernel": "moe"},
-            "replace": {"class": f"{OffloadedExperts.__module__}.OffloadedExperts",
-                        "kwargs": dict(experts_per_layer=experts_per_layer, storage=storage, checkpoint=checkpoint,
-                                       policy=policy, prefetch=prefetch, cpu_compute=cpu_compute,
-                                       cpu_threads=cpu_threads)}}
+            raise ValueError(
+                f"gpu_budget: {budget} bytes is less than one expert per layer ({per_expert} bytes per "
+                f"expert, {len(found)} offloaded layers need {per_expert * len(found)})"
+            )
+    rule = {
+        "match": {"kernel": "moe"},
+        "replace": {
+            "class": f"{OffloadedExperts.__module__}.OffloadedExperts",
+            "kwargs": dict(
+                experts_per_layer=experts_per_layer,
+                storage=storage,
+                checkpoint=checkpoint,
+                policy=policy,
+                prefetch=prefetch,
+                cpu_compute=cpu_compute,
+                cpu_threads=cpu_threads,
+            ),
+        },
+    }
     made = apply_rules(model, [rule])
     handle = OffloadHandle(model)
     if device is not None:
@@ -190,8 +225,13 @@ def _device(device) -> torch.device | None:
 
 def _move(model: nn.Module, device: torch.device) -> None:
     """``model.to(device)``, all or nothing: when it fails (out of GPU memory) every tensor goes back where it was."""
-    where = [(mod, name, t.device) for mod in model.modules() for tensors in (mod._parameters, mod._buffers)
-             for name, t in tensors.items() if t is not None]
+    where = [
+        (mod, name, t.device)
+        for mod in model.modules()
+        for tensors in (mod._parameters, mod._buffers)
+        for name, t in tensors.items()
+        if t is not None
+    ]
     try:
         model.to(device)
     except BaseException:

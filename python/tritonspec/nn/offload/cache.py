@@ -11,6 +11,7 @@ Slots are allocated once per layer; steady state never allocates. Policies choos
 :func:`simulate` replays a routing trace through a policy and :func:`belady` gives the offline optimum
 (evict the resident needed farthest in the future) on the same trace, so a policy's hit rate has a ceiling.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Sequence
@@ -72,11 +73,11 @@ class SlotCache:
     def placement(self) -> list[int]:
         """The experts the frequency policy pins: the most used, as many as slots minus the spill."""
         ranked = sorted(range(self.num_experts), key=lambda e: (-self.uses[e], e))
-        return [e for e in ranked[:self.num_slots - self.spill] if self.uses[e] > 0]
+        return [e for e in ranked[: self.num_slots - self.spill] if self.uses[e] > 0]
 
     def place(self, experts: Sequence[int]) -> list[tuple[int, int]]:
         """Pin ``experts`` (frequency policy); returns the (expert, slot) loads that makes necessary."""
-        experts = list(experts)[:self.num_slots - self.spill]
+        experts = list(experts)[: self.num_slots - self.spill]
         self.pinned = set()
         loads = []
         for e in experts:
@@ -118,8 +119,10 @@ def serve(cache: SlotCache, experts: Sequence[int]) -> list[list[tuple[int, int,
             wave.append((e, slot, True))
             loaded += 1
         if not wave:
-            raise RuntimeError(f"no slot is free for a missing expert (policy {cache.policy!r}, {cache.num_slots} "
-                               f"slots, {len(cache.pinned)} pinned)")
+            raise RuntimeError(
+                f"no slot is free for a missing expert (policy {cache.policy!r}, {cache.num_slots} "
+                f"slots, {len(cache.pinned)} pinned)"
+            )
         waves.append(wave)
         wave = []
     return waves
@@ -131,8 +134,9 @@ def place_after_profile(cache: SlotCache) -> list[tuple[int, int]]:
     return cache.place(cache.placement()) if cache.policy == "frequency" and not cache.placed else []
 
 
-def simulate(trace: Iterable[Iterable[int]], num_slots: int, num_experts: int, policy: str = "lru",
-             spill: int = 1) -> dict[str, int]:
+def simulate(
+    trace: Iterable[Iterable[int]], num_slots: int, num_experts: int, policy: str = "lru", spill: int = 1
+) -> dict[str, int]:
     """Replay ``trace`` (the set of experts each batch of one layer needs) through a policy: hits and misses,
     planned exactly as the module plans them (the frequency policy's placement loads are not counted)."""
     cache = SlotCache(num_slots, num_experts, policy, spill)

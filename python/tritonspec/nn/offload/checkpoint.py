@@ -13,6 +13,7 @@ access to a lost page. ``os.preadv`` reads straight into the destination (a pinn
 extra copy, and every read first checks the open file's size and mtime against what was validated, so a file
 that changed gives an error naming it.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,11 +28,32 @@ import torch
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors' MAX_HEADER_SIZE
 MAX_INDEX_BYTES = 100_000_000  # an index json of a trillion-parameter model is a few MB
-_U64 = 2 ** 64
+_U64 = 2**64
 # Bits per element of every dtype the safetensors format knows (F4/F6 are packed sub-byte types).
-DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,
-              "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
-              "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
+DTYPE_BITS = {
+    "BOOL": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
+}
 # The dtypes experts can be read from (converted to the model's dtype on the way).
 FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 
@@ -59,8 +81,11 @@ class _Identity:
         return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
     def changes(self, now: "_Identity") -> str:
-        what = [f"{name} {getattr(self, name)} -> {getattr(now, name)}" for name in ("size", "mtime_ns", "inode")
-                if getattr(self, name) != getattr(now, name)]
+        what = [
+            f"{name} {getattr(self, name)} -> {getattr(now, name)}"
+            for name in ("size", "mtime_ns", "inode")
+            if getattr(self, name) != getattr(now, name)
+        ]
         return ", ".join(what)
 
 
@@ -84,10 +109,12 @@ def read_exact(fd: int, out: torch.Tensor, offset: int, file: Path | str) -> Non
         else:  # no preadv (macOS before 11): one copy more
             chunk = os.pread(fd, len(buf) - done, offset + done)
             n = len(chunk)
-            buf[done:done + n] = chunk
+            buf[done : done + n] = chunk
         if n == 0:
-            raise RuntimeError(f"checkpoint: {file} ends at byte {offset + done}, inside data the checkpoint's header "
-                               f"places at bytes {offset}..{offset + len(buf)}: the file was truncated")
+            raise RuntimeError(
+                f"checkpoint: {file} ends at byte {offset + done}, inside data the checkpoint's header "
+                f"places at bytes {offset}..{offset + len(buf)}: the file was truncated"
+            )
         done += n
 
 
@@ -141,15 +168,19 @@ def read_header(file: Path) -> tuple[dict[str, TensorInfo], _Identity]:
             raise ValueError(f"checkpoint: {file} is not a regular file")
         size = st.st_size
         if size < 8:
-            raise ValueError(f"checkpoint: {file} is not a safetensors file: {size} bytes, less than the 8-byte "
-                             "header length")
+            raise ValueError(
+                f"checkpoint: {file} is not a safetensors file: {size} bytes, less than the 8-byte header length"
+            )
         n = int.from_bytes(_read_bytes(fd, 8, 0, file), "little")
         if n > MAX_HEADER_BYTES:
-            raise ValueError(f"checkpoint: {file}: header length {n} exceeds safetensors' limit of "
-                             f"{MAX_HEADER_BYTES} bytes (not a safetensors file, or a corrupt one)")
+            raise ValueError(
+                f"checkpoint: {file}: header length {n} exceeds safetensors' limit of "
+                f"{MAX_HEADER_BYTES} bytes (not a safetensors file, or a corrupt one)"
+            )
         if 8 + n > size:
-            raise ValueError(f"checkpoint: {file}: header length {n} runs past the end of the file ({size} bytes; "
-                             "truncated?)")
+            raise ValueError(
+                f"checkpoint: {file}: header length {n} runs past the end of the file ({size} bytes; truncated?)"
+            )
         header = _json(_read_bytes(fd, n, 8, file), file, "header")
     finally:
         os.close(fd)
@@ -177,16 +208,22 @@ def read_header(file: Path) -> tuple[dict[str, TensorInfo], _Identity]:
     for begin, end, key, dtype, shape in entries:
         where = f"checkpoint: {file}: tensor {key!r}"
         if begin != at or end < begin:
-            raise ValueError(f"{where}: data_offsets [{begin}, {end}] do not start where the previous tensor ends "
-                             f"({at}): the tensors' data must tile the file without gaps or overlaps")
+            raise ValueError(
+                f"{where}: data_offsets [{begin}, {end}] do not start where the previous tensor ends "
+                f"({at}): the tensors' data must tile the file without gaps or overlaps"
+            )
         if end - begin != _nbytes(dtype, shape, where):
-            raise ValueError(f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes, but {dtype} of "
-                             f"shape {list(shape)} needs {_nbytes(dtype, shape, where)}")
+            raise ValueError(
+                f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes, but {dtype} of "
+                f"shape {list(shape)} needs {_nbytes(dtype, shape, where)}"
+            )
         tensors[key] = TensorInfo(file, dtype, shape, base + begin, base + end)
         at = end
     if base + at != size:
-        raise ValueError(f"checkpoint: {file}: the header places the data in bytes {base}..{base + at}, but the file "
-                         f"has {size} bytes ({'truncated' if base + at > size else 'trailing bytes'})")
+        raise ValueError(
+            f"checkpoint: {file}: the header places the data in bytes {base}..{base + at}, but the file "
+            f"has {size} bytes ({'truncated' if base + at > size else 'trailing bytes'})"
+        )
     return tensors, _Identity.of(st)
 
 
@@ -232,8 +269,9 @@ class Checkpoint:
 
     def __init__(self, path: str | os.PathLike):
         if not isinstance(path, (str, os.PathLike)) or "\0" in os.fspath(path):
-            raise ValueError(f"checkpoint: expected the path of a save_pretrained directory or a .safetensors file, "
-                             f"got {path!r}")
+            raise ValueError(
+                f"checkpoint: expected the path of a save_pretrained directory or a .safetensors file, got {path!r}"
+            )
         path = Path(path)
         weight_map: dict[str, str] = {}
         if path.is_dir():
@@ -250,8 +288,9 @@ class Checkpoint:
             elif single.is_file():
                 files = [single]
             else:
-                raise FileNotFoundError(f"checkpoint: {path} holds neither model.safetensors nor "
-                                        "model.safetensors.index.json")
+                raise FileNotFoundError(
+                    f"checkpoint: {path} holds neither model.safetensors nor model.safetensors.index.json"
+                )
         elif path.exists():
             files = [path]
         else:
@@ -268,8 +307,10 @@ class Checkpoint:
         for key, name in weight_map.items():
             info = self.tensors.get(key)
             if info is None or info.file != path / name:
-                raise ValueError(f"checkpoint: {path / 'model.safetensors.index.json'} places tensor {key!r} in "
-                                 f"{name}, but {'no shard holds it' if info is None else f'{info.file} does'}")
+                raise ValueError(
+                    f"checkpoint: {path / 'model.safetensors.index.json'} places tensor {key!r} in "
+                    f"{name}, but {'no shard holds it' if info is None else f'{info.file} does'}"
+                )
         self._fds: dict[Path, int] = {}
         self._closer = weakref.finalize(self, _close_all, self._fds)
         self._per_expert: dict[str, dict[int, dict[str, str]]] | None = None
@@ -284,9 +325,11 @@ class Checkpoint:
             fd = self._fds[file] = _open(file)
         was, now = self._identity[file], _Identity.of(os.fstat(fd))
         if now != was:
-            raise RuntimeError(f"checkpoint: {file} changed since it was opened ({was.changes(now)}); the experts "
-                               "it holds are no longer the ones validated. Restore the file, or revert and offload "
-                               "again from a checkpoint that stays in place")
+            raise RuntimeError(
+                f"checkpoint: {file} changed since it was opened ({was.changes(now)}); the experts "
+                "it holds are no longer the ones validated. Restore the file, or revert and offload "
+                "again from a checkpoint that stays in place"
+            )
         return fd
 
     def read_into(self, key: str, out: torch.Tensor, index: int | None = None) -> int:
@@ -299,8 +342,9 @@ class Checkpoint:
             size = (end - begin) // shape[0]
             begin, end, shape = begin + index * size, begin + (index + 1) * size, shape[1:]
         if math.prod(shape) != out.numel():
-            raise ValueError(f"checkpoint: {info.file}: tensor {key!r} has {math.prod(shape)} elements where "
-                             f"{out.numel()} are read")
+            raise ValueError(
+                f"checkpoint: {info.file}: tensor {key!r} has {math.prod(shape)} elements where {out.numel()} are read"
+            )
         dtype = FLOAT_DTYPES[info.dtype]
         fd = self._fd(info.file)
         if dtype == out.dtype:

@@ -7,6 +7,7 @@ Both rates are measured once per process and device on an expert of the real sha
 experts of single tokens on the CPU, while prefill, whose many tokens per expert make the CPU's FLOP rate
 the bottleneck, copies. The CPU's share runs while the GPU computes the resident experts.
 """
+
 from __future__ import annotations
 
 import time
@@ -74,8 +75,13 @@ def _best(fn, reps: int = 3) -> float:
 _MEASURE_BYTES = 1 << 30  # the CPU is timed over this many bytes of distinct experts: DRAM, not its caches
 
 
-def measure(device: torch.device, parts: dict[str, torch.Tensor], kind: tuple, flops_per_token: float,
-            threads: int | None = None) -> Costs:
+def measure(
+    device: torch.device,
+    parts: dict[str, torch.Tensor],
+    kind: tuple,
+    flops_per_token: float,
+    threads: int | None = None,
+) -> Costs:
     """Time one expert's copy to ``device`` (``parts``: a store's ``(E, ...)`` host tensors, one copy per tensor,
     as the module copies) and the CPU experts on 1 and 64 tokens; cached per shape.
 
@@ -127,14 +133,32 @@ class torch_threads:
             torch.set_num_threads(self.old)
 
 
-def run_experts(x: torch.Tensor, top_k: int, rows: dict[str, torch.Tensor], experts, kind: tuple,
-                ids: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
+def run_experts(
+    x: torch.Tensor,
+    top_k: int,
+    rows: dict[str, torch.Tensor],
+    experts,
+    kind: tuple,
+    ids: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``experts`` of ``rows`` (a store's ``(E, ...)`` views) on host tokens ``x``, in the weights' dtype,
     summed in float32; with no ``ids`` every token goes to ``experts[0]`` with weight 1 (timing)."""
     if ids is None:
         ids = torch.full((x.shape[0], top_k), experts[0], dtype=torch.int64)
         weights = torch.ones(ids.shape)
     layout, activation, clamp = kind
-    return moe_experts_ref(x, ids, weights, rows["gate_up_proj"], rows["down_proj"],
-                           gate_up_bias=rows.get("gate_up_proj_bias"), down_bias=rows.get("down_proj_bias"),
-                           layout=layout, activation=activation, clamp=clamp, dtype=x.dtype, experts=experts)
+    return moe_experts_ref(
+        x,
+        ids,
+        weights,
+        rows["gate_up_proj"],
+        rows["down_proj"],
+        gate_up_bias=rows.get("gate_up_proj_bias"),
+        down_bias=rows.get("down_proj_bias"),
+        layout=layout,
+        activation=activation,
+        clamp=clamp,
+        dtype=x.dtype,
+        experts=experts,
+    )

@@ -15,6 +15,7 @@ layer l's input, and the experts it picks start copying into layer l+1's slots. 
 is learned from the order the modules run in, so the same code serves every model, through
 ``offload_experts`` or a YAML rule.
 """
+
 from __future__ import annotations
 
 import copy
@@ -43,8 +44,21 @@ _STAGING_ROWS = 4  # pinned rows the disk tier reads into, in turn, before each 
 DECODE_TOKENS = 16
 # What a module holds for the device it runs on: made on first use (``_bind``), dropped by a revert, a
 # ``load_state_dict`` and a deep copy (whose slots, events and streams would belong to the original).
-_DEVICE_STATE = ("_slots", "_slot_views", "_slot_parts", "_cuda", "_ready", "_free", "_waited", "_seq", "_stream",
-                 "_staging", "_staging_events", "_staging_next", "_costs")
+_DEVICE_STATE = (
+    "_slots",
+    "_slot_views",
+    "_slot_parts",
+    "_cuda",
+    "_ready",
+    "_free",
+    "_waited",
+    "_seq",
+    "_stream",
+    "_staging",
+    "_staging_events",
+    "_staging_next",
+    "_costs",
+)
 
 
 @dataclass
@@ -85,11 +99,14 @@ def plan_offload(original: nn.Module, *, storage: str, checkpoint: Checkpoint | 
     tensors it will read) without changing anything: :func:`offload_experts` runs it on every layer before the
     first one changes, and each :class:`OffloadedExperts` before it touches its original."""
     from ...distributed.expert_parallel import is_expert_parallel
+
     name = path or type(original).__name__
     if is_expert_parallel(original):
-        raise ValueError(f"{name}: its experts are sharded by tritonspec.distributed.expert_parallel (this rank "
-                         "holds a slice of them; the others' tokens travel to other ranks); offloading would drop "
-                         "those tokens. Offload experts of a model that is not expert-parallel")
+        raise ValueError(
+            f"{name}: its experts are sharded by tritonspec.distributed.expert_parallel (this rank "
+            "holds a slice of them; the others' tokens travel to other ranks); offloading would drop "
+            "those tokens. Offload experts of a model that is not expert-parallel"
+        )
     kind = experts_kind(original)
     if kind is None:
         raise TypeError(f"{name}: not a fused experts module the Triton kernel computes")
@@ -102,10 +119,14 @@ def plan_offload(original: nn.Module, *, storage: str, checkpoint: Checkpoint | 
     if wanted:
         if checkpoint is None:
             if storage == "disk":
-                raise ValueError("checkpoint: storage='disk' reads the experts from a save_pretrained checkpoint; "
-                                 "give its directory or .safetensors file")
-            raise ValueError(f"{name}: the experts' weights ({', '.join(wanted)}) are on the meta device; give "
-                             "checkpoint= to read them from")
+                raise ValueError(
+                    "checkpoint: storage='disk' reads the experts from a save_pretrained checkpoint; "
+                    "give its directory or .safetensors file"
+                )
+            raise ValueError(
+                f"{name}: the experts' weights ({', '.join(wanted)}) are on the meta device; give "
+                "checkpoint= to read them from"
+            )
         sources = ExpertSources(checkpoint, path, layout, num_experts, wanted, kind[0] == "concatenated")
     return Plan(kind, layout, num_experts, sources)
 
@@ -133,10 +154,21 @@ class OffloadedExperts(nn.Module):
     pickling is refused (the weights live outside the module).
     """
 
-    def __init__(self, original: nn.Module, *, experts_per_layer: int, storage: str = "cpu",
-                 checkpoint: str | Path | Checkpoint | None = None, policy: str = "lru", prefetch: bool = True,
-                 cpu_compute="auto", cpu_threads: int | None = None, router: nn.Module | None = None,
-                 path: str = "", spill: int | None = None):
+    def __init__(
+        self,
+        original: nn.Module,
+        *,
+        experts_per_layer: int,
+        storage: str = "cpu",
+        checkpoint: str | Path | Checkpoint | None = None,
+        policy: str = "lru",
+        prefetch: bool = True,
+        cpu_compute="auto",
+        cpu_threads: int | None = None,
+        router: nn.Module | None = None,
+        path: str = "",
+        spill: int | None = None,
+    ):
         super().__init__()
         if storage not in STORAGES:
             raise ValueError(f"storage: expected one of {', '.join(STORAGES)}, got {shown(storage)}")
@@ -146,12 +178,15 @@ class OffloadedExperts(nn.Module):
             raise ValueError(f"cpu_compute: expected 'auto', True or False, got {shown(cpu_compute)}")
         if isinstance(experts_per_layer, bool) or not isinstance(experts_per_layer, int) or experts_per_layer < 1:
             raise ValueError(f"experts_per_layer: expected a positive int, got {shown(experts_per_layer)}")
-        if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int)
-                                        or cpu_threads < 1):
+        if cpu_threads is not None and (
+            isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or cpu_threads < 1
+        ):
             raise ValueError(f"cpu_threads: expected a positive int or None, got {shown(cpu_threads)}")
         if storage == "disk" and checkpoint is None:
-            raise ValueError("checkpoint: storage='disk' reads the experts from a save_pretrained checkpoint; "
-                             "give its directory or .safetensors file")
+            raise ValueError(
+                "checkpoint: storage='disk' reads the experts from a save_pretrained checkpoint; "
+                "give its directory or .safetensors file"
+            )
         ckpt = checkpoint if checkpoint is None or isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
         plan = plan_offload(original, storage=storage, checkpoint=ckpt, path=path)
         self.kind, self.layout, self.num_experts = plan.kind, plan.layout, plan.num_experts
@@ -177,19 +212,31 @@ class OffloadedExperts(nn.Module):
         self._unbind()
 
     @classmethod
-    def from_module(cls, original: nn.Module, *, parent: nn.Module | None = None, path: str = "",
-                    generate_device: str | None = None, prefill_device: str | None = None, **kwargs):
+    def from_module(
+        cls,
+        original: nn.Module,
+        *,
+        parent: nn.Module | None = None,
+        path: str = "",
+        generate_device: str | None = None,
+        prefill_device: str | None = None,
+        **kwargs,
+    ):
         """For YAML rules. KTransformers' ``generate_device``/``prefill_device`` say where missing experts run:
         cpu/cuda is the cost model's choice (decode on the CPU, prefill copied), cuda/cuda never the
         CPU, cpu/cpu always the CPU."""
         if generate_device is not None or prefill_device is not None:
             if "cpu_compute" in kwargs:
                 raise ValueError("cpu_compute: give it or generate_device/prefill_device, not both")
-            pair = tuple((d or "cuda").split(":")[0] if isinstance(d, str) or d is None else None
-                         for d in (generate_device, prefill_device))
+            pair = tuple(
+                (d or "cuda").split(":")[0] if isinstance(d, str) or d is None else None
+                for d in (generate_device, prefill_device)
+            )
             if any(d not in _DEVICES for d in pair) or pair == ("cuda", "cpu"):
-                raise ValueError(f"generate_device/prefill_device: expected cpu/cuda, cuda/cuda or cpu/cpu, got "
-                                 f"{shown(generate_device)}/{shown(prefill_device)}")
+                raise ValueError(
+                    f"generate_device/prefill_device: expected cpu/cuda, cuda/cuda or cpu/cpu, got "
+                    f"{shown(generate_device)}/{shown(prefill_device)}"
+                )
             kwargs["cpu_compute"] = {("cpu", "cuda"): "auto", ("cuda", "cuda"): False, ("cpu", "cpu"): True}[pair]
         gate_up = original._parameters.get("gate_up_proj")
         num_experts = gate_up.shape[0] if isinstance(gate_up, torch.Tensor) and gate_up.dim() else 0
@@ -252,8 +299,9 @@ class OffloadedExperts(nn.Module):
         for name, value in self.__dict__["original"].state_dict(keep_vars=keep_vars).items():
             destination[prefix + name] = full.get(name, value)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs) -> None:
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
         if self.store is None:
             return
         original = self.__dict__["original"]
@@ -262,18 +310,22 @@ class OffloadedExperts(nn.Module):
         targets.update(parts)
         if strict:
             missing_keys.extend(prefix + n for n in targets if prefix + n not in state_dict)
-            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in targets)
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix) :] not in targets)
         incoming = {n: state_dict[prefix + n] for n in targets if prefix + n in state_dict}
         if not incoming:
             return
         if isinstance(self.store, DiskStore):
-            error_msgs.append(f"{prefix[:-1]}: its experts are offloaded to disk (storage='disk'), read from the "
-                              "checkpoint; revert the offload, load the state dict, then offload again")
+            error_msgs.append(
+                f"{prefix[:-1]}: its experts are offloaded to disk (storage='disk'), read from the "
+                "checkpoint; revert the offload, load the state dict, then offload again"
+            )
             return
         for n, value in incoming.items():
             if value.shape != targets[n].shape:
-                error_msgs.append(f"size mismatch for {prefix}{n}: copying a param with shape {tuple(value.shape)} "
-                                  f"from checkpoint, the shape in current model is {tuple(targets[n].shape)}.")
+                error_msgs.append(
+                    f"size mismatch for {prefix}{n}: copying a param with shape {tuple(value.shape)} "
+                    f"from checkpoint, the shape in current model is {tuple(targets[n].shape)}."
+                )
                 return
         self._drain()
         with torch.no_grad():
@@ -302,10 +354,12 @@ class OffloadedExperts(nn.Module):
         return new
 
     def __reduce_ex__(self, protocol):
-        raise TypeError(f"{self.path or type(self).__name__}: a model with offloaded experts cannot be pickled "
-                        "(torch.save(model), pickle, multiprocessing): the experts' weights live outside the module, "
-                        "in host memory or a file. Save model.state_dict() (it holds every expert), or revert the "
-                        "offload first (offload_handle(model).revert())")
+        raise TypeError(
+            f"{self.path or type(self).__name__}: a model with offloaded experts cannot be pickled "
+            "(torch.save(model), pickle, multiprocessing): the experts' weights live outside the module, "
+            "in host memory or a file. Save model.state_dict() (it holds every expert), or revert the "
+            "offload first (offload_handle(model).revert())"
+        )
 
     # ------------------------------------------------------------------------------------------
     # device state, made once per device
@@ -451,11 +505,13 @@ class OffloadedExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         x = hidden_states
         if self.store is None:
-            raise RuntimeError(f"{self.path}: these offloaded experts were reverted; the original module has the "
-                               "weights back")
+            raise RuntimeError(
+                f"{self.path}: these offloaded experts were reverted; the original module has the weights back"
+            )
         if x.dtype != self.layout.dtype:
-            raise TypeError(f"{self.path}: hidden_states have dtype {x.dtype} but the offloaded experts are "
-                            f"{self.layout.dtype}")
+            raise TypeError(
+                f"{self.path}: hidden_states have dtype {x.dtype} but the offloaded experts are {self.layout.dtype}"
+            )
         self._bind(x.device)
         last = getattr(_LAST, "module", None)
         prev = last() if last is not None else None
@@ -466,7 +522,7 @@ class OffloadedExperts(nn.Module):
         guess = self._guess_next(x, top_k) if self.prefetch else None
         flat = top_k_index.reshape(-1)
         host = (torch.cat([flat.long(), guess.reshape(-1)]) if guess is not None else flat).cpu()
-        ids = host[:flat.numel()].view(T, top_k)
+        ids = host[: flat.numel()].view(T, top_k)
         needed = [e for e in torch.unique(ids).tolist() if 0 <= e < self.num_experts]
         self.stats.batches += 1
         self.stats.tokens += T
@@ -488,7 +544,7 @@ class OffloadedExperts(nn.Module):
         out = self._on_device(x, ids, top_k_weights, [e for e in needed if e not in on_cpu])
         nxt = self._next_layer() if guess is not None else None
         if nxt is not None:
-            nxt._prefetch(set(host[flat.numel():].tolist()))
+            nxt._prefetch(set(host[flat.numel() :].tolist()))
         if on_cpu:
             if copied is not None:
                 copied.synchronize()
@@ -525,8 +581,9 @@ class OffloadedExperts(nn.Module):
             return
         costs = self.costs()
         counts = torch.bincount(ids[ids >= 0].flatten())
-        costs.learn(sum(costs.cpu_s(self.layout.nbytes, int(n), self._flops_per_token()) for n in counts if n > 0),
-                    spent)
+        costs.learn(
+            sum(costs.cpu_s(self.layout.nbytes, int(n), self._flops_per_token()) for n in counts if n > 0), spent
+        )
 
     def _on_device(self, x, ids, weights, experts: list[int]) -> torch.Tensor:
         """The experts served from slots, wave by wave as :func:`serve` plans them, summed (``ids`` on the host)."""
@@ -546,6 +603,7 @@ class OffloadedExperts(nn.Module):
     def _run_slots(self, x, ids, weights, members: list[tuple[int, int]]) -> torch.Tensor:
         """The experts of one wave, ``(expert, slot)``, on the device; other ids map to a sentinel slot."""
         from ...ops import moe
+
         table = torch.full((self.num_experts + 1,), self.cache.num_slots, dtype=torch.int32)
         experts, slots = zip(*members)
         table[list(experts)] = torch.tensor(slots, dtype=torch.int32)
@@ -555,16 +613,27 @@ class OffloadedExperts(nn.Module):
         self._wait_ready(slots)
         layout, activation, clamp = self.kind
         v = self._slot_views
-        y = moe.moe_experts(x, slot_ids, weights, v["gate_up_proj"], v["down_proj"],
-                            gate_up_bias=v.get("gate_up_proj_bias"), down_bias=v.get("down_proj_bias"),
-                            layout=layout, activation=activation, clamp=clamp)
+        y = moe.moe_experts(
+            x,
+            slot_ids,
+            weights,
+            v["gate_up_proj"],
+            v["down_proj"],
+            gate_up_bias=v.get("gate_up_proj_bias"),
+            down_bias=v.get("down_proj_bias"),
+            layout=layout,
+            activation=activation,
+            clamp=clamp,
+        )
         self._mark_used(slots)
         return y
 
     def extra_repr(self) -> str:
         tier = self.store.tier if self.store is not None else "reverted"
-        return (f"experts={self.num_experts}, slots={self.cache.num_slots}, storage={tier}, "
-                f"policy={self.policy!r}, prefetch={self.prefetch}, cpu_compute={self.cpu_compute!r}")
+        return (
+            f"experts={self.num_experts}, slots={self.cache.num_slots}, storage={tier}, "
+            f"policy={self.policy!r}, prefetch={self.prefetch}, cpu_compute={self.cpu_compute!r}"
+        )
 
 
 def _numel(shape) -> int:

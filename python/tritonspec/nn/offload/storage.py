@@ -14,6 +14,7 @@ the model holds is compared with the checkpoint's, bit for bit after the same dt
 differ (fine-tuned since saving) go to a :class:`RowFile` the project owns and are read from there, so the disk
 tier serves exactly the model's weights and a revert restores them.
 """
+
 from __future__ import annotations
 
 import copy
@@ -48,31 +49,40 @@ class ExpertLayout:
         name = path or type(experts).__name__
         has_bias = bool(getattr(experts, "has_bias", False))
         parts, counts = [], set()
-        for n in PARTS[:4 if has_bias else 2]:
+        for n in PARTS[: 4 if has_bias else 2]:
             p = experts._parameters.get(n)
             where = f"{name}.{n}"
             if not isinstance(p, torch.Tensor):
-                raise TypeError(f"{where}: missing (a fused experts module{' with has_bias' if has_bias else ''} "
-                                f"has {', '.join(PARTS[:4 if has_bias else 2])} parameters)")
+                raise TypeError(
+                    f"{where}: missing (a fused experts module{' with has_bias' if has_bias else ''} "
+                    f"has {', '.join(PARTS[: 4 if has_bias else 2])} parameters)"
+                )
             if type(p.detach()) is not torch.Tensor or p.layout != torch.strided:
-                raise TypeError(f"{where}: a {type(p.detach()).__name__} ({p.layout}); experts are offloaded from "
-                                "plain dense tensors, not distributed, quantized or sparse ones")
+                raise TypeError(
+                    f"{where}: a {type(p.detach()).__name__} ({p.layout}); experts are offloaded from "
+                    "plain dense tensors, not distributed, quantized or sparse ones"
+                )
             if p.dtype not in _EXPERT_DTYPES:
-                raise TypeError(f"{where}: dtype {p.dtype}; offloaded experts are float16, bfloat16, float32 or "
-                                "float64")
+                raise TypeError(
+                    f"{where}: dtype {p.dtype}; offloaded experts are float16, bfloat16, float32 or float64"
+                )
             if p.device.type not in ("cpu", "cuda", "meta"):
                 raise TypeError(f"{where}: on {p.device}; offloaded experts come from the CPU, a CUDA GPU or meta")
             if p.dim() != (3 if n in PARTS[:2] else 2) or p.shape[0] == 0:
-                raise TypeError(f"{where}: shape {tuple(p.shape)}; expected (experts, ...) with "
-                                f"{3 if n in PARTS[:2] else 2} dimensions")
+                raise TypeError(
+                    f"{where}: shape {tuple(p.shape)}; expected (experts, ...) with "
+                    f"{3 if n in PARTS[:2] else 2} dimensions"
+                )
             parts.append((n, tuple(p.shape[1:])))
             counts.add(p.shape[0])
         if len(counts) != 1:
             raise TypeError(f"{name}: its tensors disagree on the number of experts ({sorted(counts)})")
         dtypes = {experts._parameters[n].dtype for n, _ in parts}
         if len(dtypes) != 1:
-            raise TypeError(f"{name}: parameters {', '.join(n for n, _ in parts)} must share one dtype to be packed "
-                            f"into one row per expert, got {sorted(map(str, dtypes))}")
+            raise TypeError(
+                f"{name}: parameters {', '.join(n for n, _ in parts)} must share one dtype to be packed "
+                f"into one row per expert, got {sorted(map(str, dtypes))}"
+            )
         return cls(tuple(parts), dtypes.pop())
 
     @property
@@ -123,8 +133,11 @@ def _pin(t: torch.Tensor) -> bool:
         return False
     cudart = torch.cuda.cudart()
     if cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0) != cudart.cudaError.success:
-        warnings.warn("offloaded experts: page-locking host memory failed; copies run from pageable memory, "
-                      "about 3.5x slower", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            "offloaded experts: page-locking host memory failed; copies run from pageable memory, about 3.5x slower",
+            RuntimeWarning,
+            stacklevel=4,
+        )
         return False
     return True
 
@@ -169,8 +182,12 @@ def host_store(experts: torch.nn.Module, layout: ExpertLayout, sources: "ExpertS
             t = torch.empty(p.shape, dtype=layout.dtype)
             for e in range(p.shape[0]):
                 sources.read_part_into(e, n, t[e])
-        elif (p.device.type == "cpu" and p.is_contiguous() and p.storage_offset() == 0
-              and p.untyped_storage().nbytes() == p.numel() * p.element_size()):
+        elif (
+            p.device.type == "cpu"
+            and p.is_contiguous()
+            and p.storage_offset() == 0
+            and p.untyped_storage().nbytes() == p.numel() * p.element_size()
+        ):
             t = p
         else:
             t = torch.empty(p.shape, dtype=layout.dtype)
@@ -184,8 +201,15 @@ class ExpertSources:
     path, or transformers' per-expert ``gate``/``up``/``down`` weights under its layer. Every tensor is checked
     (present, a float dtype, the shape the model's layout needs) when this is built."""
 
-    def __init__(self, checkpoint: Checkpoint, path: str, layout: ExpertLayout, num_experts: int,
-                 parts: tuple[str, ...], concatenated: bool):
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        path: str,
+        layout: ExpertLayout,
+        num_experts: int,
+        parts: tuple[str, ...],
+        concatenated: bool,
+    ):
         self.checkpoint, self.path, self.layout = checkpoint, path, layout
         self.reads = self._find(parts, num_experts, concatenated)
 
@@ -195,11 +219,15 @@ class ExpertSources:
     def _check(self, key: str, shape: tuple[int, ...], part: str) -> None:
         info = self.checkpoint.tensors[key]
         if info.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"checkpoint: {info.file}: {key} has dtype {info.dtype}; experts are read from "
-                             f"{', '.join(FLOAT_DTYPES)}")
+            raise ValueError(
+                f"checkpoint: {info.file}: {key} has dtype {info.dtype}; experts are read from "
+                f"{', '.join(FLOAT_DTYPES)}"
+            )
         if info.shape != shape:
-            raise ValueError(f"checkpoint: {info.file}: {key} has shape {list(info.shape)}, but {self.path}.{part} "
-                             f"of the model needs {list(shape)} (a checkpoint of another model?)")
+            raise ValueError(
+                f"checkpoint: {info.file}: {key} has shape {list(info.shape)}, but {self.path}.{part} "
+                f"of the model needs {list(shape)} (a checkpoint of another model?)"
+            )
 
     def _find(self, parts, num_experts: int, concatenated: bool) -> list[dict[str, list[tuple[str, int | None]]]]:
         """Per expert, per part: the (key, index along dim 0 or None) reads that fill it, in order."""
@@ -212,16 +240,19 @@ class ExpertSources:
             if fused:
                 missing = [f"{prefix}.{n}" for n in parts if n not in fused]
                 if missing:
-                    raise ValueError(f"checkpoint: {self.checkpoint.path} has {prefix}.{fused[0]} but not "
-                                     f"{', '.join(missing)}")
+                    raise ValueError(
+                        f"checkpoint: {self.checkpoint.path} has {prefix}.{fused[0]} but not {', '.join(missing)}"
+                    )
                 for n in parts:
                     self._check(f"{prefix}.{n}", (num_experts, *shapes[n]), n)
                 return [{n: [(f"{prefix}.{n}", e)] for n in parts} for e in range(num_experts)]
             found = self._per_expert(prefix, parts, num_experts, concatenated)
             if found is not None:
                 return found
-        raise ValueError(f"checkpoint: no tensors for expert 0 of {self.path} in {self.checkpoint.path} (looked for "
-                         f"{self.path}.{parts[0]} and per-expert gate/up/down weights under its layer)")
+        raise ValueError(
+            f"checkpoint: no tensors for expert 0 of {self.path} in {self.checkpoint.path} (looked for "
+            f"{self.path}.{parts[0]} and per-expert gate/up/down weights under its layer)"
+        )
 
     def _per_expert(self, prefix: str, parts, num_experts: int, concatenated: bool):
         # Per-expert tensors live under the layer, whatever the block was called when saved (Mixtral writes
@@ -235,20 +266,26 @@ class ExpertSources:
                 if not any({gate, up, down} & set(names) for names in experts.values()):
                     continue
                 if not set(parts) <= {"gate_up_proj", "down_proj"} or not concatenated:
-                    raise ValueError(f"checkpoint: {self.checkpoint.path} holds {container}'s experts one by one "
-                                     f"({gate}/{up}/{down}); {self.path} needs {', '.join(parts)} in its own layout, "
-                                     "which only fused tensors give")
+                    raise ValueError(
+                        f"checkpoint: {self.checkpoint.path} holds {container}'s experts one by one "
+                        f"({gate}/{up}/{down}); {self.path} needs {', '.join(parts)} in its own layout, "
+                        "which only fused tensors give"
+                    )
                 extra = sorted(e for e in experts if e >= num_experts)
                 if extra:
-                    raise ValueError(f"checkpoint: {self.checkpoint.path} has expert {extra[0]} under {container}; "
-                                     f"{self.path} has {num_experts} experts (a checkpoint of another model?)")
+                    raise ValueError(
+                        f"checkpoint: {self.checkpoint.path} has expert {extra[0]} under {container}; "
+                        f"{self.path} has {num_experts} experts (a checkpoint of another model?)"
+                    )
                 reads = []
                 for e in range(num_experts):
                     names = experts.get(e, {})
                     if not {gate, up, down} <= set(names):
-                        raise ValueError(f"checkpoint: no tensors for expert {e} of {self.path} in "
-                                         f"{self.checkpoint.path} (expected {container}.experts.{e}.{{{gate},{up},"
-                                         f"{down}}}.weight)")
+                        raise ValueError(
+                            f"checkpoint: no tensors for expert {e} of {self.path} in "
+                            f"{self.checkpoint.path} (expected {container}.experts.{e}.{{{gate},{up},"
+                            f"{down}}}.weight)"
+                        )
                     read = {}
                     if "gate_up_proj" in parts:
                         rows, cols = shapes["gate_up_proj"]
@@ -270,7 +307,7 @@ class ExpertSources:
         for key, index in self.reads[e][part]:
             shape = self.checkpoint.tensors[key].shape
             n = _prod(shape[1:] if index is not None else shape)
-            nbytes += self.checkpoint.read_into(key, flat[at:at + n], index)
+            nbytes += self.checkpoint.read_into(key, flat[at : at + n], index)
             at += n
         return nbytes
 
@@ -298,9 +335,12 @@ class RowFile:
             while done < len(data):
                 done += os.pwrite(self.file.fileno(), data[done:], offset + done)
         except OSError as e:
-            raise OSError(e.errno, f"{self.path}: writing its experts that differ from the checkpoint to a temporary "
-                          f"file in {tempfile.gettempdir()} failed ({e.strerror}); free space there or point TMPDIR "
-                          "elsewhere") from None
+            raise OSError(
+                e.errno,
+                f"{self.path}: writing its experts that differ from the checkpoint to a temporary "
+                f"file in {tempfile.gettempdir()} failed ({e.strerror}); free space there or point TMPDIR "
+                "elsewhere",
+            ) from None
         self.rows += 1
         return self.rows - 1
 

@@ -9,6 +9,7 @@ re-validating these tables: ``tritonspec check`` reports every point that could 
 All hooks act at compile (trace) time or on compile-cache misses. Per launch there is one thing:
 a JIT function's in-memory cache is looked up under the current spec selection (``jit_caches``).
 """
+
 from __future__ import annotations
 
 import threading
@@ -37,4 +38,3 @@ def injecting_spec():
     """The spec module whose tl injections code running now must see (None: stock tl)."""
     provider = active_provider()
     return provider.module if provider is not None and inject.has_injections(provider.module) else None
-

@@ -1,4 +1,5 @@
 """Compiler points: the ``compile()`` entry (target spec, tl injections, cache key), stages, options."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,12 +17,14 @@ def _install_compile(compiler_pkg):
     """Wrap ``triton.compile``: resolve the target's spec and key the cache by it; code generation
     (``ASTSource.make_ir``) runs with that spec's tl injections in place."""
     from triton.compiler import compiler as compiler_mod
+
     orig = compiler_mod.compile
 
     @functools.wraps(orig)
     def compile(src, target=None, options=None, _env_vars=None):
         if target is None:
             from triton.runtime.driver import driver
+
             target = driver.active.get_current_target()
         with compiling_for(target.backend):
             provider = active_provider()
@@ -45,7 +48,6 @@ def _install_compile(compiler_pkg):
     top = sys.modules.get("triton")
     if top is not None:  # mid-import, triton/__init__ copies triton.compiler.compile a moment later
         patch(top, "compile", compile, original=orig)
-
 
 
 def _self_key() -> str:
@@ -93,13 +95,24 @@ def _install_parse_options(backends_mod):
         patch(cls, "parse_options", functools.wraps(orig)(parse_options))
 
 
-
-
 POINTS = (
-    InstallPoint("compiler.compile", "triton.compiler", _install_compile,
-                 doc="triton.compile: target spec, tl injections, spec fingerprint in the cache key"),
-    InstallPoint("compiler.add_stages", "triton.knobs", _install_stages, min_version=(3, 6),
-                 doc="knobs.runtime.add_stages_inspection_hook: add or replace stages"),
-    InstallPoint("compiler.parse_options", "triton.runtime.driver", _install_parse_options,
-                 doc="<Backend>.parse_options: num_stages cap"),
+    InstallPoint(
+        "compiler.compile",
+        "triton.compiler",
+        _install_compile,
+        doc="triton.compile: target spec, tl injections, spec fingerprint in the cache key",
+    ),
+    InstallPoint(
+        "compiler.add_stages",
+        "triton.knobs",
+        _install_stages,
+        min_version=(3, 6),
+        doc="knobs.runtime.add_stages_inspection_hook: add or replace stages",
+    ),
+    InstallPoint(
+        "compiler.parse_options",
+        "triton.runtime.driver",
+        _install_parse_options,
+        doc="<Backend>.parse_options: num_stages cap",
+    ),
 )

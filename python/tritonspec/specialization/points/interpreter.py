@@ -1,5 +1,6 @@
 """Interpreter points (``TRITON_INTERPRET=1``): libdevice served by the backend's numpy functions, and
 stock ``tl`` patches that an interpreted grid leaves behind taken back."""
+
 from __future__ import annotations
 
 import contextlib
@@ -14,8 +15,11 @@ from ..resolve import value
 from . import InstallPoint, injecting_spec, patch
 
 
-_LIBDEVICE_MODULES = ("triton.language.extra.libdevice", "triton.language.extra.cuda.libdevice",
-                      "triton.language.extra.hip.libdevice")
+_LIBDEVICE_MODULES = (
+    "triton.language.extra.libdevice",
+    "triton.language.extra.cuda.libdevice",
+    "triton.language.extra.hip.libdevice",
+)
 
 
 class _GridPatches:
@@ -76,8 +80,9 @@ def _libdevice_plan(mod_name: str, namespace: dict, builtins: dict):
     plan = _plans.get(mod_name)
     if plan is not None and plan[0] is namespace and plan[1] is builtins:
         originals, added = plan[2], plan[3]
-        if all(map(operator.is_, map(namespace.get, originals, itertools.repeat(_MISSING)), originals.values())) \
-                and namespace.keys().isdisjoint(added):
+        if all(
+            map(operator.is_, map(namespace.get, originals, itertools.repeat(_MISSING)), originals.values())
+        ) and namespace.keys().isdisjoint(added):
             return originals, added
     present = namespace.keys() & builtins.keys()
     originals = {name: namespace[name] for name in present}
@@ -164,8 +169,11 @@ def _install_interpreter(interpreter):
     patch(executor, "__call__", __call__)
 
 
-
 POINTS = (
-    InstallPoint("interpreter.libdevice", "triton.runtime.interpreter", _install_interpreter,
-                 doc="interpreter: libdevice calls served by the backend's numpy functions"),
+    InstallPoint(
+        "interpreter.libdevice",
+        "triton.runtime.interpreter",
+        _install_interpreter,
+        doc="interpreter: libdevice calls served by the backend's numpy functions",
+    ),
 )

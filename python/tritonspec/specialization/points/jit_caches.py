@@ -1,4 +1,5 @@
 """The per-selection JIT caches: a kernel compiled under one spec selection is never launched under another."""
+
 from __future__ import annotations
 
 import collections
@@ -52,8 +53,11 @@ def _install_jit(jit):
     patch(cls, "__init__", __init__)
 
 
-
 POINTS = (
-    InstallPoint("runtime.jit", "triton.runtime.jit", _install_jit,
-                 doc="JITFunction: in-memory caches separated per spec selection"),
+    InstallPoint(
+        "runtime.jit",
+        "triton.runtime.jit",
+        _install_jit,
+        doc="JITFunction: in-memory caches separated per spec selection",
+    ),
 )

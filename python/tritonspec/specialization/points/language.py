@@ -1,4 +1,5 @@
 """Language points: TritonSemantic methods (the interpreter uses the same class) and FlagTree's injectors."""
+
 from __future__ import annotations
 
 import functools
@@ -35,8 +36,10 @@ def _install_atomic_bf16(semantic):
     def atom_red_typechecking_impl(self, ptr, val, mask, op):
         ptr, val, mask = orig(self, ptr, val, mask, op)
         if ptr.type.scalar.element_ty.is_bf16() and value("atomic_disable_bf16"):
-            raise ValueError(f"atomic_{op} on bfloat16 is not supported by backend {current_backend()!r}; "
-                             "accumulate in float32 instead")
+            raise ValueError(
+                f"atomic_{op} on bfloat16 is not supported by backend {current_backend()!r}; "
+                "accumulate in float32 instead"
+            )
         return ptr, val, mask
 
     patch(cls, "atom_red_typechecking_impl", atom_red_typechecking_impl)
@@ -45,6 +48,7 @@ def _install_atomic_bf16(semantic):
 def _install_arange(language):
     """The power-of-two rule lives in TritonSemantic.arange and in block-shape validation (core)."""
     from triton.language import core, semantic
+
     cls = semantic.TritonSemantic
     orig_arange, orig_validate = cls.arange, core.validate_block_shape
     tl = semantic.tl
@@ -58,8 +62,10 @@ def _install_arange(language):
         if n > 0 and n & (n - 1) and lifted():
             if type(self.builder).__name__ != "InterpreterBuilder":
                 hook = HOOKS["arange_disable_check_power_of_two"]
-                raise SpecError(f"tl.arange({start}, {end}): backend {current_backend()!r} specializes "
-                                f"{hook.name!r}, which applies to interpreted kernels only: {hook.interpreter_only}")
+                raise SpecError(
+                    f"tl.arange({start}, {end}): backend {current_backend()!r} specializes "
+                    f"{hook.name!r}, which applies to interpreted kernels only: {hook.interpreter_only}"
+                )
             if (start >> 32) or (end >> 32):  # the stock checks other than the power of two still hold
                 raise ValueError("arange must fit in int32")
             ret_ty = ret_ty or tl.block_type(tl.int32, [n])
@@ -75,6 +81,7 @@ def _install_arange(language):
             if not (any(isinstance(d, int) and d > 0 and d & (d - 1) for d in shape) and lifted()):
                 raise
         from triton._utils import TRITON_MAX_TENSOR_NUMEL
+
         numel = 1
         for d in shape:
             numel *= d
@@ -93,6 +100,7 @@ def _install_cache_modifier(language):
     in core._CachePolicy and hands the builder a name, so the spec's result is translated to that name.
     """
     from triton.language import core, semantic
+
     policy = getattr(core, "_CachePolicy", None)
     if policy is None:
         cls = semantic.TritonSemantic
@@ -127,6 +135,7 @@ _STOCK_MODIFIERS = {"", "none", "ca", "cg", "wb", "cs", "wt", "cv"}
 def _install_injectors(language):
     """FlagTree's injector names on the stock modules, plus the ambient backend's injections."""
     from triton.language import core, math, semantic, standard
+
     patch(core, "spec_core_func", inject.spec_core_func)
     patch(semantic, "spec_semantic_func", inject.spec_semantic_func)
     patch(standard, "spec_standard_func", inject.spec_standard_func)
@@ -140,16 +149,35 @@ def apply_ambient_injections():
     inject.apply(injecting_spec())  # waits for any kernel being generated with other injections
 
 
-
 POINTS = (
-    InstallPoint("semantic.atomic_add", "triton.language.semantic", _install_atomic_add,
-                 doc="TritonSemantic.atomic_add: int64 atomic add lowering"),
-    InstallPoint("semantic.atom_red_typechecking_impl", "triton.language.semantic", _install_atomic_bf16,
-                 doc="TritonSemantic.atom_red_typechecking_impl: bf16 atomics policy"),
-    InstallPoint("semantic.arange", "triton.language", _install_arange,
-                 doc="TritonSemantic.arange + core.validate_block_shape: power-of-two rule"),
-    InstallPoint("semantic.load_cache_modifier", "triton.language", _install_cache_modifier,
-                 doc="load cache modifiers: TritonSemantic (<= 3.8) or core._CachePolicy (3.9)"),
-    InstallPoint("language.injectors", "triton.language", _install_injectors,
-                 doc="spec_core/semantic/standard/math_func and the backend's tl builtins"),
+    InstallPoint(
+        "semantic.atomic_add",
+        "triton.language.semantic",
+        _install_atomic_add,
+        doc="TritonSemantic.atomic_add: int64 atomic add lowering",
+    ),
+    InstallPoint(
+        "semantic.atom_red_typechecking_impl",
+        "triton.language.semantic",
+        _install_atomic_bf16,
+        doc="TritonSemantic.atom_red_typechecking_impl: bf16 atomics policy",
+    ),
+    InstallPoint(
+        "semantic.arange",
+        "triton.language",
+        _install_arange,
+        doc="TritonSemantic.arange + core.validate_block_shape: power-of-two rule",
+    ),
+    InstallPoint(
+        "semantic.load_cache_modifier",
+        "triton.language",
+        _install_cache_modifier,
+        doc="load cache modifiers: TritonSemantic (<= 3.8) or core._CachePolicy (3.9)",
+    ),
+    InstallPoint(
+        "language.injectors",
+        "triton.language",
+        _install_injectors,
+        doc="spec_core/semantic/standard/math_func and the backend's tl builtins",
+    ),
 )

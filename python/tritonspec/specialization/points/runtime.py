@@ -1,4 +1,5 @@
 """Runtime points: autotuner pruning, ``do_bench``, the host C compiler, FlagTree's driver spec API."""
+
 from __future__ import annotations
 
 import functools
@@ -71,13 +72,19 @@ def _install_driver_api(driver_mod):
     patch(driver_mod, "spec_func", spec_func)
 
 
-
-
 POINTS = (
-    InstallPoint("autotuner.prune_configs", "triton.runtime.autotuner", _install_autotuner,
-                 doc="Autotuner.prune_configs: backend config pruning"),
+    InstallPoint(
+        "autotuner.prune_configs",
+        "triton.runtime.autotuner",
+        _install_autotuner,
+        doc="Autotuner.prune_configs: backend config pruning",
+    ),
     InstallPoint("testing.do_bench", "triton.testing", _install_do_bench, doc="triton.testing.do_bench"),
     InstallPoint("runtime.build", "triton.runtime.build", _install_get_cc, doc="host C compiler choice"),
-    InstallPoint("runtime.driver", "triton.runtime.driver", _install_driver_api,
-                 doc="from triton.runtime.driver import spec, spec_func"),
+    InstallPoint(
+        "runtime.driver",
+        "triton.runtime.driver",
+        _install_driver_api,
+        doc="from triton.runtime.driver import spec, spec_func",
+    ),
 )

@@ -9,16 +9,20 @@ emulated semantics: every extension also has a portable meaning that runs in the
 - ``tl.arange`` without the power-of-two rule;
 - ``interpreter_libdevice``: interpreted kernels call the same NPU libdevice (numpy path).
 """
+
 from tritonspec import BackendInfo
 from tritonspec_backends.ascend.language.ascend import libdevice as _libdevice
 
 from .core import extract_slice, gather, get_element, insert_slice  # noqa: F401  (the spec's builtins)
 from .semantic import ext_semantic_extract_slice, ext_semantic_get_element, ext_semantic_insert_slice  # noqa: F401
 
-backend_info = BackendInfo(runs="compile-only", targets=("ascend",), devices=("npu",),
-                           check_target=("ascend", "Ascend910B3", 0),
-                           note="TTIR offline; a binary only with the CANN toolchain; semantics emulated in the "
-                                "interpreter")
+backend_info = BackendInfo(
+    runs="compile-only",
+    targets=("ascend",),
+    devices=("npu",),
+    check_target=("ascend", "Ascend910B3", 0),
+    note="TTIR offline; a binary only with the CANN toolchain; semantics emulated in the interpreter",
+)
 
 exp = _libdevice.exp
 log = _libdevice.log
@@ -39,7 +43,12 @@ def arange_disable_check_power_of_two() -> bool:
 
 
 __all__ = [
-    "backend_info", "arange_disable_check_power_of_two", "interpreter_libdevice",
-    "core_ext_base_func_list", "core_ext_spec_func_list", "semantic_ext_spec_func_list",
-    "math_ext_base_func_list", "math_ext_spec_func_list",
+    "backend_info",
+    "arange_disable_check_power_of_two",
+    "interpreter_libdevice",
+    "core_ext_base_func_list",
+    "core_ext_spec_func_list",
+    "semantic_ext_spec_func_list",
+    "math_ext_base_func_list",
+    "math_ext_spec_func_list",
 ]

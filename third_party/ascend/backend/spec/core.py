@@ -5,6 +5,7 @@ arguments (clear errors naming the argument) and hand off to the ``TritonSemanti
 ``semantic.py``, which express each one with portable tl operations, so the same kernel compiles
 to TTIR for an ascend target and runs in the interpreter.
 """
+
 from __future__ import annotations
 
 from triton.language import core
@@ -68,8 +69,10 @@ def extract_slice(ful, offsets, sizes, strides, _semantic=None):
     strides = _ints("extract_slice", "strides", strides, rank, 1)
     for d, (off, size, stride, dim) in enumerate(zip(offsets, sizes, strides, ful.shape)):
         if isinstance(off, int) and off + (size - 1) * stride >= dim:
-            raise ValueError(f"extract_slice: along dim {d} the slice {off}:{off + (size - 1) * stride + 1}:{stride} "
-                             f"leaves the tensor (size {dim})")
+            raise ValueError(
+                f"extract_slice: along dim {d} the slice {off}:{off + (size - 1) * stride + 1}:{stride} "
+                f"leaves the tensor (size {dim})"
+            )
     return _semantic.extract_slice(ful, offsets, sizes, strides)
 
 

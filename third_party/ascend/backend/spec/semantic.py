@@ -6,6 +6,7 @@ builder does not have. Here each one is built from ``arange`` / arithmetic / ``g
 vendor toolchain would see gathers instead of slice ops (functionally the same, not as fast).
 Installed as ``TritonSemantic.<name>`` by tritonspec's semantic injector.
 """
+
 from __future__ import annotations
 
 import triton.language as tl
@@ -37,8 +38,9 @@ def ext_semantic_extract_slice(self, ful, offsets, sizes, strides):
     out = ful
     for d in range(rank):
         n = sizes[d]
-        index = self.add(self.mul(self.arange(0, n), _vec(self, strides[d], n), False), _vec(self, offsets[d], n),
-                         False)
+        index = self.add(
+            self.mul(self.arange(0, n), _vec(self, strides[d], n), False), _vec(self, offsets[d], n), False
+        )
         shape = [sizes[k] if k <= d else int(out.shape[k]) for k in range(rank)]
         out = self.gather(out, _lay(self, index, rank, d, shape), d)
     return out
@@ -55,8 +57,9 @@ def ext_semantic_insert_slice(self, ful, sub, offsets, sizes, strides):
         zero, stride = _vec(self, 0, n), _vec(self, strides[d], n)
         ahead = self.greater_equal(rel, zero)
         q = self.floordiv(self.where(ahead, rel, zero), stride)  # index into sub along d
-        on = self.and_(self.and_(ahead, self.equal(self.mod(rel, stride), zero)),
-                       self.less_than(q, _vec(self, sizes[d], n)))
+        on = self.and_(
+            self.and_(ahead, self.equal(self.mod(rel, stride), zero)), self.less_than(q, _vec(self, sizes[d], n))
+        )
         shape = [full_shape[k] if k <= d else sizes[k] for k in range(rank)]
         value = self.gather(value, _lay(self, self.where(on, q, zero), rank, d, shape), d)
         on = _lay(self, on, rank, d, full_shape)

@@ -7,6 +7,7 @@ them). In interpreted kernels the same functions compute with numpy, so their me
 on a CPU. The ascend backend maps ``triton.language.extra.libdevice`` to this module; a libdevice
 function not bound here is a clear error naming it.
 """
+
 from __future__ import annotations
 
 from triton.language import core
@@ -27,6 +28,7 @@ def _numpy(fn_name, x, ret_dtype, _semantic):
     """Interpreter path: apply ``numpy.<fn_name>`` to the argument's data (numpy loads only here)."""
     import numpy as np
     from triton.runtime.interpreter import TensorHandle, _get_np_dtype
+
     with np.errstate(all="ignore"):
         data = np.asarray(getattr(np, fn_name)(x.handle.data)).astype(_get_np_dtype(ret_dtype))
     ret_ty = x.type.with_element_ty(ret_dtype) if x.type.is_block() else ret_dtype
@@ -54,7 +56,7 @@ def _extern_predicate(name, symbol, numpy_fn, x, _semantic):
     _check_float(name, x)
     if _interpreting(_semantic):
         return _numpy(numpy_fn, x, core.int1, _semantic)
-    table = {(core.dtype(d), ): (symbol, core.dtype("int1")) for d in _NPU_FLOATS}
+    table = {(core.dtype(d),): (symbol, core.dtype("int1")) for d in _NPU_FLOATS}
     return core.extern_elementwise("", "", [x], table, is_pure=True, _semantic=_semantic)
 
 
@@ -78,14 +80,22 @@ def tanh(x, _semantic=None):
         raise ValueError(f"tanh (ascend): argument dtype must be fp32 or fp16, got {x.dtype}")
     if _interpreting(_semantic):
         return _numpy("tanh", x, x.dtype, _semantic)
-    return core.extern_elementwise("", "", [x], {
-        (core.float32, ): ("__hmf_tanhf", core.float32),
-        (core.float16, ): ("__hmf_tanhDh", core.float16),
-    }, is_pure=True, _semantic=_semantic)
+    return core.extern_elementwise(
+        "",
+        "",
+        [x],
+        {
+            (core.float32,): ("__hmf_tanhf", core.float32),
+            (core.float16,): ("__hmf_tanhDh", core.float16),
+        },
+        is_pure=True,
+        _semantic=_semantic,
+    )
 
 
 def __getattr__(name):
     if name.startswith("__"):
         raise AttributeError(name)
-    raise AttributeError(f"libdevice.{name} has no Ascend binding in tritonspec's ascend backend "
-                         f"(bound: exp, log, isnan, isinf, tanh)")
+    raise AttributeError(
+        f"libdevice.{name} has no Ascend binding in tritonspec's ascend backend (bound: exp, log, isnan, isinf, tanh)"
+    )

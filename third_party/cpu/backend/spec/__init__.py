@@ -4,6 +4,7 @@ Resolved for interpreted kernels (it serves device type ``cpu``, which tritonspe
 TRITON_INTERPRET=1 and nothing else is selected). It specializes one hook: ``interpreter_libdevice``,
 the numpy libdevice that replaces the stock interpreter's ``NotImplementedError`` for extern calls.
 """
+
 from tritonspec import BackendInfo
 
 backend_info = BackendInfo(runs="real", devices=("cpu",), note="Triton's interpreter on this machine's CPU")
@@ -12,6 +13,7 @@ backend_info = BackendInfo(runs="real", devices=("cpu",), note="Triton's interpr
 def interpreter_libdevice():
     """The numpy libdevice, imported when a kernel is first interpreted."""
     from tritonspec_backends.cpu.language.cpu import libdevice
+
     return libdevice
 
 

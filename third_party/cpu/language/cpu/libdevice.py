@@ -12,6 +12,7 @@ broadcasting, ``isnan`` returning int1 after an int32 extern) are taken from the
 ``extern_elementwise`` computes with numpy instead of emitting a call. An fp16 argument therefore
 fails in the interpreter as it fails when compiling for CUDA (with a clearer message).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -50,30 +51,80 @@ _erfc = _vec(_math.erfc)
 # libdevice name -> numpy implementation (inputs are the argument arrays after CUDA's dtype dispatch).
 NUMPY_IMPLS = {
     # rounding and basic arithmetic
-    "abs": np.abs, "floor": np.floor, "ceil": np.ceil, "trunc": np.trunc, "rint": np.rint,
-    "nearbyint": np.rint, "round": _round_half_away, "saturatef": lambda x: np.clip(x, 0, 1),
-    "copysign": np.copysign, "fdim": lambda x, y: np.maximum(x - y, 0), "fmod": np.fmod,
-    "remainder": lambda x, y: x - y * np.rint(x / y), "nextafter": np.nextafter, "ldexp": _ldexp,
-    "add_rn": np.add, "sub_rn": np.subtract, "mul_rn": np.multiply,
-    "div_rn": np.divide, "fast_dividef": np.divide, "rcp_rn": lambda x: 1 / x,
-    "fma": lambda a, b, c: a * b + c, "fma_rn": lambda a, b, c: a * b + c,
+    "abs": np.abs,
+    "floor": np.floor,
+    "ceil": np.ceil,
+    "trunc": np.trunc,
+    "rint": np.rint,
+    "nearbyint": np.rint,
+    "round": _round_half_away,
+    "saturatef": lambda x: np.clip(x, 0, 1),
+    "copysign": np.copysign,
+    "fdim": lambda x, y: np.maximum(x - y, 0),
+    "fmod": np.fmod,
+    "remainder": lambda x, y: x - y * np.rint(x / y),
+    "nextafter": np.nextafter,
+    "ldexp": _ldexp,
+    "add_rn": np.add,
+    "sub_rn": np.subtract,
+    "mul_rn": np.multiply,
+    "div_rn": np.divide,
+    "fast_dividef": np.divide,
+    "rcp_rn": lambda x: 1 / x,
+    "fma": lambda a, b, c: a * b + c,
+    "fma_rn": lambda a, b, c: a * b + c,
     # roots and powers
-    "sqrt": np.sqrt, "sqrt_rn": np.sqrt, "rsqrt": lambda x: 1 / np.sqrt(x), "rsqrt_rn": lambda x: 1 / np.sqrt(x),
-    "cbrt": np.cbrt, "rcbrt": lambda x: 1 / np.cbrt(x), "hypot": np.hypot, "pow": np.power, "fast_powf": np.power,
+    "sqrt": np.sqrt,
+    "sqrt_rn": np.sqrt,
+    "rsqrt": lambda x: 1 / np.sqrt(x),
+    "rsqrt_rn": lambda x: 1 / np.sqrt(x),
+    "cbrt": np.cbrt,
+    "rcbrt": lambda x: 1 / np.cbrt(x),
+    "hypot": np.hypot,
+    "pow": np.power,
+    "fast_powf": np.power,
     # exponentials and logarithms
-    "exp": np.exp, "exp2": np.exp2, "exp10": lambda x: np.power(x.dtype.type(10), x), "expm1": np.expm1,
-    "log": np.log, "log2": np.log2, "log10": np.log10, "log1p": np.log1p,
-    "fast_expf": np.exp, "fast_exp10f": lambda x: np.power(x.dtype.type(10), x), "fast_logf": np.log,
-    "fast_log2f": np.log2, "fast_log10f": np.log10,
+    "exp": np.exp,
+    "exp2": np.exp2,
+    "exp10": lambda x: np.power(x.dtype.type(10), x),
+    "expm1": np.expm1,
+    "log": np.log,
+    "log2": np.log2,
+    "log10": np.log10,
+    "log1p": np.log1p,
+    "fast_expf": np.exp,
+    "fast_exp10f": lambda x: np.power(x.dtype.type(10), x),
+    "fast_logf": np.log,
+    "fast_log2f": np.log2,
+    "fast_log10f": np.log10,
     # trigonometric and hyperbolic
-    "sin": np.sin, "cos": np.cos, "tan": np.tan, "asin": np.arcsin, "acos": np.arccos, "atan": np.arctan,
-    "atan2": np.arctan2, "sinh": np.sinh, "cosh": np.cosh, "tanh": np.tanh, "asinh": np.arcsinh,
-    "acosh": np.arccosh, "atanh": np.arctanh, "fast_sinf": np.sin, "fast_cosf": np.cos, "fast_tanf": np.tan,
+    "sin": np.sin,
+    "cos": np.cos,
+    "tan": np.tan,
+    "asin": np.arcsin,
+    "acos": np.arccos,
+    "atan": np.arctan,
+    "atan2": np.arctan2,
+    "sinh": np.sinh,
+    "cosh": np.cosh,
+    "tanh": np.tanh,
+    "asinh": np.arcsinh,
+    "acosh": np.arccosh,
+    "atanh": np.arctanh,
+    "fast_sinf": np.sin,
+    "fast_cosf": np.cos,
+    "fast_tanf": np.tan,
     # special functions
-    "erf": _erf, "erfc": _erfc, "normcdf": lambda x: 0.5 * _erfc(-np.asarray(x, np.float64) * _SQRT1_2),
-    "lgamma": _vec(_math.lgamma), "tgamma": _vec(_math.gamma),
+    "erf": _erf,
+    "erfc": _erfc,
+    "normcdf": lambda x: 0.5 * _erfc(-np.asarray(x, np.float64) * _SQRT1_2),
+    "lgamma": _vec(_math.lgamma),
+    "tgamma": _vec(_math.gamma),
     # classification (CUDA returns int32; the CUDA wrappers convert to int1 where libdevice does)
-    "isnan": np.isnan, "isinf": np.isinf, "isfinited": np.isfinite, "finitef": np.isfinite,
+    "isnan": np.isnan,
+    "isinf": np.isinf,
+    "isfinited": np.isfinite,
+    "finitef": np.isfinite,
     "signbit": np.signbit,
 }
 
@@ -81,11 +132,14 @@ NUMPY_IMPLS = {
 def _numpy_extern(name, impl, args, arg_type_symbol_dict, _semantic):
     """``core.extern_elementwise`` computed with numpy: same dtype dispatch and broadcasting."""
     from triton.runtime.interpreter import TensorHandle, _get_np_dtype
+
     args = [_semantic.to_tensor(a) for a in args]
     arg_types = tuple(a.dtype for a in args)
     if arg_types not in arg_type_symbol_dict:
-        raise ValueError(f"libdevice.{name} has no variant for argument dtypes ({', '.join(map(str, arg_types))}); "
-                         f"as with CUDA's libdevice, use one of {sorted(tuple(map(str, k)) for k in arg_type_symbol_dict)}")
+        raise ValueError(
+            f"libdevice.{name} has no variant for argument dtypes ({', '.join(map(str, arg_types))}); "
+            f"as with CUDA's libdevice, use one of {sorted(tuple(map(str, k)) for k in arg_type_symbol_dict)}"
+        )
     ret_dtype = arg_type_symbol_dict[arg_types][1]
     shaped = args[0]
     for a in args:
@@ -126,8 +180,10 @@ def _check_interpreting(name, _semantic):
     if _semantic is None:
         raise ValueError(f"libdevice.{name} (tritonspec cpu) must be called inside a kernel")
     if type(_semantic.builder).__name__ != "InterpreterBuilder":
-        raise RuntimeError(f"libdevice.{name} from the tritonspec cpu spec computes with numpy and only runs in "
-                           "interpreted kernels (TRITON_INTERPRET=1); compiled kernels use the target's libdevice")
+        raise RuntimeError(
+            f"libdevice.{name} from the tritonspec cpu spec computes with numpy and only runs in "
+            "interpreted kernels (TRITON_INTERPRET=1); compiled kernels use the target's libdevice"
+        )
 
 
 def _make(name, impl):
@@ -159,6 +215,7 @@ def _float_unary(name, x, _semantic, impl, dtypes):
     if x.dtype not in dtypes:
         raise ValueError(f"libdevice.{name}: expected {' or '.join(str(d) for d in dtypes)}, got {x.dtype}")
     from triton.runtime.interpreter import TensorHandle
+
     with np.errstate(all="ignore"):
         data = np.asarray(impl(x.handle.data)).astype(x.handle.data.dtype)
     return core.tensor(TensorHandle(data, x.dtype), x.type)
@@ -167,7 +224,7 @@ def _float_unary(name, x, _semantic, impl, dtypes):
 @core.extern
 def fast_tanhf(arg0, _semantic=None):
     """hip's fast tanh (the stub libdevice names it; CUDA's has no entry): fp32 only."""
-    return _float_unary("fast_tanhf", arg0, _semantic, np.tanh, (core.float32, ))
+    return _float_unary("fast_tanhf", arg0, _semantic, np.tanh, (core.float32,))
 
 
 @core.extern
@@ -176,4 +233,6 @@ def sigmoid(arg0, _semantic=None):
     return _float_unary("sigmoid", arg0, _semantic, _sigmoid, (core.float32, core.float64))
 
 
-NAMES = tuple(sorted(n for n, v in globals().items() if core.is_builtin(v) and getattr(v, "__module__", "") == __name__))
+NAMES = tuple(
+    sorted(n for n, v in globals().items() if core.is_builtin(v) and getattr(v, "__module__", "") == __name__)
+)

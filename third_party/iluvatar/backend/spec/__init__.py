@@ -6,6 +6,7 @@ atomics, at most 2 pipeline stages (cap + autotuner pruning), its own tile confi
 the host compiler choice (``get_cc``), and for interpreted kernels the numpy libdevice with
 CUDA's dtype rules (its libdevice is CUDA's).
 """
+
 import os
 
 from tritonspec import BackendInfo
@@ -13,8 +14,12 @@ from tritonspec import BackendInfo
 from .configs import get_pruned_configs, kernel_config
 from .semantic import atomic_add_int64
 
-backend_info = BackendInfo(runs="emulated", targets=("iluvatar",), check_target=("iluvatar", 90, 32),
-                           note="CUDA pipeline on NVIDIA GPUs; no CoreX hardware or toolchain involved")
+backend_info = BackendInfo(
+    runs="emulated",
+    targets=("iluvatar",),
+    check_target=("iluvatar", 90, 32),
+    note="CUDA pipeline on NVIDIA GPUs; no CoreX hardware or toolchain involved",
+)
 
 num_stages_cap = 2  # CoreX software pipelining supports at most 2 stages
 
@@ -36,10 +41,17 @@ def get_cc():
 def interpreter_libdevice():
     """CoreX's libdevice is CUDA's: interpreted kernels use the numpy one with CUDA's dtype rules."""
     from tritonspec_backends.cpu.language.cpu import libdevice
+
     return libdevice
 
 
 __all__ = [
-    "backend_info", "atomic_add_int64", "atomic_disable_bf16", "num_stages_cap", "get_pruned_configs", "kernel_config",
-    "get_cc", "interpreter_libdevice",
+    "backend_info",
+    "atomic_add_int64",
+    "atomic_disable_bf16",
+    "num_stages_cap",
+    "get_pruned_configs",
+    "kernel_config",
+    "get_cc",
+    "interpreter_libdevice",
 ]

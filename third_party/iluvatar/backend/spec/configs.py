@@ -5,6 +5,7 @@ and FlagTree's iluvatar backend shipped its own attention configs for that reaso
 below were chosen for those limits, not tuned on CoreX hardware (we have none); on the NVIDIA GPU
 that runs the emulation they are merely valid, not fast.
 """
+
 from __future__ import annotations
 
 import copy
@@ -29,14 +30,32 @@ def _attention(kernel: str, **problem):
     dp = _pow2_at_least(problem.get("head_dim", 64), 16)
     stages = MAX_STAGES if dp <= 128 else 1
     if kernel == "attention_fwd":
-        return {"BLOCK_M": 64, "BLOCK_N": 64 if dp <= 64 else 32, "num_warps": 4, "num_stages": stages,
-                "TMA": False, "WARP_SPECIALIZE": False}
+        return {
+            "BLOCK_M": 64,
+            "BLOCK_N": 64 if dp <= 64 else 32,
+            "num_warps": 4,
+            "num_stages": stages,
+            "TMA": False,
+            "WARP_SPECIALIZE": False,
+        }
     if kernel == "attention_bwd_dkdv":
-        return {"BLOCK_M": 32 if dp <= 128 else 16, "BLOCK_N": 32 if dp <= 128 else 16, "num_warps": 4,
-                "num_stages": stages, "TMA": False, "DQ_ATOMIC": False, "DQ_TMA_REDUCE": False}
+        return {
+            "BLOCK_M": 32 if dp <= 128 else 16,
+            "BLOCK_N": 32 if dp <= 128 else 16,
+            "num_warps": 4,
+            "num_stages": stages,
+            "TMA": False,
+            "DQ_ATOMIC": False,
+            "DQ_TMA_REDUCE": False,
+        }
     if kernel == "attention_bwd_dq":
-        return {"BLOCK_M": 32 if dp <= 128 else 16, "BLOCK_N": 32 if dp <= 128 else 16, "num_warps": 4,
-                "num_stages": stages, "TMA": False}
+        return {
+            "BLOCK_M": 32 if dp <= 128 else 16,
+            "BLOCK_N": 32 if dp <= 128 else 16,
+            "num_warps": 4,
+            "num_stages": stages,
+            "TMA": False,
+        }
     return {"num_stages": 1}  # attention_bwd_preprocess
 
 
@@ -54,18 +73,27 @@ def _moe(kernel: str, **problem):
     return cfg
 
 
-kernel_config = ConfigTable({
-    **dict.fromkeys(("moe_up", "moe_rows", "moe_weight_grad", "moe_combine"), _moe),
-    **dict.fromkeys(("rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope"), _rows),
-    **dict.fromkeys(("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "attention_bwd_preprocess"),
-                    _attention),
-})
+kernel_config = ConfigTable(
+    {
+        **dict.fromkeys(("moe_up", "moe_rows", "moe_weight_grad", "moe_combine"), _moe),
+        **dict.fromkeys(("rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope"), _rows),
+        **dict.fromkeys(
+            ("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "attention_bwd_preprocess"), _attention
+        ),
+    }
+)
 
 
 def _config_key(cfg):
     kwargs = tuple(sorted((k, repr(v)) for k, v in getattr(cfg, "kwargs", {}).items()))
-    return (kwargs, getattr(cfg, "num_warps", None), getattr(cfg, "num_stages", None), getattr(cfg, "num_ctas", None),
-            getattr(cfg, "maxnreg", None), id(getattr(cfg, "pre_hook", None)))
+    return (
+        kwargs,
+        getattr(cfg, "num_warps", None),
+        getattr(cfg, "num_stages", None),
+        getattr(cfg, "num_ctas", None),
+        getattr(cfg, "maxnreg", None),
+        id(getattr(cfg, "pre_hook", None)),
+    )
 
 
 def get_pruned_configs(configs, named_args):

@@ -19,6 +19,7 @@ observed at two different moments, so it is only a snapshot when no other thread
 same address concurrently. Code that needs the returned value (e.g. a ticket counter) must use
 int32 atomics on this backend.
 """
+
 from __future__ import annotations
 
 import triton.language as tl

@@ -10,6 +10,7 @@ The SM is the one of the tensors' device (``launch_config`` passes ``device``), 
 of two generations gets each its own tiles. A problem may carry ``capability`` (e.g. 90) instead;
 this is how the choices are tested without a GPU.
 """
+
 from __future__ import annotations
 
 import functools
@@ -20,6 +21,7 @@ from tritonspec.launch import ConfigTable
 @functools.lru_cache(maxsize=None)
 def _device_capability(index: int):
     import torch
+
     if not torch.cuda.is_available() or getattr(torch.version, "hip", None):
         return None
     major, minor = torch.cuda.get_device_capability(index)
@@ -109,7 +111,9 @@ def _hopper_attention(kernel: str, **problem):
     return h100_attention_config(kernel, **{k: v for k, v in problem.items() if k not in ("capability", "device")})
 
 
-kernel_config = ConfigTable({
-    **dict.fromkeys(("rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope"), _pre_ampere_rows),
-    **dict.fromkeys(TABLES, _hopper_attention),
-})
+kernel_config = ConfigTable(
+    {
+        **dict.fromkeys(("rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope"), _pre_ampere_rows),
+        **dict.fromkeys(TABLES, _hopper_attention),
+    }
+)

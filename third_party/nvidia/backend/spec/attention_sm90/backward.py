@@ -11,12 +11,18 @@ per-element atomics instead of TMA cost a third more time.
 
 Imported only where Gluon's Hopper API is (``gluon_compat.GLUON``); ``launchers`` launches it.
 """
+
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from .gluon_compat import thread_barrier, tma_load, tma_reduce_add, tma_store
 
@@ -55,9 +61,43 @@ def _bwd_head(u, tile, hk, GROUP):
 
 
 @gluon.jit
-def _bwd_steps(dk, dv, s0, dq0, k_tile, v_tile, k_dq0, k_dq1, q_smem, do_smem, ds_smem, dq_smem, q_ready,
-               do_ready, q_empty, do_empty, ds_bar, dqa_desc, lse_smem, delta_smem, b, hk, tile, t0, t1, base, lo,
-               n_m, GROUP, offs_n, qk_scale, sm_scale, desc, MASKED: gl.constexpr, C: gl.constexpr):
+def _bwd_steps(
+    dk,
+    dv,
+    s0,
+    dq0,
+    k_tile,
+    v_tile,
+    k_dq0,
+    k_dq1,
+    q_smem,
+    do_smem,
+    ds_smem,
+    dq_smem,
+    q_ready,
+    do_ready,
+    q_empty,
+    do_empty,
+    ds_bar,
+    dqa_desc,
+    lse_smem,
+    delta_smem,
+    b,
+    hk,
+    tile,
+    t0,
+    t1,
+    base,
+    lo,
+    n_m,
+    GROUP,
+    offs_n,
+    qk_scale,
+    sm_scale,
+    desc,
+    MASKED: gl.constexpr,
+    C: gl.constexpr,
+):
     """Ring steps t0 .. t1-1 of the tile whose steps start at ring step ``base``: dV += P^T dO,
     dK += dS^T Q, and this warpgroup's half C of the head dim of dQ = dS K over the CTA's 128 keys,
     reduce-added to the fp32 accumulator by TMA.
@@ -91,16 +131,15 @@ def _bwd_steps(dk, dv, s0, dq0, k_tile, v_tile, k_dq0, k_dq1, q_smem, do_smem, d
         mbarrier.wait(q_ready.index(stage), phase)
         s_t = warpgroup_mma(k_tile, q_t.permute((1, 0)), s0, use_acc=False, is_async=True)
         mbarrier.wait(do_ready.index(stage), phase)
-        dp_t = warpgroup_mma(v_tile, do_t.permute((1, 0)), s0 - delta_smem.index(stage).load(s_layout),
-                             is_async=True)
-        s_t = warpgroup_mma_wait(1, deps=(s_t, ))
+        dp_t = warpgroup_mma(v_tile, do_t.permute((1, 0)), s0 - delta_smem.index(stage).load(s_layout), is_async=True)
+        s_t = warpgroup_mma_wait(1, deps=(s_t,))
         lse = lse_smem.index(stage).load(s_layout)  # [1, BLOCK_M]; padded rows: +inf, so p = 0 there
         p_t = gl.exp2(s_t * qk_scale - lse)
         if MASKED:
             p_t = gl.where(gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1), p_t, 0.0)
         p_a = gl.convert_layout(p_t.to(dtype), a_layout)
         dv = warpgroup_mma(p_a, do_t, dv, is_async=True)
-        dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
+        dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
         ds_t = (p_t * dp_t).to(dtype)
         dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_t, dk, is_async=True)
 
@@ -110,8 +149,7 @@ def _bwd_steps(dk, dv, s0, dq0, k_tile, v_tile, k_dq0, k_dq1, q_smem, do_smem, d
         thread_barrier()  # the whole warpgroup's half is written before its one arrival
         mbarrier.arrive(ds_bar.index(t % 2), count=1)
         mbarrier.wait(ds_bar.index(t % 2), (t // 2) & 1)
-        dq = warpgroup_mma(ds_buf.slice(0, HALF_N, dim=0).permute((1, 0)), k_dq0, dq0, use_acc=False,
-                           is_async=True)
+        dq = warpgroup_mma(ds_buf.slice(0, HALF_N, dim=0).permute((1, 0)), k_dq0, dq0, use_acc=False, is_async=True)
         dq = warpgroup_mma(ds_buf.slice(HALF_N, HALF_N, dim=0).permute((1, 0)), k_dq1, dq, is_async=True)
         dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
         mbarrier.arrive(q_empty.index(stage), count=1)
@@ -127,9 +165,39 @@ def _bwd_steps(dk, dv, s0, dq0, k_tile, v_tile, k_dq0, k_dq1, q_smem, do_smem, d
 
 
 @gluon.jit
-def _bwd_tile(dk_desc, dv_desc, dqa_desc, lse_smem, delta_smem, k_smem, v_smem, q_smem, do_smem, ds_smem,
-              dq_smem, kv_bar, kv_free, q_ready, do_ready, q_empty, do_empty, ds_bar, end_bar, b, hk, tile, base,
-              nth, desc, GROUP, SEQ_Q, qk_scale, sm_scale, CAUSAL: gl.constexpr, C: gl.constexpr):
+def _bwd_tile(
+    dk_desc,
+    dv_desc,
+    dqa_desc,
+    lse_smem,
+    delta_smem,
+    k_smem,
+    v_smem,
+    q_smem,
+    do_smem,
+    ds_smem,
+    dq_smem,
+    kv_bar,
+    kv_free,
+    q_ready,
+    do_ready,
+    q_empty,
+    do_empty,
+    ds_bar,
+    end_bar,
+    b,
+    hk,
+    tile,
+    base,
+    nth,
+    desc,
+    GROUP,
+    SEQ_Q,
+    qk_scale,
+    sm_scale,
+    CAUSAL: gl.constexpr,
+    C: gl.constexpr,
+):
     """Warpgroup C, the CTA's nth key tile (its steps from ring step ``base``): keys
     start_n + C*HALF_N .. +HALF_N of one kv head against every q block of the GROUP q heads that
     read it (GQA reduced in registers), dQ for half C of the head dim; returns the next tile's base."""
@@ -137,12 +205,13 @@ def _bwd_tile(dk_desc, dv_desc, dqa_desc, lse_smem, delta_smem, k_smem, v_smem, 
     D: gl.constexpr = k_smem.shape[4]
     BLOCK_M: gl.constexpr = q_smem.shape[3]
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, D // 2, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D // 2, 16]
+    )
     rows_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     start_n, lo, n_m = _bwd_span(tile, SEQ_Q, HALF_N, BLOCK_M, CAUSAL)
 
@@ -166,16 +235,118 @@ def _bwd_tile(dk_desc, dv_desc, dqa_desc, lse_smem, delta_smem, k_smem, v_smem, 
     else:
         mask_lo = end
         mask_hi = end
-    dk, dv = _bwd_steps(dk, dv, s0, dq0, k_tile, v_tile, k_dq0, k_dq1, q_smem, do_smem, ds_smem, dq_smem, q_ready,
-                        do_ready, q_empty, do_empty, ds_bar, dqa_desc, lse_smem, delta_smem, b, hk, tile, base,
-                        mask_lo, base, lo, n_m, GROUP, offs_n, qk_scale, sm_scale, desc, False, C)
+    dk, dv = _bwd_steps(
+        dk,
+        dv,
+        s0,
+        dq0,
+        k_tile,
+        v_tile,
+        k_dq0,
+        k_dq1,
+        q_smem,
+        do_smem,
+        ds_smem,
+        dq_smem,
+        q_ready,
+        do_ready,
+        q_empty,
+        do_empty,
+        ds_bar,
+        dqa_desc,
+        lse_smem,
+        delta_smem,
+        b,
+        hk,
+        tile,
+        base,
+        mask_lo,
+        base,
+        lo,
+        n_m,
+        GROUP,
+        offs_n,
+        qk_scale,
+        sm_scale,
+        desc,
+        False,
+        C,
+    )
     if CAUSAL:
-        dk, dv = _bwd_steps(dk, dv, s0, dq0, k_tile, v_tile, k_dq0, k_dq1, q_smem, do_smem, ds_smem, dq_smem,
-                            q_ready, do_ready, q_empty, do_empty, ds_bar, dqa_desc, lse_smem, delta_smem, b, hk,
-                            tile, mask_lo, mask_hi, base, lo, n_m, GROUP, offs_n, qk_scale, sm_scale, desc, True, C)
-        dk, dv = _bwd_steps(dk, dv, s0, dq0, k_tile, v_tile, k_dq0, k_dq1, q_smem, do_smem, ds_smem, dq_smem,
-                            q_ready, do_ready, q_empty, do_empty, ds_bar, dqa_desc, lse_smem, delta_smem, b, hk,
-                            tile, mask_hi, end, base, lo, n_m, GROUP, offs_n, qk_scale, sm_scale, desc, False, C)
+        dk, dv = _bwd_steps(
+            dk,
+            dv,
+            s0,
+            dq0,
+            k_tile,
+            v_tile,
+            k_dq0,
+            k_dq1,
+            q_smem,
+            do_smem,
+            ds_smem,
+            dq_smem,
+            q_ready,
+            do_ready,
+            q_empty,
+            do_empty,
+            ds_bar,
+            dqa_desc,
+            lse_smem,
+            delta_smem,
+            b,
+            hk,
+            tile,
+            mask_lo,
+            mask_hi,
+            base,
+            lo,
+            n_m,
+            GROUP,
+            offs_n,
+            qk_scale,
+            sm_scale,
+            desc,
+            True,
+            C,
+        )
+        dk, dv = _bwd_steps(
+            dk,
+            dv,
+            s0,
+            dq0,
+            k_tile,
+            v_tile,
+            k_dq0,
+            k_dq1,
+            q_smem,
+            do_smem,
+            ds_smem,
+            dq_smem,
+            q_ready,
+            do_ready,
+            q_empty,
+            do_empty,
+            ds_bar,
+            dqa_desc,
+            lse_smem,
+            delta_smem,
+            b,
+            hk,
+            tile,
+            mask_hi,
+            end,
+            base,
+            lo,
+            n_m,
+            GROUP,
+            offs_n,
+            qk_scale,
+            sm_scale,
+            desc,
+            False,
+            C,
+        )
     # K and V are dead: stage dK and dV in their tiles, once the other warpgroup's last dQ has read K
     mbarrier.arrive(end_bar, count=1)
     mbarrier.wait(end_bar, nth & 1)
@@ -191,22 +362,104 @@ def _bwd_tile(dk_desc, dv_desc, dqa_desc, lse_smem, delta_smem, k_smem, v_smem, 
 
 
 @gluon.jit
-def _bwd_consumer(dk_desc, dv_desc, dqa_desc, lse_smem, delta_smem, k_smem, v_smem, q_smem, do_smem, ds_smem,
-                  dq_smem, kv_bar, kv_free, q_ready, do_ready, q_empty, do_empty, ds_bar, end_bar, b, hk, tile,
-                  twin, GROUP, SEQ_Q, qk_scale, sm_scale, CAUSAL: gl.constexpr, C: gl.constexpr):
+def _bwd_consumer(
+    dk_desc,
+    dv_desc,
+    dqa_desc,
+    lse_smem,
+    delta_smem,
+    k_smem,
+    v_smem,
+    q_smem,
+    do_smem,
+    ds_smem,
+    dq_smem,
+    kv_bar,
+    kv_free,
+    q_ready,
+    do_ready,
+    q_empty,
+    do_empty,
+    ds_bar,
+    end_bar,
+    b,
+    hk,
+    tile,
+    twin,
+    GROUP,
+    SEQ_Q,
+    qk_scale,
+    sm_scale,
+    CAUSAL: gl.constexpr,
+    C: gl.constexpr,
+):
     """Warpgroup C over the CTA's key tiles: ``tile`` (q blocks down), then ``twin`` (up) unless the same."""
     base = 0
     for nth in range(1 + (twin != tile).to(gl.int32)):
-        base = _bwd_tile(dk_desc, dv_desc, dqa_desc, lse_smem, delta_smem, k_smem, v_smem, q_smem, do_smem,
-                         ds_smem, dq_smem, kv_bar, kv_free, q_ready, do_ready, q_empty, do_empty, ds_bar, end_bar,
-                         b, hk, tile + nth * (twin - tile), base, nth, 1 - nth, GROUP, SEQ_Q, qk_scale, sm_scale,
-                         CAUSAL, C)
+        base = _bwd_tile(
+            dk_desc,
+            dv_desc,
+            dqa_desc,
+            lse_smem,
+            delta_smem,
+            k_smem,
+            v_smem,
+            q_smem,
+            do_smem,
+            ds_smem,
+            dq_smem,
+            kv_bar,
+            kv_free,
+            q_ready,
+            do_ready,
+            q_empty,
+            do_empty,
+            ds_bar,
+            end_bar,
+            b,
+            hk,
+            tile + nth * (twin - tile),
+            base,
+            nth,
+            1 - nth,
+            GROUP,
+            SEQ_Q,
+            qk_scale,
+            sm_scale,
+            CAUSAL,
+            C,
+        )
 
 
 @gluon.jit
-def _bwd_load_tile(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
-                   lse_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, b, hk, tile, base, desc,
-                   SEQ_Q, GROUP, HQ, CAUSAL: gl.constexpr):
+def _bwd_load_tile(
+    k_desc,
+    v_desc,
+    q_desc,
+    do_desc,
+    lse_desc,
+    delta_desc,
+    k_smem,
+    v_smem,
+    q_smem,
+    do_smem,
+    lse_smem,
+    delta_smem,
+    kv_bar,
+    q_ready,
+    do_ready,
+    q_empty,
+    do_empty,
+    b,
+    hk,
+    tile,
+    base,
+    desc,
+    SEQ_Q,
+    GROUP,
+    HQ,
+    CAUSAL: gl.constexpr,
+):
     """Both K and V halves of key tile ``tile``, then Q and dO block by block in ``_bwd_block``'s
     order, into ring steps from ``base``; returns the next tile's base."""
     HALF_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -234,17 +487,67 @@ def _bwd_load_tile(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem
 
 
 @gluon.jit
-def _bwd_producer(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
-                  delta_smem, kv_bar, kv_free, q_ready, do_ready, q_empty, do_empty, b, hk, tile, twin, SEQ_Q,
-                  GROUP, HQ, CAUSAL: gl.constexpr):
+def _bwd_producer(
+    k_desc,
+    v_desc,
+    q_desc,
+    do_desc,
+    lse_desc,
+    delta_desc,
+    k_smem,
+    v_smem,
+    q_smem,
+    do_smem,
+    lse_smem,
+    delta_smem,
+    kv_bar,
+    kv_free,
+    q_ready,
+    do_ready,
+    q_empty,
+    do_empty,
+    b,
+    hk,
+    tile,
+    twin,
+    SEQ_Q,
+    GROUP,
+    HQ,
+    CAUSAL: gl.constexpr,
+):
     """One warp: the CTA's key tiles in turn; the twin's K and V once the consumers have stored the
     first tile's dK and dV from those buffers."""
     base = 0
     for nth in range(1 + (twin != tile).to(gl.int32)):
         mbarrier.wait(kv_free, (nth & 1) ^ 1)  # a fresh mbarrier counts as "previous phase complete"
-        base = _bwd_load_tile(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem,
-                              do_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, b, hk,
-                              tile + nth * (twin - tile), base, 1 - nth, SEQ_Q, GROUP, HQ, CAUSAL)
+        base = _bwd_load_tile(
+            k_desc,
+            v_desc,
+            q_desc,
+            do_desc,
+            lse_desc,
+            delta_desc,
+            k_smem,
+            v_smem,
+            q_smem,
+            do_smem,
+            lse_smem,
+            delta_smem,
+            kv_bar,
+            q_ready,
+            do_ready,
+            q_empty,
+            do_empty,
+            b,
+            hk,
+            tile + nth * (twin - tile),
+            base,
+            1 - nth,
+            SEQ_Q,
+            GROUP,
+            HQ,
+            CAUSAL,
+        )
 
 
 @gluon.jit
@@ -325,14 +628,108 @@ def _attn_bwd_ws_kernel(
         mbarrier.init(ds_bar.index(i), count=2)
     mbarrier.init(end_bar, count=2)
     fence_async_shared()
-    gl.warp_specialize([
-        (_bwd_consumer, (dk_desc, dv_desc, dqa_desc, lse_smem, delta_smem, k_smem, v_smem, q_smem, do_smem, ds_smem,
-                         dq_smem, kv_bar, kv_free, q_ready, do_ready, q_empty, do_empty, ds_bar, end_bar, b, hk,
-                         tile, twin, GROUP, SEQ_Q, qk_scale, sm_scale, CAUSAL, 0)),
-        (_bwd_consumer, (dk_desc, dv_desc, dqa_desc, lse_smem, delta_smem, k_smem, v_smem, q_smem, do_smem, ds_smem,
-                         dq_smem, kv_bar, kv_free, q_ready, do_ready, q_empty, do_empty, ds_bar, end_bar, b, hk,
-                         tile, twin, GROUP, SEQ_Q, qk_scale, sm_scale, CAUSAL, 1)),
-        (_bwd_producer, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
-                         lse_smem, delta_smem, kv_bar, kv_free, q_ready, do_ready, q_empty, do_empty, b, hk, tile,
-                         twin, SEQ_Q, GROUP, HQ, CAUSAL)),
-    ], [4, 1], [240, 24])
+    gl.warp_specialize(
+        [
+            (
+                _bwd_consumer,
+                (
+                    dk_desc,
+                    dv_desc,
+                    dqa_desc,
+                    lse_smem,
+                    delta_smem,
+                    k_smem,
+                    v_smem,
+                    q_smem,
+                    do_smem,
+                    ds_smem,
+                    dq_smem,
+                    kv_bar,
+                    kv_free,
+                    q_ready,
+                    do_ready,
+                    q_empty,
+                    do_empty,
+                    ds_bar,
+                    end_bar,
+                    b,
+                    hk,
+                    tile,
+                    twin,
+                    GROUP,
+                    SEQ_Q,
+                    qk_scale,
+                    sm_scale,
+                    CAUSAL,
+                    0,
+                ),
+            ),
+            (
+                _bwd_consumer,
+                (
+                    dk_desc,
+                    dv_desc,
+                    dqa_desc,
+                    lse_smem,
+                    delta_smem,
+                    k_smem,
+                    v_smem,
+                    q_smem,
+                    do_smem,
+                    ds_smem,
+                    dq_smem,
+                    kv_bar,
+                    kv_free,
+                    q_ready,
+                    do_ready,
+                    q_empty,
+                    do_empty,
+                    ds_bar,
+                    end_bar,
+                    b,
+                    hk,
+                    tile,
+                    twin,
+                    GROUP,
+                    SEQ_Q,
+                    qk_scale,
+                    sm_scale,
+                    CAUSAL,
+                    1,
+                ),
+            ),
+            (
+                _bwd_producer,
+                (
+                    k_desc,
+                    v_desc,
+                    q_desc,
+                    do_desc,
+                    lse_desc,
+                    delta_desc,
+                    k_smem,
+                    v_smem,
+                    q_smem,
+                    do_smem,
+                    lse_smem,
+                    delta_smem,
+                    kv_bar,
+                    kv_free,
+                    q_ready,
+                    do_ready,
+                    q_empty,
+                    do_empty,
+                    b,
+                    hk,
+                    tile,
+                    twin,
+                    SEQ_Q,
+                    GROUP,
+                    HQ,
+                    CAUSAL,
+                ),
+            ),
+        ],
+        [4, 1],
+        [240, 24],
+    )

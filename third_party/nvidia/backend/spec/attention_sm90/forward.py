@@ -12,12 +12,18 @@ each tile's Q and K/V load while the previous tile finishes and its output leave
 
 Imported only where Gluon's Hopper API is (``gluon_compat.GLUON``); ``launchers`` launches it.
 """
+
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from .gluon_compat import thread_barrier, tma_load, tma_store
 
@@ -28,17 +34,32 @@ def _to_pairs(x, dtype: gl.constexpr):
     the wgmma A operand reads (``.to`` converts one at a time and ptxas then swaps the halves of
     every pair: a PRMT per register per step)."""
     if dtype == gl.bfloat16:
-        y = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16,
-                                      is_pure=True, pack=2)
+        y = gl.inline_asm_elementwise(
+            "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16, is_pure=True, pack=2
+        )
     else:
-        y = gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.float16,
-                                      is_pure=True, pack=2)
+        y = gl.inline_asm_elementwise(
+            "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.float16, is_pure=True, pack=2
+        )
     return y
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, qk_scale, j, offs_m, SEQ_K, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-             MASKED: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, dtype: gl.constexpr):
+def _softmax(
+    s,
+    m_i,
+    l_i,
+    qk_scale,
+    j,
+    offs_m,
+    SEQ_K,
+    BLOCK_N: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    MASKED: gl.constexpr,
+    s_layout: gl.constexpr,
+    p_layout: gl.constexpr,
+    dtype: gl.constexpr,
+):
     """Online-softmax step on the raw scores of key block j: (p as p.v's A operand, alpha, m, l).
 
     Valid only for qk_scale > 0 (the row max is taken before scaling); the launcher checks."""
@@ -59,9 +80,31 @@ def _softmax(s, m_i, l_i, qk_scale, j, offs_m, SEQ_K, BLOCK_N: gl.constexpr, CAU
 
 
 @gluon.jit
-def _consume_blocks(acc, p, m_i, l_i, s0, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, lo, hi, ring,
-                    qk_scale, offs_m, SEQ_K, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
-                    s_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr):
+def _consume_blocks(
+    acc,
+    p,
+    m_i,
+    l_i,
+    s0,
+    q,
+    k_smem,
+    v_smem,
+    k_ready,
+    v_ready,
+    k_empty,
+    v_empty,
+    lo,
+    hi,
+    ring,
+    qk_scale,
+    offs_m,
+    SEQ_K,
+    CAUSAL: gl.constexpr,
+    MASKED: gl.constexpr,
+    s_layout: gl.constexpr,
+    p_layout: gl.constexpr,
+    row_o: gl.constexpr,
+):
     """Steps lo..hi-1: q.k^T of block j+1 and p.v of block j in flight together, then the softmax of j+1.
     Block j sits in ring slot ``ring + j`` (the K/V blocks of the CTA's earlier tiles came first)."""
     BLOCK_N: gl.constexpr = k_smem.shape[3]
@@ -71,14 +114,16 @@ def _consume_blocks(acc, p, m_i, l_i, s0, q, k_smem, v_smem, k_ready, v_ready, k
         stage = (ring + j) % NSTAGES
         nstage = (ring + j + 1) % NSTAGES
         mbarrier.wait(k_ready.index(nstage), ((ring + j + 1) // NSTAGES) & 1)
-        s = warpgroup_mma(q, k_smem.index(nstage).reshape([BLOCK_N, D]).permute((1, 0)), s0, use_acc=False,
-                          is_async=True)
+        s = warpgroup_mma(
+            q, k_smem.index(nstage).reshape([BLOCK_N, D]).permute((1, 0)), s0, use_acc=False, is_async=True
+        )
         mbarrier.wait(v_ready.index(stage), ((ring + j) // NSTAGES) & 1)
         acc = warpgroup_mma(p, v_smem.index(stage).reshape([BLOCK_N, D]), acc, is_async=True)
         s, p = warpgroup_mma_wait(1, deps=(s, p))
         mbarrier.arrive(k_empty.index(nstage), count=1)
-        p_next, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, j + 1, offs_m, SEQ_K, BLOCK_N, CAUSAL, MASKED,
-                                           s_layout, p_layout, q.dtype)
+        p_next, alpha, m_i, l_i = _softmax(
+            s, m_i, l_i, qk_scale, j + 1, offs_m, SEQ_K, BLOCK_N, CAUSAL, MASKED, s_layout, p_layout, q.dtype
+        )
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
         mbarrier.arrive(v_empty.index(stage), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -100,8 +145,28 @@ def _fwd_tile(t, SEQ_K, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl
 
 
 @gluon.jit
-def _fwd_consumer(o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
-                  SCHED, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL: gl.constexpr, C: gl.constexpr):
+def _fwd_consumer(
+    o_desc,
+    LSE,
+    q_smem,
+    o_smem,
+    k_smem,
+    v_smem,
+    q_bars,
+    q_empty,
+    k_ready,
+    v_ready,
+    k_empty,
+    v_empty,
+    SCHED,
+    HQ,
+    SEQ_Q,
+    SEQ_K,
+    SEQ_PAD,
+    qk_scale,
+    CAUSAL: gl.constexpr,
+    C: gl.constexpr,
+):
     """Warpgroup C: query rows C*HALF_M .. +HALF_M of each of the CTA's tiles against their key blocks.
     Q is double-buffered (tile t in buffer t % 2), so the next tile's Q arrives while this one runs;
     the output leaves through o_smem by TMA while the next tile runs."""
@@ -110,10 +175,10 @@ def _fwd_consumer(o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_bars, q_empty, 
     D: gl.constexpr = q_smem.shape[4]
     BLOCK_N: gl.constexpr = k_smem.shape[3]
     NSTAGES: gl.constexpr = k_smem.shape[0]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -143,24 +208,71 @@ def _fwd_consumer(o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_bars, q_empty, 
         mbarrier.wait(q_bars.index(q_buf), (done // 2) & 1)
         first = ring % NSTAGES
         mbarrier.wait(k_ready.index(first), (ring // NSTAGES) & 1)
-        s = warpgroup_mma(q, k_smem.index(first).reshape([BLOCK_N, D]).permute((1, 0)), s0, use_acc=False,
-                          is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s, ))
+        s = warpgroup_mma(
+            q, k_smem.index(first).reshape([BLOCK_N, D]).permute((1, 0)), s0, use_acc=False, is_async=True
+        )
+        s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(first), count=1)
         if mask_from == 0:
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, 0, offs_m, SEQ_K, BLOCK_N, CAUSAL, True,
-                                          s_layout, p_layout, q.dtype)
+            p, alpha, m_i, l_i = _softmax(
+                s, m_i, l_i, qk_scale, 0, offs_m, SEQ_K, BLOCK_N, CAUSAL, True, s_layout, p_layout, q.dtype
+            )
         else:
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, 0, offs_m, SEQ_K, BLOCK_N, CAUSAL, False,
-                                          s_layout, p_layout, q.dtype)
+            p, alpha, m_i, l_i = _softmax(
+                s, m_i, l_i, qk_scale, 0, offs_m, SEQ_K, BLOCK_N, CAUSAL, False, s_layout, p_layout, q.dtype
+            )
         # key block j+1 needs the mask iff j+1 >= mask_from: two loops keep the mask out of the first
         split = gl.maximum(gl.minimum(mask_from - 1, n - 1), 0)
-        acc, p, m_i, l_i = _consume_blocks(acc, p, m_i, l_i, s0, q, k_smem, v_smem, k_ready, v_ready,
-                                           k_empty, v_empty, 0, split, ring, qk_scale, offs_m, SEQ_K, CAUSAL,
-                                           False, s_layout, p_layout, row_o)
-        acc, p, m_i, l_i = _consume_blocks(acc, p, m_i, l_i, s0, q, k_smem, v_smem, k_ready, v_ready,
-                                           k_empty, v_empty, split, n - 1, ring, qk_scale, offs_m, SEQ_K,
-                                           CAUSAL, True, s_layout, p_layout, row_o)
+        acc, p, m_i, l_i = _consume_blocks(
+            acc,
+            p,
+            m_i,
+            l_i,
+            s0,
+            q,
+            k_smem,
+            v_smem,
+            k_ready,
+            v_ready,
+            k_empty,
+            v_empty,
+            0,
+            split,
+            ring,
+            qk_scale,
+            offs_m,
+            SEQ_K,
+            CAUSAL,
+            False,
+            s_layout,
+            p_layout,
+            row_o,
+        )
+        acc, p, m_i, l_i = _consume_blocks(
+            acc,
+            p,
+            m_i,
+            l_i,
+            s0,
+            q,
+            k_smem,
+            v_smem,
+            k_ready,
+            v_ready,
+            k_empty,
+            v_empty,
+            split,
+            n - 1,
+            ring,
+            qk_scale,
+            offs_m,
+            SEQ_K,
+            CAUSAL,
+            True,
+            s_layout,
+            p_layout,
+            row_o,
+        )
         mbarrier.arrive(q_empty.index(q_buf), count=1)  # every q.k^T is done: a later tile's Q may load
         last = ring + n - 1
         stage = last % NSTAGES
@@ -184,8 +296,26 @@ def _fwd_consumer(o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_bars, q_empty, 
 
 
 @gluon.jit
-def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty,
-                  v_empty, SCHED, HQ, GROUP, SEQ_Q, SEQ_K, CAUSAL: gl.constexpr):
+def _fwd_producer(
+    q_desc,
+    k_desc,
+    v_desc,
+    q_smem,
+    k_smem,
+    v_smem,
+    q_bars,
+    q_empty,
+    k_ready,
+    v_ready,
+    k_empty,
+    v_empty,
+    SCHED,
+    HQ,
+    GROUP,
+    SEQ_Q,
+    SEQ_K,
+    CAUSAL: gl.constexpr,
+):
     """One warp: for each of the CTA's tiles every consumer's Q block (into the buffer of the tile two
     before, once that consumer is past its last q.k^T), then K and V block by block; a stage is refilled
     once every consumer released it (the empty barriers count WGS arrivals)."""
@@ -282,22 +412,187 @@ def _attn_fwd_ws_kernel(
     # (argument tuples written out in the call: a tuple held in a variable would turn its
     # constexprs into tensors)
     if WGS == 2:
-        gl.warp_specialize([
-            (_fwd_consumer, (o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, SCHED, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL, 0)),
-            (_fwd_consumer, (o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, SCHED, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL, 1)),
-            (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, SCHED, HQ, GROUP, SEQ_Q, SEQ_K, CAUSAL)),
-        ], [4, 1], [240, 24])
+        gl.warp_specialize(
+            [
+                (
+                    _fwd_consumer,
+                    (
+                        o_desc,
+                        LSE,
+                        q_smem,
+                        o_smem,
+                        k_smem,
+                        v_smem,
+                        q_bars,
+                        q_empty,
+                        k_ready,
+                        v_ready,
+                        k_empty,
+                        v_empty,
+                        SCHED,
+                        HQ,
+                        SEQ_Q,
+                        SEQ_K,
+                        SEQ_PAD,
+                        qk_scale,
+                        CAUSAL,
+                        0,
+                    ),
+                ),
+                (
+                    _fwd_consumer,
+                    (
+                        o_desc,
+                        LSE,
+                        q_smem,
+                        o_smem,
+                        k_smem,
+                        v_smem,
+                        q_bars,
+                        q_empty,
+                        k_ready,
+                        v_ready,
+                        k_empty,
+                        v_empty,
+                        SCHED,
+                        HQ,
+                        SEQ_Q,
+                        SEQ_K,
+                        SEQ_PAD,
+                        qk_scale,
+                        CAUSAL,
+                        1,
+                    ),
+                ),
+                (
+                    _fwd_producer,
+                    (
+                        q_desc,
+                        k_desc,
+                        v_desc,
+                        q_smem,
+                        k_smem,
+                        v_smem,
+                        q_bars,
+                        q_empty,
+                        k_ready,
+                        v_ready,
+                        k_empty,
+                        v_empty,
+                        SCHED,
+                        HQ,
+                        GROUP,
+                        SEQ_Q,
+                        SEQ_K,
+                        CAUSAL,
+                    ),
+                ),
+            ],
+            [4, 1],
+            [240, 24],
+        )
     else:
-        gl.warp_specialize([
-            (_fwd_consumer, (o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, SCHED, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL, 0)),
-            (_fwd_consumer, (o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, SCHED, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL, 1)),
-            (_fwd_consumer, (o_desc, LSE, q_smem, o_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, SCHED, HQ, SEQ_Q, SEQ_K, SEQ_PAD, qk_scale, CAUSAL, 2)),
-            (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, SCHED, HQ, GROUP, SEQ_Q, SEQ_K, CAUSAL)),
-        ], [4, 4, 1], [160, 160, 24])
+        gl.warp_specialize(
+            [
+                (
+                    _fwd_consumer,
+                    (
+                        o_desc,
+                        LSE,
+                        q_smem,
+                        o_smem,
+                        k_smem,
+                        v_smem,
+                        q_bars,
+                        q_empty,
+                        k_ready,
+                        v_ready,
+                        k_empty,
+                        v_empty,
+                        SCHED,
+                        HQ,
+                        SEQ_Q,
+                        SEQ_K,
+                        SEQ_PAD,
+                        qk_scale,
+                        CAUSAL,
+                        0,
+                    ),
+                ),
+                (
+                    _fwd_consumer,
+                    (
+                        o_desc,
+                        LSE,
+                        q_smem,
+                        o_smem,
+                        k_smem,
+                        v_smem,
+                        q_bars,
+                        q_empty,
+                        k_ready,
+                        v_ready,
+                        k_empty,
+                        v_empty,
+                        SCHED,
+                        HQ,
+                        SEQ_Q,
+                        SEQ_K,
+                        SEQ_PAD,
+                        qk_scale,
+                        CAUSAL,
+                        1,
+                    ),
+                ),
+                (
+                    _fwd_consumer,
+                    (
+                        o_desc,
+                        LSE,
+                        q_smem,
+                        o_smem,
+                        k_smem,
+                        v_smem,
+                        q_bars,
+                        q_empty,
+                        k_ready,
+                        v_ready,
+                        k_empty,
+                        v_empty,
+                        SCHED,
+                        HQ,
+                        SEQ_Q,
+                        SEQ_K,
+                        SEQ_PAD,
+                        qk_scale,
+                        CAUSAL,
+                        2,
+                    ),
+                ),
+                (
+                    _fwd_producer,
+                    (
+                        q_desc,
+                        k_desc,
+                        v_desc,
+                        q_smem,
+                        k_smem,
+                        v_smem,
+                        q_bars,
+                        q_empty,
+                        k_ready,
+                        v_ready,
+                        k_empty,
+                        v_empty,
+                        SCHED,
+                        HQ,
+                        GROUP,
+                        SEQ_Q,
+                        SEQ_K,
+                        CAUSAL,
+                    ),
+                ),
+            ],
+            [4, 4, 1],
+            [160, 160, 24],
+        )

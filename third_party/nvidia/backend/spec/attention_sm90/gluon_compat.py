@@ -4,11 +4,13 @@ Later Tritons renamed the TMA copies and the partition barrier, and Triton 3.6 h
 no Gluon wrapper for it: the kernels call the names below, which are whichever this Triton has. ``GLUON`` is
 False on a Triton without Gluon's Hopper API; nothing else is defined then, and the hooks always decline.
 """
+
 from __future__ import annotations
 
 try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import tma
+
     GLUON = hasattr(gl, "warp_specialize")
 except ImportError:  # a Triton without Gluon
     GLUON = False
@@ -26,7 +28,9 @@ if GLUON:
         def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
             """Bulk reduce-add of a shared-memory tile into global memory (cp.reduce.async.bulk.tensor)."""
             coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-            _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
-                                                      src.handle)
+            _semantic.builder.create_async_tma_reduce(
+                _ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
+            )
+
 
 __all__ = ["GLUON", "tma_load", "tma_store", "thread_barrier", "tma_reduce_add"]

@@ -2,6 +2,7 @@
 problem, their TMA descriptors, and their launches, remembered as plans so that a repeated problem skips
 the host work a 2048-token step would otherwise wait on.
 """
+
 from __future__ import annotations
 
 import functools
@@ -12,8 +13,19 @@ from tritonspec.ops._library import PlanCache, cdiv, launch
 from tritonspec.ops.attention import LOG2E, tma_ok
 
 from .gluon_compat import GLUON
-from .schedule import (BLOCK_N, BWD_BLOCK_M, BWD_BLOCK_M_D64, BWD_HALF_N, HALF_M, HEAD_DIM, MAX_GRID_Y, STAGES,
-                       fwd_schedule, fwd_warpgroups, maxnreg)
+from .schedule import (
+    BLOCK_N,
+    BWD_BLOCK_M,
+    BWD_BLOCK_M_D64,
+    BWD_HALF_N,
+    HALF_M,
+    HEAD_DIM,
+    MAX_GRID_Y,
+    STAGES,
+    fwd_schedule,
+    fwd_warpgroups,
+    maxnreg,
+)
 
 if GLUON:
     from triton.experimental.gluon import language as gl
@@ -34,10 +46,15 @@ def eligible(q: torch.Tensor, k: torch.Tensor, scale: float, *tensors: torch.Ten
     if not GLUON or not q.is_cuda or getattr(torch.version, "hip", None):
         return False
     d = q.shape[-1]
-    return (q.dtype in (torch.float16, torch.bfloat16) and 64 <= d <= HEAD_DIM and scale > 0
-            and k.shape[2] > 0 and q.shape[0] * q.shape[1] <= MAX_GRID_Y
-            and _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device())
-            and tma_ok(q, k, *tensors))  # the op's own TMA rules: aligned base and strides, unit last stride
+    return (
+        q.dtype in (torch.float16, torch.bfloat16)
+        and 64 <= d <= HEAD_DIM
+        and scale > 0
+        and k.shape[2] > 0
+        and q.shape[0] * q.shape[1] <= MAX_GRID_Y
+        and _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        and tma_ok(q, k, *tensors)
+    )  # the op's own TMA rules: aligned base and strides, unit last stride
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,10 +110,17 @@ def _bwd_descriptors(q, k, v, do, dk, dv, dqa, lse, delta):
     block_m = BWD_BLOCK_M_D64 if tile_d == 64 else BWD_BLOCK_M
     # dQ's B operand is half the head dim of the K tile: the slice must start on a swizzle atom
     k_swizzle = tile_d  # bytes: half a row of 16-bit elements
-    return (_descriptor(q, block_m, tile_d), _descriptor(k, BWD_HALF_N, tile_d, k_swizzle),
-            _descriptor(v, BWD_HALF_N, tile_d), _descriptor(do, block_m, tile_d),
-            _descriptor(dk, BWD_HALF_N, tile_d, k_swizzle), _descriptor(dv, BWD_HALF_N, tile_d),
-            _descriptor(dqa, block_m, tile_d // 2), _rows_descriptor(lse, block_m), _rows_descriptor(delta, block_m))
+    return (
+        _descriptor(q, block_m, tile_d),
+        _descriptor(k, BWD_HALF_N, tile_d, k_swizzle),
+        _descriptor(v, BWD_HALF_N, tile_d),
+        _descriptor(do, block_m, tile_d),
+        _descriptor(dk, BWD_HALF_N, tile_d, k_swizzle),
+        _descriptor(dv, BWD_HALF_N, tile_d),
+        _descriptor(dqa, block_m, tile_d // 2),
+        _rows_descriptor(lse, block_m),
+        _rows_descriptor(delta, block_m),
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -110,8 +134,7 @@ _BWD_PLANS = PlanCache()
 
 
 def _problem_key(causal: bool, scale: float, *tensors: torch.Tensor) -> tuple:
-    return (tensors[0].dtype, tensors[0].device, bool(causal), scale,
-            *[(t.shape, t.stride()) for t in tensors])
+    return (tensors[0].dtype, tensors[0].device, bool(causal), scale, *[(t.shape, t.stride()) for t in tensors])
 
 
 def _rebased(desc, t):
@@ -129,8 +152,9 @@ def _launch_planned(plans: PlanCache, key: tuple, kernel, grid, kept: tuple = ()
     arguments that belong to the problem, not the call (the forward's schedule)."""
     plan = launch(kernel, grid, plan=True, **arguments)
     if plan is not None:
-        descriptors = [arguments[name] for name in kernel.arg_names
-                       if isinstance(arguments.get(name), TensorDescriptor)]
+        descriptors = [
+            arguments[name] for name in kernel.arg_names if isinstance(arguments.get(name), TensorDescriptor)
+        ]
         plans[key] = (plan, [_rebased(d, None) for d in descriptors], kept)
 
 
@@ -143,9 +167,10 @@ def attention_forward(q, k, v, o, lse, causal: bool, scale: float) -> bool:
     key = _problem_key(causal, scale, q, k, v, o, lse)
     hit = _FWD_PLANS.get(key)
     if hit is not None:
-        plan, descs, (schedule, ) = hit
-        if plan(_rebased(descs[0], q), _rebased(descs[1], k), _rebased(descs[2], v), _rebased(descs[3], o), lse,
-                schedule):
+        plan, descs, (schedule,) = hit
+        if plan(
+            _rebased(descs[0], q), _rebased(descs[1], k), _rebased(descs[2], v), _rebased(descs[3], o), lse, schedule
+        ):
             return True
     if q.shape[2] <= HALF_M or not eligible(q, k, scale, v, o):  # decode-sized queries: half a tile idles
         return False
@@ -156,21 +181,46 @@ def attention_forward(q, k, v, o, lse, causal: bool, scale: float) -> bool:
     tiles = cdiv(seq_q, wgs * HALF_M)
     ctas = min(batch * heads_q * tiles, _sm_count(q.device))
     kv_head_bytes = 2 * seq_k * tile_d * k.element_size()
-    schedule = _fwd_schedule_on(q.device, batch * heads_q, heads_q // heads_kv, tiles, wgs * HALF_M, seq_k,
-                                bool(causal), ctas, max(1, _l2_bytes(q.device) // 2 // kv_head_bytes))
+    schedule = _fwd_schedule_on(
+        q.device,
+        batch * heads_q,
+        heads_q // heads_kv,
+        tiles,
+        wgs * HALF_M,
+        seq_k,
+        bool(causal),
+        ctas,
+        max(1, _l2_bytes(q.device) // 2 // kv_head_bytes),
+    )
     _launch_planned(
-        _FWD_PLANS, key, _attn_fwd_ws_kernel, (ctas, ), kept=(schedule, ),
+        _FWD_PLANS,
+        key,
+        _attn_fwd_ws_kernel,
+        (ctas,),
+        kept=(schedule,),
         # Pointers (TMA descriptors)
-        q_desc=_descriptor(q, HALF_M, tile_d), k_desc=_descriptor(k, BLOCK_N, tile_d),
-        v_desc=_descriptor(v, BLOCK_N, tile_d), o_desc=_descriptor(o, HALF_M, tile_d),
+        q_desc=_descriptor(q, HALF_M, tile_d),
+        k_desc=_descriptor(k, BLOCK_N, tile_d),
+        v_desc=_descriptor(v, BLOCK_N, tile_d),
+        o_desc=_descriptor(o, HALF_M, tile_d),
         # Pointers
-        LSE=lse, SCHED=schedule,
+        LSE=lse,
+        SCHED=schedule,
         # Sizes
-        HQ=heads_q, GROUP=heads_q // heads_kv, SEQ_Q=seq_q, SEQ_K=seq_k, SEQ_PAD=lse.shape[-1],
+        HQ=heads_q,
+        GROUP=heads_q // heads_kv,
+        SEQ_Q=seq_q,
+        SEQ_K=seq_k,
+        SEQ_PAD=lse.shape[-1],
         # Scales
         qk_scale=scale * LOG2E,
         # Meta-parameters
-        CAUSAL=bool(causal), STAGES=STAGES, WGS=wgs, num_warps=4, maxnreg=maxnreg(wgs + 1))
+        CAUSAL=bool(causal),
+        STAGES=STAGES,
+        WGS=wgs,
+        num_warps=4,
+        maxnreg=maxnreg(wgs + 1),
+    )
     return True
 
 
@@ -194,16 +244,36 @@ def attention_backward(q, k, v, do, dqa, dk, dv, lse, delta, causal: bool, scale
     tiles = cdiv(seq_k, 2 * BWD_HALF_N)
     grid = (cdiv(tiles, 2) if causal else tiles, batch * heads_kv)  # causal: a CTA takes tiles i and -1-i
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc, lse_desc, delta_desc = _bwd_descriptors(
-        q, k, v, do, dk, dv, dqa, lse, delta)
+        q, k, v, do, dk, dv, dqa, lse, delta
+    )
     _launch_planned(
-        _BWD_PLANS, key, _attn_bwd_ws_kernel, grid,
+        _BWD_PLANS,
+        key,
+        _attn_bwd_ws_kernel,
+        grid,
         # Pointers (TMA descriptors)
-        q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, do_desc=do_desc, dk_desc=dk_desc, dv_desc=dv_desc,
-        dqa_desc=dqa_desc, lse_desc=lse_desc, delta_desc=delta_desc,
+        q_desc=q_desc,
+        k_desc=k_desc,
+        v_desc=v_desc,
+        do_desc=do_desc,
+        dk_desc=dk_desc,
+        dv_desc=dv_desc,
+        dqa_desc=dqa_desc,
+        lse_desc=lse_desc,
+        delta_desc=delta_desc,
         # Sizes
-        HQ=heads_q, HKV=heads_kv, GROUP=heads_q // heads_kv, SEQ_Q=seq_q, SEQ_K=seq_k,
+        HQ=heads_q,
+        HKV=heads_kv,
+        GROUP=heads_q // heads_kv,
+        SEQ_Q=seq_q,
+        SEQ_K=seq_k,
         # Scales
-        qk_scale=scale * LOG2E, sm_scale=scale,
+        qk_scale=scale * LOG2E,
+        sm_scale=scale,
         # Meta-parameters
-        CAUSAL=bool(causal), STAGES=STAGES, num_warps=4, maxnreg=maxnreg(3))
+        CAUSAL=bool(causal),
+        STAGES=STAGES,
+        num_warps=4,
+        maxnreg=maxnreg(3),
+    )
     return True

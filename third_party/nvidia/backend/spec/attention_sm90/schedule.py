@@ -3,6 +3,7 @@ the register budget, and the persistent forward's list of query tiles per CTA.
 
 Plain Python with no GPU or Gluon needed, so the choices are tested offline; ``launchers`` applies them.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -38,8 +39,9 @@ def maxnreg(warpgroups: int) -> int:
     return 65536 // (128 * warpgroups) // 8 * 8
 
 
-def fwd_schedule(batch_heads: int, group: int, tiles: int, rows: int, seq_k: int, causal: bool, ctas: int,
-                 kv_heads_per_section: int) -> list[int]:
+def fwd_schedule(
+    batch_heads: int, group: int, tiles: int, rows: int, seq_k: int, causal: bool, ctas: int, kv_heads_per_section: int
+) -> list[int]:
     """The persistent forward's work list: ``ctas + 1`` offsets into the list itself (CTA c takes the
     entries ``offsets[c]:offsets[c + 1]``, in order), then the query tiles, each coded
     ``bh * tiles + t``, then a spare entry the kernel may read ahead into.
