@@ -153,9 +153,9 @@ def test_front_ends_install_router_and_experts_and_match_original(model_name, fr
 
 @pytest.mark.parametrize("model_name", MODELS)
 def test_experts_implementation_switch_matches_original(model_name, spy):
-    """transformers' own route: register_experts() and experts_implementation="tritonspec"; routers stay theirs."""
+    """transformers' own route: experts_implementation="tritonspec", registered by importing tritonspec.nn;
+    routers stay theirs."""
     model = _model(model_name, torch.float32)
-    tnn.register_experts()
     model.set_experts_implementation(EXPERTS_NAME)
     spy.clear()
     got = _step(model, token_ids(96))
