@@ -7,6 +7,7 @@ descriptors (interpreted) and the atomic dQ variant.
 """
 
 import math
+import sys
 
 import pytest
 from helpers import leaf, make_spec, no_interpreter
@@ -280,10 +281,11 @@ def _scores(q, k, causal, scale):
     return s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf")) if causal else s
 
 
-def _own_kernels_spec(calls, written, run):
+def _own_kernels_spec(calls, written, run, decline=False):
     """A spec whose ``attention_forward`` / ``attention_backward`` record each call and, when ``run``,
     compute in float64 from exactly what the hooks promise (the forward writes out and the base-2
-    logsumexp; the backward reads that lse and delta = rowsum(dO * O)), keeping copies in ``written``."""
+    logsumexp; the backward's runner reads that lse and delta = rowsum(dO * O)), keeping copies in
+    ``written``; otherwise they decline with ``decline``."""
 
     def attention_forward(q, k, v, o, lse, causal, scale):
         calls.append(("forward", tuple(q.shape), tuple(k.shape), causal, scale))
@@ -294,20 +296,25 @@ def _own_kernels_spec(calls, written, run):
             written["out"] = o.clone()
         return run
 
-    def attention_backward(q, k, v, do, dqa, dk, dv, lse, delta, causal, scale):
+    def attention_backward(q, k, v, do, dk, dv, lse, causal, scale):
         calls.append(("backward", tuple(q.shape), tuple(k.shape), causal, scale))
-        if run:
+        if not run:
+            return decline
+
+        def backward(dqa, delta):
+            calls.append(("backward run", tuple(dqa.shape), dqa.dtype))
+            written["dqa"], written["delta"] = dqa.clone(), delta.clone()  # as the op hands them over
             sq, group = q.shape[2], q.shape[1] // k.shape[1]
             p = torch.exp2(_scores(q, k, causal, scale) / math.log(2) - lse[..., :sq, None].double())
             dp = do.double() @ v.double().repeat_interleave(group, dim=1).transpose(-1, -2)
             ds = p * (dp - delta[..., :sq, None].double())
             fold = lambda t: t.unflatten(1, (k.shape[1], group)).sum(2)  # noqa: E731 (sum a group's q heads)
-            assert dqa.dtype == torch.float32 and not dqa.any()  # the op's accumulator, zeroed
             dqa[..., : q.shape[3]] += ds @ k.double().repeat_interleave(group, dim=1) * scale
             dv.copy_(fold(p.transpose(-1, -2) @ do.double()))
             dk.copy_(fold(ds.transpose(-1, -2) @ q.double()) * scale)
             written["dq"], written["dk"], written["dv"] = dqa[..., : q.shape[3]].clone(), dk.clone(), dv.clone()
-        return run
+
+        return backward
 
     return make_spec(
         "own_kernels_spec",
@@ -326,11 +333,99 @@ def test_a_backend_may_run_its_own_kernels(run, registry):
     q, k, v, do = _inputs(1, 4, 2, 33, 21, 32, torch.float32, seed=11)
     with tritonspec.use_backend("own-kernels-test"):
         got = _ours(q, k, v, do, True, scale=0.3)
-    assert calls == [(kind, (1, 4, 33, 32), (1, 2, 21, 32), True, 0.3) for kind in ("forward", "backward")]
+    ran = [("backward run", (1, 4, 33, 32), torch.float32)] if run else []
+    assert calls == [(kind, (1, 4, 33, 32), (1, 2, 21, 32), True, 0.3) for kind in ("forward", "backward")] + ran
     _check_against_reference(got, q, k, v, do, True, scale=0.3)
     if run:  # bit for bit what the spec wrote, not a second run of the portable kernels
-        assert written.keys() == {"out", "dq", "dk", "dv"}
         assert all(torch.equal(got[i], written[name]) for i, name in enumerate(("out", "dq", "dk", "dv")))
+
+
+class _BackwardLaunches:
+    """Records the backward's launches (kernel name -> its arguments by name) and passes them through."""
+
+    def __init__(self, monkeypatch):
+        self.module = sys.modules["tritonspec.ops.attention"]
+        self.launch, self.seen = self.module.launch, {}
+        monkeypatch.setattr(self.module, "launch", self)
+
+    def __call__(self, kernel, grid, *args, **kwargs):
+        self.seen.setdefault(kernel.__name__, []).append(kwargs)
+        return self.launch(kernel, grid, *args, **kwargs)
+
+
+def _float32_allocations(monkeypatch):
+    """The shapes of the float32 tensors ``torch.empty`` allocates from here on."""
+    shapes, empty = [], torch.empty
+
+    def recording(*size, **kwargs):
+        t = empty(*size, **kwargs)
+        if t.dtype == torch.float32:
+            shapes.append(tuple(t.shape))
+        return t
+
+    monkeypatch.setattr(torch, "empty", recording)
+    return shapes
+
+
+@pytest.mark.parametrize("decline", [False, None])
+def test_a_declined_backward_allocates_no_dq_accumulator(decline, registry, monkeypatch):
+    """The backward hook answers before the op allocates anything: on a decline the preprocess only
+    computes delta (no fp32 dQ accumulator allocated or zeroed) and the portable kernels match float64."""
+    calls = []
+    tritonspec.register_spec("declines-test", _own_kernels_spec(calls, {}, run=False, decline=decline))
+    q, k, v, do = _inputs(2, 4, 2, 37, 29, 24, torch.float32, seed=13)  # head dim 24: dqa's is padded to 32
+    with tritonspec.use_backend("declines-test"):
+        q, k, v = (leaf(t) for t in (q, k, v))
+        out = attention(q, k, v, causal=True, scale=0.25)
+        launches, allocated = _BackwardLaunches(monkeypatch), _float32_allocations(monkeypatch)
+        out.backward(do)
+    assert [c[0] for c in calls] == ["forward", "backward"]
+    (pre,) = launches.seen["_attn_bwd_pre_kernel"]
+    assert pre["ZERO_DQA"] is False and pre["DQA"] is pre["DELTA"]  # the dummy pointer: never read
+    assert "_attn_bwd_dq_convert_kernel" not in launches.seen and "_attn_bwd_dq_kernel" in launches.seen
+    assert (2, 4, 37, 32) not in allocated
+    got = (out.detach(), q.grad, k.grad, v.grad)
+    _check_against_reference(got, q.detach(), k.detach(), v.detach(), do, True, scale=0.25)
+
+
+def test_a_taken_backward_runs_on_a_zeroed_accumulator_and_delta(registry, monkeypatch):
+    """A backend that takes the backward gets, once its hook returned, a zeroed fp32 accumulator with
+    the head dim padded and delta = rowsum(dO * O) (padded rows 0); the op converts what it adds up."""
+    calls, written = [], {}
+    tritonspec.register_spec("takes-test", _own_kernels_spec(calls, written, run=True))
+    q, k, v, do = _inputs(2, 4, 2, 37, 29, 24, torch.float32, seed=17)
+    with tritonspec.use_backend("takes-test"):
+        q, k, v = (leaf(t) for t in (q, k, v))
+        out = attention(q, k, v, causal=True, scale=0.25)
+        launches = _BackwardLaunches(monkeypatch)
+        out.backward(do)
+    assert [c[0] for c in calls] == ["forward", "backward", "backward run"]
+    (pre,) = launches.seen["_attn_bwd_pre_kernel"]
+    assert pre["ZERO_DQA"] is True and pre["DQA"] is not pre["DELTA"]
+    dqa, delta = written["dqa"], written["delta"]
+    assert dqa.dtype == torch.float32 and tuple(dqa.shape) == (2, 4, 37, 32) and not dqa.any()
+    ref_delta = (out.detach().double() * do.double()).sum(-1)
+    torch.testing.assert_close(delta[..., :37].double(), ref_delta, rtol=1e-5, atol=1e-5)
+    assert not delta[..., 37:].any()
+    got = (out.detach(), q.grad, k.grad, v.grad)
+    _check_against_reference(got, q.detach(), k.detach(), v.detach(), do, True, scale=0.25)
+
+
+@pytest.mark.parametrize("result", [True, 1, "run"])
+def test_a_backward_hook_returning_neither_a_runner_nor_a_decline_is_an_error(result, registry):
+    def attention_backward(q, k, v, do, dk, dv, lse, causal, scale):
+        return result
+
+    tritonspec.register_spec("bad-runner-test", make_spec("bad_runner_spec", attention_backward=attention_backward))
+    q, k, v = (leaf(t) for t in _inputs(1, 2, 1, 17, 17, 16, torch.float32, seed=19)[:3])
+    with tritonspec.use_backend("bad-runner-test"):
+        out = attention(q, k, v)
+        with pytest.raises(
+            tritonspec.SpecContractError,
+            match=r"backend 'bad-runner-test' hook 'attention_backward' returned the wrong thing: expected False "
+            r"or None \(decline\) or a function run\(dqa, delta\), got",
+        ):
+            out.sum().backward()
 
 
 def _t(*shape, dtype=torch.float32):

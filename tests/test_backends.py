@@ -291,18 +291,20 @@ def test_iluvatar_host_compiler(monkeypatch):
 
 def test_nvidia_kernel_config_depends_on_the_sm():
     cfg = nvidia_configs.kernel_config
-    assert cfg("rms_norm_fwd", capability=70, N=8192) == {"num_warps": 8}
-    assert cfg("rope", capability=75, heads_q=32) == {"num_warps": 4}
-    assert cfg("rms_norm_fwd", capability=90, N=8192) is None  # the op's default
-    assert cfg("somebody_elses_kernel", capability=90) is None
+    assert cfg("rms_norm_fwd", arch=70, N=8192) == {"num_warps": 8}
+    assert cfg("rope", arch=75, heads_q=32) == {"num_warps": 4}
+    assert cfg("rms_norm_fwd", arch=90, N=8192) is None  # the op's default
+    assert cfg("somebody_elses_kernel", arch=90) is None
 
 
 def test_nvidia_attention_config_uses_the_h100_table_on_sm90():
     problem = dict(head_dim=128, causal=True, dtype="torch.bfloat16", seq_q=4096, seq_k=4096, group=1)
-    cfg = nvidia_configs.kernel_config("attention_fwd", capability=90, **problem)
+    cfg = nvidia_configs.kernel_config("attention_fwd", arch=90, **problem)
     assert cfg == nvidia_configs.TABLES["attention_fwd"][(128, True)]
-    assert nvidia_configs.kernel_config("attention_fwd", capability=80, **problem) is None
-    assert nvidia_configs.kernel_config("attention_fwd", capability=90, **dict(problem, dtype="torch.float32")) is None
+    sm80 = nvidia_configs.kernel_config("attention_fwd", arch=80, **problem)
+    assert sm80 == nvidia_configs.SM80["attention_fwd"][128]
+    assert nvidia_configs.kernel_config("attention_fwd", arch=75, **problem) is None
+    assert nvidia_configs.kernel_config("attention_fwd", arch=90, **dict(problem, dtype="torch.float32")) is None
 
 
 def test_vendor_tables_name_only_declared_kernels_and_valid_fields():
@@ -319,6 +321,48 @@ def test_vendor_tables_name_only_declared_kernels_and_valid_fields():
         for kernel, entries in table.items():
             for cfg in entries.values():
                 types_[kernel](**cfg)  # raises on an unknown or invalid field
+
+
+def test_sm80_and_amd_tables_apply_to_their_parts_only_and_give_valid_configs():
+    """The A100 table answers for sm80-89 only, the CDNA one for gfx9 parts only (not RDNA's gfx11, nor a
+    device it cannot name); each answer overrides the op's own default into a valid config (the resources
+    they compile to are ``tritonspec check --kernels``'s to judge)."""
+    import importlib
+
+    from tritonspec_backends.amd.backend.spec import configs as amd_configs
+
+    # the modules (tritonspec.ops binds the op functions over their names)
+    attention_op, moe_op = (importlib.import_module(f"tritonspec.ops.{m}") for m in ("attention", "moe"))
+
+    big = dict(tokens_per_expert=512, H=4096, I=14336, E=8, dtype="torch.bfloat16")
+    defaults = {
+        "moe_up": moe_op._up_default(512),
+        "moe_rows": moe_op._rows_default(512),
+        "moe_weight_grad": moe_op._weight_grad_default(512),
+        "attention_fwd": attention_op._fwd_default(128),
+        "attention_bwd_dkdv": attention_op._dkdv_default(128),
+        "attention_bwd_dq": attention_op._dq_default(128),
+    }
+    attn = dict(head_dim=128, causal=True, dtype="torch.bfloat16", seq_q=4096, seq_k=4096, group=4)
+    for table, arch, others in (
+        (nvidia_configs.kernel_config, 80, (75, 90, None)),
+        (amd_configs.kernel_config, "gfx942", ("gfx1100", None)),
+        (amd_configs.kernel_config, "gfx90a", ()),
+    ):
+        for kernel, default in defaults.items():
+            problem = attn if kernel.startswith("attention") else big
+            override = table(kernel, arch=arch, **problem)
+            assert override, (arch, kernel)
+            default.override(override)  # raises on an unknown or invalid field
+            for other in others:
+                assert table(kernel, **({"arch": other} if other else {}), **problem) in (
+                    None,
+                    table(kernel, arch=90, **problem),
+                )
+    # CDNA: 64-wide wavefronts, so half the warps for the same threads; K loops in 2 stages
+    assert amd_configs.kernel_config("rms_norm_fwd", arch="gfx942", N=4096) == {"num_warps": 4}
+    assert amd_configs.kernel_config("moe_rows", arch="gfx942", **big)["num_stages"] == 2
+    assert amd_configs.kernel_config("rms_norm_fwd", arch="gfx1100", N=4096) is None
 
 
 def test_hopper_attention_kernels_compile_for_sm90(compiled):
@@ -506,7 +550,49 @@ def test_hopper_attention_kernels_decline_off_gpu():
     o, lse = torch.empty_like(q), torch.empty(1, 2, 256)
     assert not launchers_sm90.eligible(q, q, 0.1, q, o)
     assert launchers_sm90.attention_forward(q, q, q, o, lse, True, 0.1) is False
-    assert launchers_sm90.attention_backward(q, q, q, o, o.float(), o, o, lse, lse, True, 0.1) is False
+    assert launchers_sm90.attention_backward(q, q, q, o, o, o, lse, True, 0.1) is False
+
+
+def test_hopper_backward_plans_take_the_problem_before_the_accumulator_exists(monkeypatch):
+    """A planned problem is taken without eligible() (its key fixed all that reads but the addresses),
+    and its runner relaunches the plan on the call's tensors, the op's dqa and delta included; an
+    unaligned tensor is still declined, and a dqa of another layout gets a launch of its own."""
+    from tritonspec_backends.nvidia.backend.spec.attention_sm90 import launchers as launchers_sm90
+
+    def tensors(offset=0):
+        buffers = [torch.empty(2 * 256 * 128 + offset, dtype=torch.bfloat16) for _ in range(6)]
+        return [b[offset:].view(1, 2, 256, 128) for b in buffers]
+
+    q, k, v, do, dk, dv = tensors()
+    lse, delta, dqa = torch.empty(1, 2, 256), torch.zeros(1, 2, 256), torch.zeros(1, 2, 256, 128)
+    descs = [
+        launchers_sm90._rebased(d, None) for d in launchers_sm90._bwd_descriptors(q, k, v, do, dk, dv, dqa, lse, delta)
+    ]
+    relaunched, launched, checked = [], [], []
+
+    def plan(*descriptors):
+        relaunched.append(descriptors)
+        return True
+
+    key = launchers_sm90._problem_key(True, 0.1, q, k, v, do, dk, dv, lse)
+    layout = (dqa.shape, dqa.stride(), delta.shape, delta.stride())
+    monkeypatch.setattr(launchers_sm90, "_BWD_PLANS", {key: (plan, descs, layout)})
+    monkeypatch.setattr(launchers_sm90, "eligible", lambda *args: checked.append(args) or False)
+    monkeypatch.setattr(launchers_sm90, "_launch_bwd", lambda *args: launched.append(args))
+
+    run = launchers_sm90.attention_backward(q, k, v, do, dk, dv, lse, True, 0.1)
+    assert callable(run) and not checked and not relaunched  # nothing runs before the op has dqa and delta
+    run(dqa, delta)
+    (call,) = relaunched
+    assert all(d.base is t for d, t in zip(call, (q, k, v, do, dk, dv, dqa, lse, delta), strict=True))
+    assert [d.block_shape for d in call] == [d.block_shape for d in descs]  # the plan's tiles, rebased
+    assert not launched
+
+    run(torch.zeros(1, 2, 256, 64), delta)  # not the layout the plan was built for
+    assert len(relaunched) == 1 and len(launched) == 1
+
+    unaligned = tensors(offset=1)  # same shapes and strides, 2-byte-aligned addresses: TMA cannot take them
+    assert launchers_sm90.attention_backward(*unaligned, lse, True, 0.1) is False and len(checked) == 1
 
 
 # ------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tritonspec.specialization.check import WIDTH, _table, parse_tables
+from tritonspec.text_tables import WIDTH, parse_tables, table
 
 TITLES = ("Spec providers", "Hook points", "Install points", "Kernels", "Launch configs", "Sample kernels")
 
@@ -96,7 +96,7 @@ def test_help_is_plain_text_and_lists_checks_options():
 def test_table_wraps_long_cells_in_their_column_and_reads_back():
     name = "tritonspec_backends.cpu.backend.spec.a_module_name"  # too long for its column: broken after a dot
     rows = [["a", "short", "word " * 40], ["b", "x" * 12, "one"], ["c", "", name]]
-    text = _table(rows, ["key", "middle", "long"], width=50)
+    text = table(rows, ["key", "middle", "long"], width=50)
     _fits(text)
     lines = text.splitlines()
     assert all(len(line) <= 50 for line in lines) and len(lines) > 4, text

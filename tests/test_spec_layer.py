@@ -21,6 +21,7 @@ from tritonspec import PROVIDERS, SpecError, SpecHookError
 from tritonspec.specialization import check, install, resolve
 from tritonspec.specialization.points import jit_caches
 from tritonspec.specialization.inject import restore as restore_injections
+from tritonspec.text_tables import parse_tables
 
 
 # -- kernels (plain functions: wrapped as compiled JITFunctions or interpreted via triton.jit) --
@@ -508,7 +509,7 @@ def test_check_command_passes_and_claims_only_what_it_did():
             if line.strip()
         ), name
     # no binary is claimed that was not built; the reason is named
-    samples = {row[0]: row for row in check.parse_tables(proc.stdout)["Sample kernels"]}
+    samples = {row[0]: row for row in parse_tables(proc.stdout)["Sample kernels"]}
     assert samples["ascend"][2] == "ok (source,ttir); npubin: not built (bishengir-compile not on PATH)", samples
     # a hook compiled kernels cannot honour says so
     arange = [line for line in proc.stdout.splitlines() if line.startswith("arange_disable_check_power_of_two")]

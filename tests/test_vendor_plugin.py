@@ -319,7 +319,7 @@ def test_check_lists_and_compiles_the_plugin(plugin_venv):
     """(a) ``tritonspec check`` in the new venv: the provider, its hooks, its samples for toyvendor:90:32."""
     python, root = plugin_venv
     out = _run([python, "-m", "tritonspec.cli", "check", "--verbose"], _env(False), cwd=root).stdout
-    from tritonspec.specialization.check import parse_tables
+    from tritonspec.text_tables import parse_tables
 
     tables = parse_tables(out)
     assert "all checks passed" in out, out

@@ -7,7 +7,7 @@ Importing tritonspec (or any ``import triton`` once it is installed) installs th
 
 from . import deprecated, settings
 from .specialization.hooks import HOOKS, Hook, Kind, SpecContractError, SpecError, get_hook
-from .specialization.backend_info import BackendInfo
+from .specialization.backend_info import BackendInfo, CheckTarget
 from .kernel_table import LaunchConfig, LaunchConfigError
 from .launch import ConfigTable, launch_config
 from .specialization.providers import PROVIDERS, register_spec
@@ -35,6 +35,7 @@ __all__ = [
     "SpecHookError",
     "get_hook",
     "BackendInfo",
+    "CheckTarget",
     "LaunchConfig",
     "LaunchConfigError",
     "ConfigTable",

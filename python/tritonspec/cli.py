@@ -25,7 +25,15 @@ Validate the spec layer against the installed Triton and print what it found, in
 most 100 columns: the spec providers, the hook points and where they are installed, the kernel
 table and its launch configs, and sample kernels compiled offline for every backend target and
 run in the Triton interpreter (a subprocess with TRITON_INTERPRET=1). Exit status 0 only when
-everything that should apply did; 1 otherwise, or when the layer is disabled (TRITONSPEC_DISABLE)."""
+everything that should apply did; 1 otherwise, or when the layer is disabled (TRITONSPEC_DISABLE).
+
+With --kernels it checks the kernels instead: every kernel of the kernel table, forward and
+backward at the layer shapes of Llama-3-8B, Qwen3-30B-A3B, Mixtral-8x7B and DeepSeek-V3 (4096
+tokens, and decode steps of 1 and 16) in bfloat16 and float16, under each backend's launch
+configs, compiled offline for every target the backends declare; each binary's shared memory,
+registers and scratch against the target's declared limits. A table per backend, then "kernel
+resources: N compiles, M over a target's limits"; exit status 0 only when every compile
+succeeded and M is 0. It takes minutes: one process per CPU."""
 
 
 def add_check_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +51,11 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="skip running the sample kernels in the Triton interpreter (the slowest part: a "
         "subprocess with TRITON_INTERPRET=1); the offline compiles still run",
+    )
+    parser.add_argument(
+        "--kernels",
+        action="store_true",
+        help="check the kernel table's kernels against every backend target's resource limits instead",
     )
 
 
@@ -81,7 +94,7 @@ def main(argv=None) -> int:
             return _disabled()
         from .specialization.check import main as check
 
-        return check(verbose=args.verbose, interpreter=args.interpreter)
+        return check(verbose=args.verbose, interpreter=args.interpreter, kernels=args.kernels)
     return 2
 
 

@@ -91,10 +91,16 @@ def _units(device_type: str, index: int | None) -> int:
     return int(getattr(props, "multi_processor_count", 0) or DEFAULT_COMPUTE_UNITS)
 
 
+# The compute units meta tensors stand for: set while kernels are recorded for a compile target offline.
+META_COMPUTE_UNITS = DEFAULT_COMPUTE_UNITS
+
+
 def compute_units(device: torch.device) -> int:
     """Streaming multiprocessors (or the device's equivalent) for sizing persistent grids."""
     if device.type == "cpu":
         return DEFAULT_COMPUTE_UNITS
+    if device.type == "meta":
+        return META_COMPUTE_UNITS
     return _units(device.type, device.index)
 
 

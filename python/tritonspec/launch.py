@@ -19,6 +19,8 @@ there, not an entry that silently never applies.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 
 from .specialization.hooks import suggest
@@ -28,6 +30,23 @@ from .specialization.resolve import backend_for_device, lookup
 
 _cache: dict = {}
 PROVIDERS.on_change(_cache.clear)
+_arch = contextvars.ContextVar("tritonspec_config_arch", default=None)
+
+
+@contextlib.contextmanager
+def for_arch(arch):
+    """Launch configs chosen for ``arch`` (a compile target's, e.g. 80): every backend hook gets
+    ``arch=`` in its problem, as if the tensors' device were that part. For offline checks and tests."""
+    token = _arch.set(arch)
+    try:
+        yield
+    finally:
+        _arch.reset(token)
+
+
+def chosen_arch():
+    """The arch ``for_arch`` set here, or None (the tensors' device decides)."""
+    return _arch.get()
 
 
 def _with_index(device):
@@ -49,8 +68,11 @@ def launch_config(config: type[LaunchConfig], device, default, **problem) -> Lau
     ``default`` is a ``config`` instance, or a zero-argument callable building it, called only on a
     miss (so it may depend on nothing but ``problem``). ``problem`` holds hashable facts the choice
     depends on (sizes, dtype names, ...); the backend's hook also gets ``device`` (a torch.device
-    with its index).
+    with its index), and ``arch`` inside ``for_arch``.
     """
+    arch = _arch.get()
+    if arch is not None:
+        problem["arch"] = arch
     if type(device) is str or device.index is None:  # tensors' devices have their index: not the hot path
         device = _with_index(device)
     backend = backend_for_device(device)

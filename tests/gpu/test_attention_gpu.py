@@ -34,7 +34,7 @@ def _spec(fn, hopper=False):
         return fn(kernel, **{k: v for k, v in problem.items() if k != "device"})
 
     exports = {"kernel_config": kernel_config}
-    if hopper:  # as the nvidia spec ships: Hopper's own forward and dK/dV kernels where they apply
+    if hopper:  # as the nvidia spec ships: Hopper's own forward and backward kernels where they apply
         exports.update(
             attention_forward=launchers_sm90.attention_forward, attention_backward=launchers_sm90.attention_backward
         )

@@ -12,7 +12,7 @@ backend_info = tritonspec.BackendInfo(
     runs="emulated",
     targets=("toyvendor",),
     devices=(),
-    check_target=("toyvendor", 90, 32),
+    check_targets=(tritonspec.CheckTarget("toy90", ("toyvendor", 90, 32), shared_memory=232448, registers=255),),
     note="an example vendor: the stock CUDA pipeline on NVIDIA GPUs, or the Triton interpreter",
 )
 

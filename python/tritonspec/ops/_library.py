@@ -15,13 +15,16 @@ An op declares its forward, its backward and their fake (meta) versions once; fr
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from .. import settings
 from ..devices import interpreting
+from ..launch import chosen_arch
 from ..specialization.providers import PROVIDERS
 from ..specialization.resolve import selected, selection
 from ._launch_cache import CachedLauncher
@@ -218,13 +221,44 @@ class PlanCache(dict):
         PROVIDERS.on_change(self.clear)
 
     def __setitem__(self, key, plan):
+        if chosen_arch() is not None:  # made for another arch's configs: not for the device's own calls
+            return
         if len(self) >= self.LIMIT and key not in self:
             self.clear()
         super().__setitem__(key, plan)
 
     def get(self, key, default=None):
-        """The plan for ``key``; none while USE_CACHED_LAUNCH is off (every launch takes Triton's path)."""
-        return super().get(key, default) if USE_CACHED_LAUNCH else default
+        """The plan for ``key``; none while USE_CACHED_LAUNCH is off (every launch takes Triton's path), while
+        launches are recorded, or inside ``for_arch`` (a plan holds the configs of the arch it was made for)."""
+        if USE_CACHED_LAUNCH and _recorded is None and chosen_arch() is None:
+            return super().get(key, default)
+        return default
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One launch an op asked for: the kernel, its grid, and its arguments as passed."""
+
+    kernel: object
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+
+_recorded: list | None = None
+
+
+@contextlib.contextmanager
+def recording():
+    """Launches are recorded into the yielded list instead of run. With meta tensors, an op's forward and
+    backward then yield every Triton launch they make at any shape, with no device and no memory
+    (``tritonspec check --kernels`` compiles them offline). The ops must not read results on the host."""
+    global _recorded
+    outer, _recorded = _recorded, []
+    try:
+        yield _recorded
+    finally:
+        _recorded = outer
 
 
 def launch(kernel, grid, *args, traced: bool = False, plan: bool = False, **kwargs):
@@ -234,6 +268,9 @@ def launch(kernel, grid, *args, traced: bool = False, plan: bool = False, **kwar
     Pass the kernel's arguments by name, grouped as its parameters are (pointers, sizes, strides,
     meta-parameters), so each value reads against its parameter.
     """
+    if _recorded is not None:
+        _recorded.append(Launch(kernel, tuple(grid) if not callable(grid) else grid, args, kwargs))
+        return None
     runner = launcher(kernel, traced)
     runner[grid](*args, **kwargs)
     if plan and isinstance(runner, CachedLauncher):

@@ -10,8 +10,10 @@ dQ strategy) comes from ``launch_config`` with the kernel table's attention conf
 defaults below are portable (the CPU interpreter included) and a backend's ``kernel_config`` may
 override any field (NVIDIA's does on sm90 with tiles measured on an H100). A
 backend may also run the forward or the whole backward with kernels of its own (hooks
-``attention_forward`` / ``attention_backward``; NVIDIA's spec does on Hopper). The op itself never asks
-which backend it runs on.
+``attention_forward`` / ``attention_backward``; NVIDIA's spec does on Hopper). The backward hook
+answers before the op allocates anything: taking the problem, it returns the launch to run once the
+op has zeroed the fp32 dQ accumulator and computed delta, so a declined problem costs neither. The
+op itself never asks which backend it runs on.
 
 Semantics follow ``torch.nn.functional.scaled_dot_product_attention``:
 * q ``(batch, heads_q, seq_q, head_dim)``, k and v ``(batch, heads_kv, seq_k, head_dim)``;
@@ -347,7 +349,7 @@ def _attn_bwd_pre_kernel(
     BLOCK_M: tl.constexpr,
     ZERO_DQA: tl.constexpr,
 ):
-    """delta = rowsum(dO * O) in fp32; also zeroes the fp32 dQ accumulator when dQ uses atomics."""
+    """delta = rowsum(dO * O) in fp32; also zeroes the fp32 dQ accumulator when a kernel adds dQ into it."""
     pid_m = tl.program_id(1)
     bh = tl.program_id(0)
     b = bh // HQ
@@ -916,10 +918,12 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     def portable_config():
         return launch_config(AttentionBackwardKV, q.device, lambda: _dkdv_default(DP), **problem)
 
-    # a backend's own backward (e.g. Hopper's one-pass warp-specialized kernel), else the portable
-    # kernels; both kinds that add dQ up across key tiles use the fp32 accumulator zeroed here
+    # a backend's own backward (e.g. Hopper's one-pass warp-specialized kernel) if it takes the
+    # problem, else the portable kernels. Asked first: the fp32 dQ accumulator, allocated and zeroed
+    # here, is for kernels that add dQ up across key tiles, and a declining backend runs none.
     own = lookup("attention_backward", backend=backend_for_device(q.device))
-    accumulate = own is not None or portable_config().DQ_ATOMIC
+    runner = own(q, k, v, do, dk, dv, lse, bool(causal), scale) if own is not None else None  # or False
+    accumulate = bool(runner) or portable_config().DQ_ATOMIC
     delta = _padded_rows(B, HQ, SQ, 0.0, q.device)
     dqa = torch.empty((B, HQ, SQ, DP), device=q.device, dtype=torch.float32) if accumulate else delta
     pre_bm = cfg_pre.BLOCK_M
@@ -972,7 +976,8 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
         )
         return dq, dk, dv
 
-    if own is not None and own(q, k, v, do, dqa, dk, dv, lse, delta, bool(causal), scale):
+    if runner:
+        runner(dqa, delta)
         return dq_from_accumulator()
     cfg_kv = portable_config()
     atomic = cfg_kv.DQ_ATOMIC

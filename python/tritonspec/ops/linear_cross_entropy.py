@@ -677,7 +677,8 @@ def linear_cross_entropy(
     """
     _check(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, softcap, num_items_in_batch)
     device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):  # what lm_head's F.linear would compute in
+    # what lm_head's F.linear would compute in (a device type without autocast, e.g. meta, has none)
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)

@@ -8,13 +8,12 @@
    checked against float64 references.
 Exit status 0 only when everything that should apply did. Every line fits in 100 columns: long cells
 continue on the next lines in their column, and lists are summarised unless ``verbose``. The command
-line's options are declared in ``tritonspec.cli``; ``parse_tables`` reads the output back.
+line's options are declared in ``tritonspec.cli``; ``tritonspec.text_tables.parse_tables`` reads the output back.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import sys
 import textwrap
 import traceback
@@ -28,6 +27,7 @@ from ..devices import interpreting
 from .hooks import HOOKS
 from ..launch import ConfigTable
 from .providers import PROVIDERS
+from ..text_tables import WIDTH, section, wrap
 
 # Points in tritonspec's own code (consulted by its ops, not installed into Triton).
 OWN_POINTS = frozenset({"tritonspec.launch_config", "tritonspec.ops.attention"})
@@ -226,90 +226,8 @@ def provider_rows() -> tuple[dict, list, list]:
     return providers, rows, failures
 
 
-# -- output: tables of at most WIDTH columns -----------------------------------------------------
-
-WIDTH = 100  # every line check prints fits in this many columns
-_GAP = "  "  # between columns (a cell never holds two spaces in a row)
 # a provider's spec functions longer than this are summarised (counts) unless --verbose
 _SPEC_FUNCTIONS_SHOWN = 60
-
-
-def _widths(rows, header, width, keep=()) -> list[int]:
-    """Column widths: each column's longest cell, then the widest column narrowed one at a time until the
-    table fits in ``width``: never below its header, and the columns in ``keep`` (names a reader scans
-    for) only when narrowing the others is not enough."""
-    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-    floors = [max(len(h), 6) for h in header]
-    budget = width - len(_GAP) * (len(header) - 1)
-    while sum(widths) > budget:
-        wide = (
-            [i for i, w in enumerate(widths) if w > floors[i] and i not in keep]
-            or [i for i, w in enumerate(widths) if w > floors[i]]
-            or [i for i, w in enumerate(widths) if w > 1]
-        )
-        if not wide:
-            break
-        widths[max(wide, key=lambda i: (widths[i], i))] -= 1
-    return widths
-
-
-class _Wrapper(textwrap.TextWrapper):
-    """textwrap's, but a name too long for its column breaks after a ``.``, ``_`` or ``/`` where it can."""
-
-    def _handle_long_word(self, reversed_chunks, cur_line, cur_len, width):
-        space = max(width - cur_len, 1)
-        chunk = reversed_chunks[-1]
-        cut = max(chunk.rfind(c, 0, space) for c in "._/") + 1
-        if cut > 0 and len(chunk) > space:
-            cur_line.append(chunk[:cut])
-            reversed_chunks[-1] = chunk[cut:]
-        else:
-            super()._handle_long_word(reversed_chunks, cur_line, cur_len, width)
-
-
-def _wrap(text: str, width: int) -> list[str]:
-    """``text`` in lines of at most ``width``: broken at spaces, inside a word only when the word alone is wider."""
-    return _Wrapper(width, break_on_hyphens=False).wrap(text) or [""]
-
-
-def _table(rows, header, width: int = WIDTH, keep=(0,)) -> str:
-    """A table: header, dashes, one row per entry; a cell wider than its column continues on the next
-    lines, in its column (the other columns blank there). ``parse_tables`` reads it back."""
-    widths = _widths(rows, header, width, keep)
-    out = []
-    for r in [header, ["-" * w for w in widths]] + rows:
-        cells = [_wrap(str(c), w) for c, w in zip(r, widths)]
-        for k in range(max(len(c) for c in cells)):
-            out.append(_GAP.join((c[k] if k < len(c) else "").ljust(w) for c, w in zip(cells, widths)).rstrip())
-    return "\n".join(out)
-
-
-def _section(title: str, rows, header, keep=(0,)) -> None:
-    print(f"\n{title}\n{_table(rows, header, keep=keep)}")
-
-
-def parse_tables(text: str) -> dict[str, list[list[str]]]:
-    """The tables of check's output read back: title -> rows of cells, a continuation line joined to its
-    row (with a space, none after a line ending in ``_``, ``/`` or ``.``: a name broken there). For tests
-    and scripts; the columns are found from the dashes under the header."""
-    tables = {}
-    for block in text.split("\n\n"):
-        lines = block.strip("\n").splitlines()
-        if len(lines) < 3 or not re.fullmatch(r"-+(  -+)*", lines[2]):
-            continue
-        starts = [m.start() for m in re.finditer(r"-+", lines[2])]
-        rows = []
-        for line in lines[3:]:
-            cells = [line[a:b].strip() for a, b in zip(starts, starts[1:] + [None])]
-            if rows and not cells[0]:
-                rows[-1] = [
-                    old + ("" if old.endswith(("_", "/", ".")) else " ") + new if new else old
-                    for old, new in zip(rows[-1], cells)
-                ]
-            else:
-                rows.append(cells)
-        tables[lines[0]] = rows
-    return tables
 
 
 def _injector_lists(p) -> list[str]:
@@ -385,12 +303,13 @@ def _sample_rows(results: list, verbose: bool) -> list:
     return rows
 
 
-def main(verbose: bool = False, interpreter: bool = True) -> int:
+def main(verbose: bool = False, interpreter: bool = True, kernels: bool = False) -> int:
     """``tritonspec check``: print the tables; the exit status (0: everything that should apply did).
 
     ``verbose``: every spec function, and every sample kernel on a row of its own. ``interpreter=False``:
-    the samples are not run in the interpreter (a subprocess), only compiled. The command line
-    (``tritonspec check --verbose --no-interpreter``) is ``tritonspec.cli``'s."""
+    the samples are not run in the interpreter (a subprocess), only compiled. ``kernels``: check the kernel
+    table's kernels against the backends' targets instead (``tritonspec.kernel_check``). The command line
+    (``tritonspec check --verbose --no-interpreter --kernels``) is ``tritonspec.cli``'s."""
     from triton.backends.compiler import GPUTarget
 
     # Say what FP fusion is (Triton 3.9 otherwise warns on stderr in the middle of the tables).
@@ -400,6 +319,10 @@ def main(verbose: bool = False, interpreter: bool = True) -> int:
     if not install.is_active():
         print(f"hooks are disabled ({settings.DISABLE.shown()}): nothing to check")
         return 1
+    if kernels:
+        from ..kernel_check import run
+
+        return run()
     __import__("triton.runtime.interpreter")  # installs the interpreter point
 
     # 1. providers
@@ -408,9 +331,9 @@ def main(verbose: bool = False, interpreter: bool = True) -> int:
     for row in rows:
         if row[0] in providers:
             row[3] = _spec_functions(providers[row[0]], verbose)
-    _section("Spec providers", rows, ["backend", "runs", "from", "spec functions", "compile cache"], keep=(0, 1, 2))
+    section("Spec providers", rows, ["backend", "runs", "from", "spec functions", "compile cache"], keep=(0, 1, 2))
     if verbose:
-        _section(
+        section(
             "Spec functions",
             _spec_function_rows(providers),
             ["backend", "hooks or injector list", "names"],
@@ -419,8 +342,8 @@ def main(verbose: bool = False, interpreter: bool = True) -> int:
 
     # 2. the hooks, then where they are installed
     hook_rows, point_rows = _hook_rows(providers, failures)
-    _section("Hook points", hook_rows, ["hook", "installed", "applies to", "specialized by"])
-    _section("Install points", point_rows, ["point", "installed", "serves"])
+    section("Hook points", hook_rows, ["hook", "installed", "applies to", "specialized by"])
+    section("Install points", point_rows, ["point", "installed", "serves"])
 
     # 3. the kernel table, then the launch configs of its Triton kernels
     rows, problems = kernel_rows(providers)
@@ -428,8 +351,8 @@ def main(verbose: bool = False, interpreter: bool = True) -> int:
     kernels = {}
     for kernel, ops, replaces, _, _, status in rows:
         kernels.setdefault(kernel, [kernel, ops or "-", replaces, status])
-    _section("Kernels", list(kernels.values()), ["kernel", "ops", "replaces", "loads"], keep=(0, 1))
-    _section(
+    section("Kernels", list(kernels.values()), ["kernel", "ops", "replaces", "loads"], keep=(0, 1))
+    section(
         "Launch configs",
         [[cfg, kernel, set_by] for kernel, _, _, cfg, set_by, _ in rows if cfg != "-"],
         ["launch config", "kernel", "set by (else the kernel's default)"],
@@ -439,9 +362,9 @@ def main(verbose: bool = False, interpreter: bool = True) -> int:
     # 4. sample kernels: offline compile per backend target, then the interpreter
     results = []
     for name, p in providers.items():
-        target = p.info.check_target
-        if target is None:
+        if not p.info.check_targets:
             continue
+        target = p.info.check_targets[0].target
         compiled = compile_samples(GPUTarget(*target))
         results.append((name, ":".join(map(str, target)), compiled))
         failures += [f"compile {k} for {name}: {r}" for k, r in compiled.items() if not r.startswith("ok")]
@@ -450,11 +373,11 @@ def main(verbose: bool = False, interpreter: bool = True) -> int:
         results.append(("cpu", "interpreter", interpreted))
         failures += [f"interpret {k}: {r}" for k, r in interpreted.items() if r != "ok"]
     header = ["backend", "target", "kernel", "result"] if verbose else ["backend", "target", "result"]
-    _section("Sample kernels", _sample_rows(results, verbose), header, keep=(0, 1, 2) if verbose else (0, 1))
+    section("Sample kernels", _sample_rows(results, verbose), header, keep=(0, 1, 2) if verbose else (0, 1))
     note = f"({', '.join(SAMPLES)}: compiled offline for each target; " + (
         "run in the interpreter)" if interpreter else "not run in the interpreter: --no-interpreter)"
     )
-    print("\n" + "\n".join(_wrap(note, WIDTH)))
+    print("\n" + "\n".join(wrap(note, WIDTH)))
 
     if failures:
         print("\nFAILED:")

@@ -77,6 +77,12 @@ def _none(x):
         return f"None (it edits the stages in place), got {_got(x)}"
 
 
+def _runner_or_decline(x):
+    # True reads as "ran" but leaves the op nothing to call: an error, not a decline
+    if x is not None and x is not False and (isinstance(x, bool) or not callable(x)):
+        return f"False or None (decline) or a function run(dqa, delta), got {_got(x)}"
+
+
 # The calls function hooks receive, as annotated signatures (the bodies are never run).
 def atomic_add_int64_call(semantic, ptr, val, mask, sem, scope): ...
 def cache_modifier_call(cache_modifier: str): ...
@@ -86,7 +92,7 @@ def do_bench_call(fn): ...  # plus whatever else the caller passes to triton.tes
 def host_compiler_call() -> str | None: ...
 def launch_config_call(kernel: str, *, device, **problem) -> dict | None: ...
 def attention_forward_call(q, k, v, o, lse, causal: bool, scale: float) -> bool: ...
-def attention_backward_call(q, k, v, do, dqa, dk, dv, lse, delta, causal: bool, scale: float) -> bool: ...
+def attention_backward_call(q, k, v, do, dk, dv, lse, causal: bool, scale: float) -> Callable | None: ...
 def value_call(): ...  # a VALUE / PREDICATE hook given as a function computes its value on first use
 
 
@@ -280,12 +286,13 @@ HOOKS: dict[str, Hook] = _table(
         F,
         "tritonspec.ops.attention",
         "the portable Triton backward kernels",
-        "(q, k, v, do, dqa, dk, dv, lse, delta, causal: bool, scale: float) -> bool: run the backend's own "
-        "backward, adding dQ into dqa (zeroed fp32, head dim padded to a power of two; the op converts it) "
-        "and writing dk and dv (lse and delta = rowsum(dO * O) per q row, padded rows +inf and 0); False "
-        "keeps the portable kernels",
+        "(q, k, v, do, dk, dv, lse, causal: bool, scale: float) -> run | False | None: take the problem by "
+        "returning run(dqa, delta), which runs the backend's own backward: it adds dQ into dqa (zeroed fp32 "
+        "(batch, heads_q, seq_q, head dim padded to a power of two); the op converts it) and writes dk and dv, "
+        "from lse and delta = rowsum(dO * O) per q row (padded rows +inf and 0). Two phases, so that the op "
+        "allocates and zeroes dqa only for a kernel that uses it; False or None keeps the portable kernels",
         signature=attention_backward_call,
-        check=_BOOL,
+        check=_runner_or_decline,
     ),
 )
 

@@ -10,7 +10,7 @@ emulated semantics: every extension also has a portable meaning that runs in the
 - ``interpreter_libdevice``: interpreted kernels call the same NPU libdevice (numpy path).
 """
 
-from tritonspec import BackendInfo
+from tritonspec import BackendInfo, CheckTarget
 from tritonspec_backends.ascend.language.ascend import libdevice as _libdevice
 
 from .core import extract_slice, gather, get_element, insert_slice  # noqa: F401  (the spec's builtins)
@@ -20,7 +20,8 @@ backend_info = BackendInfo(
     runs="compile-only",
     targets=("ascend",),
     devices=("npu",),
-    check_target=("ascend", "Ascend910B3", 0),
+    # TTIR only: no binary here to read resources from, so no limits to compare with
+    check_targets=(CheckTarget("910B3", ("ascend", "Ascend910B3", 0), part="Ascend 910B3 (TTIR)"),),
     note="TTIR offline; a binary only with the CANN toolchain; semantics emulated in the interpreter",
 )
 

@@ -9,7 +9,7 @@ Cheap to import: it is loaded on a process's first CUDA compile, so the Gluon ke
 torch they need) are imported on the first attention call, not here.
 """
 
-from tritonspec import BackendInfo
+from tritonspec import BackendInfo, CheckTarget
 
 from .configs import kernel_config
 
@@ -17,7 +17,10 @@ backend_info = BackendInfo(
     runs="real",
     targets=("cuda",),
     devices=("cuda",),
-    check_target=("cuda", 90, 32),
+    check_targets=(
+        CheckTarget("sm90", ("cuda", 90, 32), shared_memory=232448, registers=255, units=132, part="H100 SXM"),
+        CheckTarget("sm80", ("cuda", 80, 32), shared_memory=166912, registers=255, units=108, part="A100"),
+    ),
     note="NVIDIA GPUs through the stock CUDA backend",
 )
 
@@ -29,11 +32,12 @@ def attention_forward(q, k, v, o, lse, causal, scale):
     return forward(q, k, v, o, lse, causal, scale)
 
 
-def attention_backward(q, k, v, do, dqa, dk, dv, lse, delta, causal, scale):
-    """Hopper's one-pass warp-specialized backward, or False to keep the portable kernels."""
+def attention_backward(q, k, v, do, dk, dv, lse, causal, scale):
+    """Hopper's one-pass warp-specialized backward as ``run(dqa, delta)``, or False to keep the portable
+    kernels (asked before the op allocates the dQ accumulator that only a run needs)."""
     from .attention_sm90.launchers import attention_backward as backward
 
-    return backward(q, k, v, do, dqa, dk, dv, lse, delta, causal, scale)
+    return backward(q, k, v, do, dk, dv, lse, causal, scale)
 
 
 __all__ = ["backend_info", "kernel_config", "attention_forward", "attention_backward"]

@@ -1,14 +1,17 @@
 """Per-SM launch parameters for tritonspec kernels on NVIDIA GPUs, as a table keyed by kernel.
 
-The ops' defaults were written for sm80/sm90; what changes per SM generation here:
+What changes per SM generation here:
 - before sm80 (Volta/Turing) the row kernels (RMSNorm, SwiGLU, RoPE) keep to 4 warps, or 8 for
   rows longer than 2048;
 - on sm90 the portable attention kernels take the H100 tiles of ``TABLES``: every entry was picked by
-  ``bench/bench_attention.py --sweep`` on an H100 (bf16, the four benchmark shapes), not derived.
+  ``bench/bench_attention.py --sweep`` on an H100 (bf16, the four benchmark shapes), not derived;
+- on sm80 (A100: 164 KB of shared memory, cp.async pipelines, mma.sync, no TMA) attention and the
+  experts' GEMMs take ``SM80``: tiles chosen for those limits (``tritonspec check --kernels`` shows
+  what each compiles to), run for correctness on an H100; no A100 was at hand to tune them.
 
 The SM is the one of the tensors' device (``launch_config`` passes ``device``), so a host with GPUs
-of two generations gets each its own tiles. A problem may carry ``capability`` (e.g. 90) instead;
-this is how the choices are tested without a GPU.
+of two generations gets each its own tiles. A problem may carry ``arch`` (e.g. 90) instead, as
+``tritonspec.launch.for_arch`` sets it: how the choices are checked offline and tested without a GPU.
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ def _device_capability(index: int):
 
 
 def _capability(problem) -> int | None:
-    cap = problem.get("capability")
-    if cap is not None:
-        return int(cap)
+    arch = problem.get("arch")
+    if arch is not None:
+        return int(arch)
     device = problem.get("device")
     if device is None or device.type != "cuda":
         return None
@@ -108,12 +111,53 @@ def _hopper_attention(kernel: str, **problem):
     cap = _capability(problem)
     if cap is None or cap // 10 != 9:
         return None
-    return h100_attention_config(kernel, **{k: v for k, v in problem.items() if k not in ("capability", "device")})
+    return h100_attention_config(kernel, **{k: v for k, v in problem.items() if k not in ("arch", "device")})
+
+
+def _sm80_cfg(bm, bn, warps, stages):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+
+
+# A100 attention tiles by padded head dim (larger ones keep the portable defaults): the Q tile stays in
+# registers across the key loop, K and V tiles stream through 3 cp.async stages.
+SM80 = {
+    "attention_fwd": {64: _sm80_cfg(128, 64, 4, 3), 128: _sm80_cfg(128, 64, 8, 3)},
+    "attention_bwd_dkdv": {64: _sm80_cfg(32, 128, 4, 3), 128: _sm80_cfg(64, 64, 8, 2)},
+    "attention_bwd_dq": {64: _sm80_cfg(64, 64, 4, 3), 128: _sm80_cfg(64, 64, 8, 2)},
+}
+
+
+def _ampere(kernel: str, **problem):
+    """sm80 to sm89: the ``SM80`` attention tiles, and experts' GEMM tiles that fit 164 KB with 4 stages."""
+    cap = _capability(problem)
+    if cap is None or not 80 <= cap < 90:
+        return None
+    if kernel in SM80:
+        if problem.get("dtype") not in ("torch.bfloat16", "torch.float16"):
+            return None
+        cfg = SM80[kernel].get(max(64, 1 << (int(problem.get("head_dim", 0)) - 1).bit_length()))
+        if cfg is not None and kernel != "attention_bwd_dkdv" and int(problem.get("seq_q", 1 << 30)) <= 64:
+            cfg = dict(cfg, BLOCK_M=64)  # decode-sized queries: a 128-row tile would be mostly padding
+        return cfg
+    if problem.get("tokens_per_expert", 0) <= 16:
+        return None  # decode-sized: the default 16-row tiles use 20 KB and 4 warps
+    # 32-deep K steps in 4 stages on 8 warps: two programs per SM; 128-wide N tiles (64 for moe_up, whose
+    # gate and up halves each keep an accumulator: 128 wide, it spills)
+    if kernel in ("moe_up", "moe_rows"):
+        return {"BLOCK_N": 64 if kernel == "moe_up" else 128, "BLOCK_K": 32, "num_warps": 8, "num_stages": 4}
+    if kernel == "moe_weight_grad":
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 8, "num_stages": 4}
+    return None
+
+
+def _attention(kernel: str, **problem):
+    return _hopper_attention(kernel, **problem) or _ampere(kernel, **problem)
 
 
 kernel_config = ConfigTable(
     {
         **dict.fromkeys(("rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope"), _pre_ampere_rows),
-        **dict.fromkeys(TABLES, _hopper_attention),
+        **dict.fromkeys(TABLES, _attention),
+        **dict.fromkeys(("moe_up", "moe_rows", "moe_weight_grad"), _ampere),
     }
 )

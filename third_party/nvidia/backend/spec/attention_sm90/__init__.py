@@ -4,7 +4,8 @@ The op asks for them through the ``attention_forward`` / ``attention_backward`` 
 (return False, the op then runs its ``tl`` kernels) for anything they were not measured on: a device
 other than sm90, head_dim outside 64..128, dtypes other than fp16/bf16, scale <= 0, strides TMA cannot
 address, more than 65535 batch x heads, decode-sized queries (forward), or a Triton without Gluon's
-Hopper API.
+Hopper API. The backward takes a problem by returning its launch, which the op runs once it has zeroed
+the dQ accumulator: a declined problem costs no accumulator.
 
 Modules:
     ``forward``       the persistent forward kernel (why it beats the portable one, measured);

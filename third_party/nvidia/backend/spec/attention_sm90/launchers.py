@@ -138,8 +138,9 @@ def _problem_key(causal: bool, scale: float, *tensors: torch.Tensor) -> tuple:
 
 
 def _rebased(desc, t):
-    """``desc`` over tensor ``t`` of the same shape and strides (a plan's key fixed them), without
-    TensorDescriptor's validation; ``t=None`` for the copy a plan keeps."""
+    """``desc`` at tensor ``t``'s address, with the shape and strides it was built with (a plan's key fixed
+    them; a launch reads only the base's address), without TensorDescriptor's validation; ``t=None`` for
+    the copy a plan keeps."""
     rebased = object.__new__(TensorDescriptor)
     rebased.__dict__.update(desc.__dict__)
     rebased.base = t
@@ -148,8 +149,8 @@ def _rebased(desc, t):
 
 def _launch_planned(plans: PlanCache, key: tuple, kernel, grid, kept: tuple = (), **arguments):
     """Launch ``kernel`` with ``arguments`` (by name), and keep the plan with copies of its TMA descriptors
-    (in the kernel's parameter order, as the plan takes them) and ``kept``: the tensors among the
-    arguments that belong to the problem, not the call (the forward's schedule)."""
+    (in the kernel's parameter order, as the plan takes them) and ``kept``: what belongs to the problem,
+    not the call (the forward's schedule; the layouts of the backward's dqa and delta)."""
     plan = launch(kernel, grid, plan=True, **arguments)
     if plan is not None:
         descriptors = [
@@ -224,21 +225,41 @@ def attention_forward(q, k, v, o, lse, causal: bool, scale: float) -> bool:
     return True
 
 
-def attention_backward(q, k, v, do, dqa, dk, dv, lse, delta, causal: bool, scale: float) -> bool:
-    """The ``attention_backward`` hook: in one pass over the keys, add dQ into the op's zeroed fp32
-    accumulator ``dqa`` (head dim padded to 64 or 128) by TMA reduce-adds and fill ``dk`` and ``dv``,
-    from the forward's lse and the op's delta (rowsum(dO * O)), both per q row with padded rows +inf
-    and 0; or return False. dQ's fp32 sums land in arrival order, so its last bits may differ between
-    runs (as FlashAttention's dQ); dK and dV are deterministic."""
-    key = _problem_key(causal, scale, q, k, v, do, dk, dv, dqa, lse, delta)
+def attention_backward(q, k, v, do, dk, dv, lse, causal: bool, scale: float):
+    """The ``attention_backward`` hook: take the problem by returning ``run(dqa, delta)``, or return False
+    before the op allocates anything for it. ``run`` adds dQ, in one pass over the keys, into the op's
+    zeroed fp32 accumulator ``dqa`` (head dim padded to 64 or 128) by TMA reduce-adds and fills ``dk`` and
+    ``dv``, from the forward's lse and the op's delta (rowsum(dO * O)), both per q row with padded rows
+    +inf and 0. dQ's fp32 sums land in arrival order, so its last bits may differ between runs (as
+    FlashAttention's dQ); dK and dV are deterministic."""
+    key = _problem_key(causal, scale, q, k, v, do, dk, dv, lse)
     hit = _BWD_PLANS.get(key)
-    if hit is not None:
-        plan, descs, _ = hit
-        tensors = (q, k, v, do, dk, dv, dqa, lse.view(-1, lse.shape[-1]), delta.view(-1, delta.shape[-1]))
-        if plan(*[_rebased(d, t) for d, t in zip(descs, tensors)]):
-            return True
+    if hit is not None:  # eligible() passed on all the key holds; of the rest, TMA needs aligned addresses
+        addresses = q.data_ptr() | k.data_ptr() | v.data_ptr() | do.data_ptr() | dk.data_ptr() | dv.data_ptr()
+        if not addresses & 15:
+            plan, descs, layout = hit
+
+            def run_planned(dqa, delta):
+                # lse and delta stand for their flat views (rows): the same addresses
+                tensors = (q, k, v, do, dk, dv, dqa, lse, delta)
+                if layout != (dqa.shape, dqa.stride(), delta.shape, delta.stride()) or not plan(
+                    *[_rebased(d, t) for d, t in zip(descs, tensors)]
+                ):
+                    _launch_bwd(key, q, k, v, do, dk, dv, dqa, lse, delta, causal, scale)
+
+            return run_planned
     if not eligible(q, k, scale, v, do, dk, dv):
         return False
+
+    def run(dqa, delta):
+        _launch_bwd(key, q, k, v, do, dk, dv, dqa, lse, delta, causal, scale)
+
+    return run
+
+
+def _launch_bwd(key, q, k, v, do, dk, dv, dqa, lse, delta, causal: bool, scale: float):
+    """Launch the backward kernel on an eligible problem and keep its plan under ``key``, with the layout of
+    ``dqa`` and ``delta`` it was built for (the op's, which the key does not hold)."""
     batch, heads_q, seq_q, _ = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
     tiles = cdiv(seq_k, 2 * BWD_HALF_N)
@@ -251,6 +272,7 @@ def attention_backward(q, k, v, do, dqa, dk, dv, lse, delta, causal: bool, scale
         key,
         _attn_bwd_ws_kernel,
         grid,
+        kept=(dqa.shape, dqa.stride(), delta.shape, delta.stride()),
         # Pointers (TMA descriptors)
         q_desc=q_desc,
         k_desc=k_desc,
@@ -276,4 +298,3 @@ def attention_backward(q, k, v, do, dqa, dk, dv, lse, delta, causal: bool, scale
         num_warps=4,
         maxnreg=maxnreg(3),
     )
-    return True
