@@ -242,13 +242,21 @@ def record(backend: str, target, cases: dict | None = None, models=MODELS, token
                                     failures[f"{name}: {where}"] = f"{type(e).__name__}: {e}"
                                     continue
                             for launch in launches:
-                                c = _bind(compiler, launch)
+                                try:
+                                    c = _bind(compiler, launch)
+                                except Exception as e:  # Triton's binder refused an argument
+                                    failures[f"{name}: {where}: {_name(launch.kernel)}"] = f"{type(e).__name__}: {e}"
+                                    continue
                                 c = compiles.setdefault(_key(c), c)
                                 if f"{where} ({name})" not in c.used_by:
                                     c.used_by.append(f"{where} ({name})")
     finally:
         devices.META_COMPUTE_UNITS = units
     return list(compiles.values()), failures
+
+
+def _name(kernel) -> str:
+    return getattr(getattr(kernel, "fn", None), "__name__", repr(kernel))
 
 
 def _bind(compiler, launch) -> Compile:
@@ -265,7 +273,7 @@ def _bind(compiler, launch) -> Compile:
     shown = {params[p[0]].name: v for p, v in constexprs.items() if len(p) == 1 and params[p[0]].is_constexpr}
     return Compile(
         kernel,
-        kernel.fn.__name__,
+        _name(kernel),
         signature,
         constexprs,
         attrs,
@@ -454,18 +462,12 @@ def _row(name: str, group: list, target) -> list:
         values = [c.resources[resource] for c in group if c.resources and resource in c.resources]
         return max(values) if values else None
 
-    def cell(resource, scale=1, unit=""):
+    def cell(resource, scale=1):
         used, limit = most(resource), getattr(target, resource)
         if used is None:
             return "-"
-        shown = f"{used / scale:.0f}" if scale != 1 else str(used)
-        return shown + (
-            f" / {limit / scale:.0f}"
-            if limit is not None and scale != 1
-            else f" / {limit}"
-            if limit is not None
-            else ""
-        )
+        shown = lambda v: f"{v / scale:.4g}"  # noqa: E731  (KB with their fraction: 64.25 is over 64)
+        return shown(used) + ("" if limit is None else f" / {shown(limit)}")
 
     failed = sum(1 for c in group if c.error)
     over = sum(1 for c in group if over_limits(c, target))
