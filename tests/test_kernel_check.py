@@ -168,3 +168,20 @@ def test_meta_tensors_need_no_memory_at_deepseek_scale():
     with use_backend("nvidia"), recording() as launches:
         kernel_check.CASES["moe"](deepseek, 16, torch.bfloat16)
     assert {launch.kernel.fn.__name__ for launch in launches} >= {"_moe_up_kernel", "_moe_rows_kernel"}
+
+
+def test_plans_made_for_one_arch_or_before_a_recording_are_dropped():
+    """An eager LaunchPlan holds the configs it was made with and relaunches without reaching launch(): plans are
+    dropped when ``for_arch`` or ``recording`` begins and ends, so neither sees, nor leaves behind, another's."""
+    from tritonspec.launch import for_arch
+    from tritonspec.ops._library import PlanCache, recording
+
+    plans = PlanCache()
+    plans["device's own"] = object()
+    with for_arch(80):
+        assert dict(plans) == {}
+        plans["sm80's"] = object()
+    assert dict(plans) == {}
+    plans["device's own"] = object()
+    with recording():
+        assert dict(plans) == {}

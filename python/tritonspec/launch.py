@@ -31,6 +31,12 @@ from .specialization.resolve import backend_for_device, lookup
 _cache: dict = {}
 PROVIDERS.on_change(_cache.clear)
 _arch = contextvars.ContextVar("tritonspec_config_arch", default=None)
+_arch_listeners: list = []
+
+
+def on_arch_change(fn) -> None:
+    """Call ``fn()`` when ``for_arch`` begins and ends (what holds configs of one arch drops them)."""
+    _arch_listeners.append(fn)
 
 
 @contextlib.contextmanager
@@ -38,15 +44,14 @@ def for_arch(arch):
     """Launch configs chosen for ``arch`` (a compile target's, e.g. 80): every backend hook gets
     ``arch=`` in its problem, as if the tensors' device were that part. For offline checks and tests."""
     token = _arch.set(arch)
+    for fn in _arch_listeners:
+        fn()
     try:
         yield
     finally:
         _arch.reset(token)
-
-
-def chosen_arch():
-    """The arch ``for_arch`` set here, or None (the tensors' device decides)."""
-    return _arch.get()
+        for fn in _arch_listeners:
+            fn()
 
 
 def _with_index(device):

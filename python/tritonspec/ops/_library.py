@@ -24,7 +24,7 @@ import torch
 
 from .. import settings
 from ..devices import interpreting
-from ..launch import chosen_arch
+from ..launch import on_arch_change
 from ..specialization.providers import PROVIDERS
 from ..specialization.resolve import selected, selection
 from ._launch_cache import CachedLauncher
@@ -209,30 +209,31 @@ def launcher(kernel, traced: bool):
     return cached
 
 
+_plan_caches: list = []
+
+
 class PlanCache(dict):
     """An op's eager LaunchPlans by the op's key. Dropped, like launch_config's memo, when the spec
-    registry or the backend selection changes; bounded, since variable-length batches add one plan
-    per shape (when full it starts over: a miss costs one ordinary launch)."""
+    registry or the backend selection changes, and when ``for_arch`` or ``recording`` begins or ends (a
+    plan holds one arch's configs, and a recorded call must launch); bounded, since variable-length
+    batches add one plan per shape (when full it starts over: a miss costs one ordinary launch)."""
 
     LIMIT = 512
 
     def __init__(self):
         super().__init__()
         PROVIDERS.on_change(self.clear)
+        on_arch_change(self.clear)
+        _plan_caches.append(self)
 
     def __setitem__(self, key, plan):
-        if chosen_arch() is not None:  # made for another arch's configs: not for the device's own calls
-            return
         if len(self) >= self.LIMIT and key not in self:
             self.clear()
         super().__setitem__(key, plan)
 
     def get(self, key, default=None):
-        """The plan for ``key``; none while USE_CACHED_LAUNCH is off (every launch takes Triton's path), while
-        launches are recorded, or inside ``for_arch`` (a plan holds the configs of the arch it was made for)."""
-        if USE_CACHED_LAUNCH and _recorded is None and chosen_arch() is None:
-            return super().get(key, default)
-        return default
+        """The plan for ``key``; none while USE_CACHED_LAUNCH is off (every launch takes Triton's path)."""
+        return super().get(key, default) if USE_CACHED_LAUNCH else default
 
 
 @dataclass(frozen=True)
@@ -255,6 +256,8 @@ def recording():
     (``tritonspec check --kernels`` compiles them offline). The ops must not read results on the host."""
     global _recorded
     outer, _recorded = _recorded, []
+    for plans in _plan_caches:  # a plan would relaunch without reaching launch()
+        plans.clear()
     try:
         yield _recorded
     finally:
