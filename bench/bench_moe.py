@@ -5,13 +5,16 @@ real MoE models, in bf16, on one GPU.
 
 Each case builds the model family's transformers experts module (Qwen3-MoE, Mixtral, DeepSeek-V3,
 GPT-OSS) with random weights and routes random tokens with a softmax top-k router. Implementations:
-``tritonspec`` and ``grouped_mm`` (``torch._grouped_mm``, transformers' default), switched the way users
-switch them (``config._experts_implementation``); Liger-Kernel's ``LigerFusedMoEFunction`` on the same
+``tritonspec``, ``grouped_mm`` (``torch._grouped_mm``, transformers' default) and ``batched_mm``
+(transformers' batched matmul over each token's experts), switched the way users switch them
+(``config._experts_implementation``); Liger-Kernel's ``LigerFusedMoEFunction`` on the same
 weights when it is importable ([gate; up] layouts); and, at decode sizes, our forward replayed from a
 CUDA graph (how decode runs once launches cost more than the GPU's work; grouped_mm and Liger's host
 synchronization cannot be captured). Per (case, tokens, impl, mode): median / p20 / p80 of
 ``triton.testing.do_bench``, TFLOP/s over the useful FLOPs (forward ``2*T*k*3*H*I``, backward twice
-that), and the peak memory of one forward+backward above what was allocated before it. Outputs and
+that), the peak memory of one forward+backward above what was allocated before it, and at decode sizes
+(T <= 16) the ratio to the weight-read floor (the chosen experts' weights read once at the card's
+measured copy speed). Outputs and
 dx are checked first against the float64 reference where it fits in memory, else against grouped_mm.
 ``--sweep`` first times launch-config variants of our kernels (tuning data, not results). ``--smoke``
 runs tiny shapes on the CPU interpreter to check this script itself.
@@ -68,12 +71,14 @@ CASES = [
 ]
 TOKENS = [16, 512, 4096] if not SMOKE else [3]
 # the token counts of each case's table rows (the issue's: prefill/training batches and decode)
+DECODE = [16, 8, 4, 2, 1]
 TOKENS_OF = {
-    "qwen3-30b-a3b": [32768, 8192, 4096, 128, 1],
-    "mixtral-8x7b": [4096, 1],
-    "deepseek-v3": [4096],
+    "qwen3-30b-a3b": [32768, 8192, 4096, 128, *DECODE],
+    "mixtral-8x7b": [4096, *DECODE],
+    "deepseek-v3": [4096, *DECODE],
     "gpt-oss-20b": [4096, 1],
 }
+ANCHORS = ("grouped_mm", "batched_mm")  # transformers' experts implementations, switched by config
 SMOKE_SIZES = dict(
     hidden_size=32,
     moe_intermediate_size=16,
@@ -243,6 +248,27 @@ def _graphed(fn):
     return graph.replay
 
 
+def _copy_bandwidth() -> float:
+    """Bytes per second of a 1 GiB device-to-device copy (read + write), the weight-read floor's speed."""
+    if SMOKE:
+        return 1e9
+    a = torch.empty(2**30, dtype=torch.uint8, device=DEV)
+    b = torch.empty_like(a)
+    return 2 * a.numel() / (bench(lambda: b.copy_(a))[0] * 1e-3)
+
+
+def _versions() -> str:
+    import importlib.metadata as md
+
+    found = []
+    for dist in ("transformers", "liger-kernel"):
+        try:
+            found.append(f"{dist} {md.version(dist)}")
+        except md.PackageNotFoundError:
+            pass
+    return ", ".join([f"torch {torch.__version__}", f"triton {triton.__version__}", *found])
+
+
 def _peak_mib(call):
     """Peak memory of one call above what was allocated before it (MiB)."""
     if SMOKE:
@@ -324,6 +350,7 @@ def main(argv=None):
     liger = _liger()
     cases = [c for c in CASES if not args.cases or c[0] in args.cases.split(",")]
     rows = []
+    bandwidth = _copy_bandwidth()
     for case in cases:
         experts, cfg, k, H, I = _experts(case)
         E = experts.num_experts
@@ -331,7 +358,7 @@ def main(argv=None):
         for T in own if not SMOKE else TOKENS:
             x, ids, w = _inputs(T, H, E, k)
             dout = torch.randn(T, H, device=DEV).to(DT)
-            impls = {n: _module_call(experts, n) for n in (EXPERTS_NAME, "grouped_mm")}
+            impls = {n: _module_call(experts, n) for n in (EXPERTS_NAME, *ANCHORS)}
             if liger is not None and experts.is_concatenated and not experts.has_bias:
                 impls["liger"] = liger
             # float64 reference where it fits in memory (weights 4x in float64); else ours against grouped_mm
@@ -372,6 +399,8 @@ def main(argv=None):
                     continue
                 f = flops if mode == "fwd" else 3 * flops
                 err = errs[impl.split()[0]]
+                # the weight-read floor: the chosen experts' weights once, at this card's copy speed
+                floor = ids.unique().numel() * 3 * H * I * 2 / bandwidth * 1e3 if mode == "fwd" and T <= 16 else None
                 rows.append(
                     dict(
                         case=case[0],
@@ -386,6 +415,7 @@ def main(argv=None):
                         derr=err[1],
                         ref=err[2],
                         peak=peak,
+                        floor=floor,
                     )
                 )
                 print(rows[-1], flush=True)
@@ -395,9 +425,9 @@ def main(argv=None):
     speed = {(r["case"], r["T"], r["mode"]): r["ms"] for r in rows if r["impl"] == EXPERTS_NAME}
     name = torch.cuda.get_device_name() if not SMOKE else "cpu (interpreter)"
     head = (
-        f"# MoE experts, {name}, torch {torch.__version__}, triton {triton.__version__}, "
-        f"{datetime.date.today()}\n\n| case | T | impl | mode | ms (p20-p80) | TFLOP/s | ours faster | peak MiB | "
-        "out err | dx err | against |\n|---|---|---|---|---|---|---|---|---|---|---|"
+        f"# MoE experts, {name}, {_versions()}, {datetime.date.today()}; copy {bandwidth / 1e12:.2f} TB/s\n\n"
+        "| case | T | impl | mode | ms (p20-p80) | TFLOP/s | ours faster | / floor | peak MiB | out err | dx err "
+        "| against |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for r in rows:
@@ -405,7 +435,8 @@ def main(argv=None):
         ratio = r["ms"] / speed[key] if key in speed else float("nan")
         lines.append(
             f"| {r['case']} | {r['T']} | {r['impl']} | {r['mode']} | {r['ms']:.3f} "
-            f"({r['p20']:.3f}-{r['p80']:.3f}) | {r['tflops']:.0f} | {ratio:.2f}x | {r['peak']:.0f} "
+            f"({r['p20']:.3f}-{r['p80']:.3f}) | {r['tflops']:.0f} | {ratio:.2f}x | "
+            f"{'-' if r['floor'] is None else format(r['ms'] / r['floor'], '.2f') + 'x'} | {r['peak']:.0f} "
             f"| {r['err']:.1e} | {r['derr']:.1e} | {r['ref']} |"
         )
     table = (

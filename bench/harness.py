@@ -8,13 +8,12 @@ import time
 
 @contextlib.contextmanager
 def override(module, cfg):
-    """Every kernel named in ``cfg`` gets those fields on top of its default: ``module`` (an op module)
-    asks this version of ``launch_config``, which has no memo."""
+    """Every kernel named in ``cfg`` gets those fields on top of what the backend chose (its table, else the
+    op's default): ``module`` (an op module) asks this version of ``launch_config``."""
     orig = module.launch_config
 
     def launch_config(config, device, default, **problem):
-        base = default() if callable(default) else default
-        return base.override(cfg.get(config.kernel, {}))
+        return orig(config, device, default, **problem).override(cfg.get(config.kernel, {}))
 
     module.launch_config = launch_config
     try:

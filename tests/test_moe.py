@@ -12,6 +12,7 @@ from helpers import leaf
 import torch
 
 from tritonspec.ops import _library
+from tritonspec.ops import moe as moe_mod
 from numerics import assert_close, poisoned_allocations
 from tritonspec.ops.moe import MOE_EXPERTS, moe_experts, moe_experts_ref
 
@@ -300,3 +301,132 @@ def _bad(**changes):
 def test_bad_arguments_raise_naming_the_argument(call, match, device):
     with pytest.raises((TypeError, ValueError), match=match):
         call(device)
+
+
+# -- the backward's memory: eager autograd writes d(gate, up) over the saved pre-activations -----------
+
+
+def _leaves(args, kw):
+    """``(x, ids, w, gate_up, down)`` and ``kw`` with every differentiable input a fresh leaf, and those leaves."""
+    x, ids, w, gu, dn = args
+    named = {"x": leaf(x), "top_k_weights": leaf(w), "gate_up_proj": leaf(gu), "down_proj": leaf(dn)}
+    if kw["gate_up_bias"] is not None:
+        named["gate_up_bias"], named["down_bias"] = leaf(kw["gate_up_bias"]), leaf(kw["down_bias"])
+    call_kw = dict(kw, gate_up_bias=named.get("gate_up_bias"), down_bias=named.get("down_bias"))
+    call_args = (named["x"], ids, named["top_k_weights"], named["gate_up_proj"], named["down_proj"])
+    return call_args, call_kw, named
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_eager_in_place_backward_equals_library_op_backward(layout, kind, monkeypatch, device, gen):
+    """The eager backward (d(gate, up) written over the saved pre-activations, in either layout's column
+    order) matches the reference and is bitwise the library op's (a separate d(gate, up) buffer). I = 136:
+    two column chunks of the activation's backward (the second ragged), three column blocks of the up GEMM."""
+    args, kw = _problem(5, 32, 136, 4, 2, layout, kind, _dtypes(device)[0], device, gen)
+    dout = torch.randn(args[0].shape, generator=gen).to(device)
+    out, grads = _check(args, kw, dout=dout)
+    monkeypatch.setattr(_library, "FORCE_LIBRARY_OP", True)
+    traced_out, traced_grads = _run(moe_experts, args, kw, dout)
+    assert torch.equal(out, traced_out)
+    assert grads.keys() == traced_grads.keys()
+    for name in grads:
+        assert torch.equal(grads[name], traced_grads[name]), name
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_eager_second_backward_through_the_graph_fails_loudly(layout, device, gen):
+    """The first backward overwrote the saved pre-activations: a second one (retain_graph) raises autograd's
+    in-place error instead of reading gradients as pre-activations. The first one's gradients are right."""
+    kind = "silu" if layout == "concatenated" else "gpt_oss"
+    args, kw = _problem(4, 32, 16, 4, 2, layout, kind, _dtypes(device)[0], device, gen)
+    dout = torch.randn(args[0].shape, generator=gen).to(device)
+    call_args, call_kw, named = _leaves(args, kw)
+    out = moe_experts(*call_args, **call_kw)
+    out.backward(dout, retain_graph=True)
+    _, want = _run(moe_experts, args, kw, dout)
+    for name, t in named.items():
+        assert torch.equal(t.grad, want[name]), name
+    with pytest.raises(RuntimeError, match="inplace"):
+        out.backward(dout)
+
+
+def test_library_op_backward_leaves_its_inputs_alone(monkeypatch, device, gen):
+    """The library op (torch.compile's path) mutates nothing: a second backward through the same graph runs
+    and adds the very same gradients again."""
+    monkeypatch.setattr(_library, "FORCE_LIBRARY_OP", True)
+    args, kw = _problem(4, 32, 16, 4, 2, "interleaved_transposed", "gpt_oss", _dtypes(device)[0], device, gen)
+    dout = torch.randn(args[0].shape, generator=gen).to(device)
+    call_args, call_kw, named = _leaves(args, kw)
+    out = moe_experts(*call_args, **call_kw)
+    out.backward(dout, retain_graph=True)
+    first = {name: t.grad.clone() for name, t in named.items()}
+    out.backward(dout)
+    for name, t in named.items():
+        assert torch.count_nonzero(first[name]) > 0, name
+        assert torch.equal(t.grad, first[name] * 2), name
+
+
+def test_eager_gradients_are_adopted_not_copied(monkeypatch, device, gen):
+    """The backward's gradients are fresh tensors nothing else holds: the leaves' .grad are those very
+    tensors (AccumulateGrad copies a gradient something else still references)."""
+    from tritonspec.ops import moe
+
+    made = {}
+    backward = moe.moe_experts_backward
+
+    def recording_backward(*a, **k):
+        results = backward(*a, **k)
+        made.update(x=results[0].data_ptr(), gate_up_proj=results[2].data_ptr(), down_proj=results[3].data_ptr())
+        made.update(gate_up_bias=results[4].data_ptr(), down_bias=results[5].data_ptr())
+        return results
+
+    monkeypatch.setattr(moe, "moe_experts_backward", recording_backward)
+    args, kw = _problem(4, 32, 16, 4, 2, "interleaved_transposed", "gpt_oss", _dtypes(device)[0], device, gen)
+    call_args, call_kw, named = _leaves(args, kw)
+    moe_experts(*call_args, **call_kw).backward(torch.randn(args[0].shape, generator=gen).to(device))
+    assert made.keys() == {"x", "gate_up_proj", "down_proj", "gate_up_bias", "down_bias"}
+    for name, ptr in made.items():
+        assert named[name].grad.data_ptr() == ptr, name
+
+
+def _with_descriptors(monkeypatch):
+    """The launch configs with TMA on (as the sm90 table sets it), whatever the device's backend says."""
+    real = moe_mod.launch_config
+
+    def launch_config(config, device, default, **problem):
+        cfg = real(config, device, default, **problem)
+        return cfg.override({"TMA": True}) if "TMA" in config.keys() else cfg
+
+    monkeypatch.setattr(moe_mod, "launch_config", launch_config)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_descriptor_paths_equal_the_pointer_paths_bitwise(layout, kind, chunked, device, gen, monkeypatch):
+    """Weight tiles and the weight gradients' sorted rows read through TMA descriptors give the reference's
+    results, and the pointer paths' bit for bit. ``chunked``: x's sorted rows a block of columns at a time
+    (three blocks); the interpreter's numpy matmul may then round a narrower tile's sums in another order, so
+    on the CPU that case is checked against the reference only."""
+    args, kw = _problem(40, 64, 64, 4, 2, layout, kind, _dtypes(device)[-1], device, gen)  # K: whole 64-deep steps
+    dout = torch.randn(args[0].shape, generator=gen).to(device)
+    out, grads = _run(moe_experts, args, kw, dout)
+    _with_descriptors(monkeypatch)
+    if chunked:
+        monkeypatch.setattr(moe_mod, "_x_columns", lambda H, T, R: [slice(0, 16), slice(16, 32), slice(32, H)])
+    tma_out, tma_grads = _check(args, kw, dout=dout)
+    assert torch.equal(tma_out, out)
+    if chunked and device == "cpu":
+        return
+    for name in grads:
+        assert torch.equal(tma_grads[name], grads[name]), name
+
+
+def test_x_columns_cover_x_in_blocks_no_larger_than_x():
+    for H, T, R in [(4096, 4096, 9208), (2048, 32768, 278400), (2048, 8192, 81792), (64, 3, 40), (7168, 4096, 65280)]:
+        blocks = moe_mod._x_columns(H, T, R)
+        assert [c for b in blocks for c in range(b.start, b.stop)] == list(range(H))
+        width = blocks[0].stop
+        assert all(b.stop - b.start == width for b in blocks[:-1])
+        assert width == H or (width % 256 == 0 and (width == 512 or width * R <= 2 * T * H))

@@ -149,6 +149,7 @@ def _moe(m: ModelShape, t: int, dtype):
     import torch
 
     from .ops.moe import moe_experts
+    from .ops.moe_decode import MAX_TOKENS as DECODE_TOKENS
 
     if not m.experts:
         return False
@@ -161,6 +162,9 @@ def _moe(m: ModelShape, t: int, dtype):
         _meta(e, m.hidden, i, dtype=dtype),
     )
     _backward(moe_experts(x, ids, weights, gate_up, down))
+    if t <= DECODE_TOKENS:  # inference at decode sizes: the two decode kernels
+        with torch.no_grad():
+            moe_experts(x, ids, weights, gate_up, down)
 
 
 def _moe_router(m: ModelShape, t: int, dtype):

@@ -199,6 +199,7 @@ class MoEUp(MoEGemm):
 
     kernel: ClassVar[str] = "moe_up"
     BLOCK_M: int
+    TMA: bool = False  # the weight's tiles by a host tensor descriptor ([gate; up] layout)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,6 +207,7 @@ class MoERows(MoEGemm):
     """The experts' row GEMMs (down projection, dout @ down^T, dx); their BLOCK_M is moe_up's."""
 
     kernel: ClassVar[str] = "moe_rows"
+    TMA: bool = False  # the weight's tiles by a host tensor descriptor
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,6 +216,16 @@ class MoEWeightGrad(MoEGemm):
 
     kernel: ClassVar[str] = "moe_weight_grad"
     BLOCK_M: int
+    TMA: bool = False  # both operands' tiles by host tensor descriptors (the rows sorted first)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEDecode(LaunchConfig):
+    """Decode-sized experts' GEMMs (at most 16 tokens, no sort): BLOCK_N columns of one expert, BLOCK_K deep."""
+
+    kernel: ClassVar[str] = "moe_decode"
+    BLOCK_N: int
+    BLOCK_K: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -468,7 +480,7 @@ declare(
         ("moe_experts",),
         "module",
         Layer("MoEExperts", f"{_HUB}:MoEExperts", detect=f"{_DETECTORS}:is_fused_experts"),
-        (MoEUp, MoERows, MoEWeightGrad, MoECombine),
+        (MoEUp, MoERows, MoEWeightGrad, MoECombine, MoEDecode),
     )
 )
 declare(

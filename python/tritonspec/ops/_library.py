@@ -29,6 +29,11 @@ from ..specialization.providers import PROVIDERS
 from ..specialization.resolve import selected, selection
 from ._launch_cache import CachedLauncher
 
+try:  # host-side TMA descriptors (Triton >= 3.4); interpreted too
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: the pointer paths still work
+    TensorDescriptor = None
+
 NAMESPACE = "tritonspec"
 
 # Chosen once, like ``@triton.jit`` chooses JIT vs interpreter when the kernels are defined.
@@ -295,3 +300,19 @@ def cdiv(a, b):
 
 def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """TMA needs a 16-byte aligned base, positive 16-byte multiple strides and a unit last stride.
+
+    Transposed layouts (e.g. Hugging Face's (batch, seq, heads, dim).transpose(1, 2)) qualify: the
+    4-D descriptor carries the strides, and the driver accepted them on an H100."""
+    if TensorDescriptor is None:
+        return False
+    for t in tensors:
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or (t.shape[-1] * t.element_size()) % 16:
+            return False
+        for stride in t.stride()[:-1]:
+            if stride <= 0 or (stride * t.element_size()) % 16:
+                return False
+    return True

@@ -37,14 +37,9 @@ from ..kernel_table import AttentionBackwardKV, AttentionBackwardQ, AttentionFor
 from ..launch import launch_config
 from ..specialization.resolve import backend_for_device, lookup
 from ._checks import check_same_device, check_same_dtype, check_tensor
-from ._library import Op, cdiv, launch, next_pow2
+from ._library import Op, TensorDescriptor, cdiv, launch, next_pow2, tma_ok
 
-try:  # host-side TMA descriptors (Triton >= 3.4); interpreted too
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - older Triton: the pointer path still works
-    TensorDescriptor = None
-
-__all__ = ["attention", "attention_ref", "tma_ok", "LOG2E"]
+__all__ = ["attention", "attention_ref", "LOG2E"]
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -784,22 +779,6 @@ def _problem(q: torch.Tensor, k: torch.Tensor, causal: bool) -> dict:
         seq_k=_pow2_bucket(k.shape[2]),
         group=q.shape[1] // k.shape[1],
     )
-
-
-def tma_ok(*tensors: torch.Tensor) -> bool:
-    """TMA needs a 16-byte aligned base, positive 16-byte multiple strides and a unit last stride.
-
-    Transposed layouts (e.g. Hugging Face's (batch, seq, heads, dim).transpose(1, 2)) qualify: the
-    4-D descriptor carries the strides, and the driver accepted them on an H100."""
-    if TensorDescriptor is None:
-        return False
-    for t in tensors:
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or (t.shape[-1] * t.element_size()) % 16:
-            return False
-        for stride in t.stride()[:-1]:
-            if stride <= 0 or (stride * t.element_size()) % 16:
-                return False
-    return True
 
 
 def _out_like(q: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,14 @@
   ``h`` nor ``y`` is kept from the forward), the activation's backward of ``w * g``, and ``w * h``;
   ``dx`` as the grouped GEMM of ``d(gate, up)`` with ``gate_up_e^T`` and the same gather-reduce;
   ``d gate_up_e`` and ``d down_e`` as grouped GEMMs over each expert's rows (the bias gradients are
-  their column sums).
+  their column sums). Eager autograd writes ``d(gate, up)`` over the saved pre-activations and frees each
+  row buffer once nothing reads it, so the backward's peak is about one ``(R, 2I)`` buffer besides the
+  gradients.
+* Without gradients (inference), nothing is saved, and batches of at most 16 tokens skip the sort: each
+  chosen expert's weights are read once by :mod:`tritonspec.ops.moe_decode`'s two GEMMs, then the same
+  gather-reduce.
+* Where the backend's launch configs say ``TMA`` (sm90), the weights' tiles come through host tensor
+  descriptors, and for large experts the weight gradients read rows sorted first (``_sorted_rows``).
 
 Weight layouts are strides, so one kernel serves both of Hugging Face's: ``"concatenated"``
 (``gate_up_proj (E, 2I, H)`` = [gate; up], ``down_proj (E, H, I)``: Qwen2/3-MoE, Mixtral, OLMoE,
@@ -41,7 +48,8 @@ import triton.language as tl
 from ..kernel_table import MoECombine, MoERows, MoEUp, MoEWeightGrad
 from ..launch import launch_config
 from ._checks import check_same_device, check_tensor
-from ._library import Op, cdiv, launch, next_pow2
+from ._library import Op, PlanCache, TensorDescriptor, cdiv, launch, next_pow2, tma_ok, use_library_op
+from .moe_decode import MAX_TOKENS as DECODE_TOKENS, decode_rows
 from .moe_routing import moe_route
 from .moe_sort import padded_rows, sort_by_expert
 
@@ -140,10 +148,10 @@ def _rows_of_block(ROW_PAIR, BLOCK_EXPERT, pid_m, TOP_K, BLOCK_M: tl.constexpr):
 def _moe_up_kernel(
     # Pointers to matrices
     X,  # (T, K) tokens, gathered by row
-    W,  # (E, K, 2N) by strides: each expert's gate and up columns
+    W,  # (E, K, 2N) by strides: each expert's gate and up columns; TMA: a descriptor over (E * 2N, K)
     BIAS,  # (E, 2N) by strides, read when HAS_BIAS
     H_OUT,  # (R, N) out: act(gate, up) per row
-    GU_OUT,  # (R, 2N) out: [gate | up] before the activation, written when STORE_GU
+    GU_OUT,  # (R, 2N) out: gate and up before the activation in W's column order, written when STORE_GU
     # Pointers to the expert sort (moe_sort.SortedPairs)
     ROW_PAIR,
     BLOCK_EXPERT,
@@ -166,6 +174,7 @@ def _moe_up_kernel(
     HAS_BIAS: tl.constexpr,
     STORE_GU: tl.constexpr,
     ACT: tl.constexpr,
+    TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -175,7 +184,9 @@ def _moe_up_kernel(
 
     W's gate columns are [0, N) and its up columns [N, 2N), or (INTERLEAVED, GPT-OSS) gate and up
     alternate, loaded as one contiguous 2*BLOCK_N-column tile and split in registers. Rows are stored in
-    the padded expert-sorted order; GU_OUT keeps the pre-activations (input dtype) for the backward.
+    the padded expert-sorted order; GU_OUT keeps the pre-activations (input dtype) for the backward, in W's
+    column order ([gate | up], or alternate columns), the order of d(gate, up): the eager backward writes
+    those over them in place.
     """
     pid_m, pid_n = _grouped_tile(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, pairs, tokens, valid, expert = _rows_of_block(ROW_PAIR, BLOCK_EXPERT, pid_m, TOP_K, BLOCK_M)
@@ -185,11 +196,11 @@ def _moe_up_kernel(
     if expert < 0:  # a block past the last expert's rows: zeros, so every output element is defined
         zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=H_OUT.dtype.element_ty)
         tl.store(H_OUT + out_rows * N + cols[None, :], zero, mask=col_ok[None, :])
-        if STORE_GU:
+        if STORE_GU:  # (all 2N columns over the N blocks, whichever the layout)
             tl.store(GU_OUT + out_rows * (2 * N) + cols[None, :], zero, mask=col_ok[None, :])
             tl.store(GU_OUT + out_rows * (2 * N) + N + cols[None, :], zero, mask=col_ok[None, :])
         return
-    w_e = W + expert.to(tl.int64) * stride_w_e
+    w_e = W if TMA else W + expert.to(tl.int64) * stride_w_e
     b_e = BIAS + expert.to(tl.int64) * stride_bias_e
     x_rows = X + tokens.to(tl.int64)[:, None] * stride_x_m
     if INTERLEAVED:
@@ -208,6 +219,12 @@ def _moe_up_kernel(
             acc = tl.dot(a, b, acc)
         if HAS_BIAS:
             acc += tl.load(b_e + c2 * stride_bias_n, mask=c2_ok, other=0.0).to(tl.float32)[None, :]
+        if STORE_GU:  # the tile as loaded, gate and up alternating (padding rows: zeros, as below)
+            tl.store(
+                GU_OUT + out_rows * (2 * N) + c2[None, :],
+                tl.where(valid[:, None], acc, 0.0).to(GU_OUT.dtype.element_ty),
+                mask=c2_ok[None, :],
+            )
         acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     else:
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -216,10 +233,15 @@ def _moe_up_kernel(
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             a = tl.load(x_rows + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-            b_off = ks[:, None] * stride_w_k + cols[None, :] * stride_w_n
-            b_mask = k_ok[:, None] & col_ok[None, :]
-            acc_g = tl.dot(a, tl.load(w_e + b_off, mask=b_mask, other=0.0), acc_g)
-            acc_u = tl.dot(a, tl.load(w_e + N * stride_w_n + b_off, mask=b_mask, other=0.0), acc_u)
+            if TMA:  # (BLOCK_N, BLOCK_K) tiles of the expert's gate and up rows; columns past N are not stored
+                first = expert * 2 * N + pid_n * BLOCK_N
+                acc_g = tl.dot(a, tl.trans(W.load([first, k0])), acc_g)
+                acc_u = tl.dot(a, tl.trans(W.load([first + N, k0])), acc_u)
+            else:
+                b_off = ks[:, None] * stride_w_k + cols[None, :] * stride_w_n
+                b_mask = k_ok[:, None] & col_ok[None, :]
+                acc_g = tl.dot(a, tl.load(w_e + b_off, mask=b_mask, other=0.0), acc_g)
+                acc_u = tl.dot(a, tl.load(w_e + N * stride_w_n + b_off, mask=b_mask, other=0.0), acc_u)
         if HAS_BIAS:
             acc_g += tl.load(b_e + cols * stride_bias_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             acc_u += tl.load(b_e + (N + cols) * stride_bias_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -228,7 +250,7 @@ def _moe_up_kernel(
     gate = tl.where(valid[:, None], acc_g.to(H_OUT.dtype.element_ty).to(tl.float32), 0.0)
     up = tl.where(valid[:, None], acc_u.to(H_OUT.dtype.element_ty).to(tl.float32), 0.0)
     out_mask = col_ok[None, :]
-    if STORE_GU:
+    if STORE_GU and not INTERLEAVED:
         tl.store(GU_OUT + out_rows * (2 * N) + cols[None, :], gate.to(GU_OUT.dtype.element_ty), mask=out_mask)
         tl.store(GU_OUT + out_rows * (2 * N) + N + cols[None, :], up.to(GU_OUT.dtype.element_ty), mask=out_mask)
     if ACT == "silu":
@@ -244,7 +266,7 @@ def _moe_up_kernel(
 def _moe_rows_kernel(
     # Pointers to matrices
     A,  # (rows or tokens, K): the padded rows themselves, or (GATHER) the rows' tokens
-    B,  # (E, K, N) by strides: the experts' weights
+    B,  # (E, K, N) by strides: the experts' weights; TMA: a descriptor over them as (E * N, K) (K_MAJOR) or (E * K, N)
     BIAS,  # (E, N) by strides, read when HAS_BIAS
     SCALE,  # (T * k,) each pair's routing weight, read when HAS_SCALE
     C,  # (R, N) out
@@ -267,12 +289,17 @@ def _moe_rows_kernel(
     GATHER: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    TMA: tl.constexpr,
+    K_MAJOR: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """C_rows = scale * (A_rows @ B_e) + bias_e for one (M block, N block)."""
+    """C_rows = scale * (A_rows @ B_e) + bias_e for one (M block, N block).
+
+    TMA (K a multiple of BLOCK_K): B's tiles through a descriptor; columns past N (the next expert's) are not
+    stored."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, pairs, tokens, valid, expert = _rows_of_block(ROW_PAIR, BLOCK_EXPERT, pid_m, TOP_K, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -285,15 +312,22 @@ def _moe_rows_kernel(
         )
         return
     a_rows = A + (tokens if GATHER else rows).to(tl.int64)[:, None] * stride_a_m
-    b_e = B + expert.to(tl.int64) * stride_b_e
+    b_e = B if TMA else B + expert.to(tl.int64) * stride_b_e
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_rows + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(
-            b_e + ks[:, None] * stride_b_k + cols[None, :] * stride_b_n, mask=k_ok[:, None] & col_ok[None, :], other=0.0
-        )
+        if TMA and K_MAJOR:
+            b = tl.trans(B.load([expert * N + pid_n * BLOCK_N, k0]))
+        elif TMA:
+            b = B.load([expert * K + k0, pid_n * BLOCK_N])
+        else:
+            b = tl.load(
+                b_e + ks[:, None] * stride_b_k + cols[None, :] * stride_b_n,
+                mask=k_ok[:, None] & col_ok[None, :],
+                other=0.0,
+            )
         acc = tl.dot(a, b, acc)
     if HAS_SCALE:
         acc *= tl.load(SCALE + tl.where(valid, pairs, 0), mask=valid, other=0.0).to(tl.float32)[:, None]
@@ -309,8 +343,8 @@ def _moe_rows_kernel(
 def _moe_act_backward_kernel(
     # Pointers to matrices
     G,  # (R, N) g = dout_t @ down_e^T per row; overwritten with s * h
-    GU,  # (R, 2N) the forward's [gate | up]
-    DGU,  # (R, 2N) out: d(gate), d(up) in the gate_up weight's column order
+    GU,  # (R, 2N) the forward's gate and up, in the gate_up weight's column order
+    DGU,  # (R, 2N) out: d(gate), d(up) in the same order; may be GU itself (written over it in place)
     SCALE,  # (T * k,) each pair's routing weight s
     DW,  # (T * k,) out: each pair's routing weight gradient
     DOUT,  # (T, H) the output's gradient, read when HAS_BIAS
@@ -343,7 +377,9 @@ def _moe_act_backward_kernel(
     * ``d(gate), d(up)`` of ``s * g`` ([dgate | dup], or INTERLEAVED alternate columns);
     * G overwritten with ``s * h``, the down weight's gradient's right-hand side, so that GEMM multiplies
       tiles straight from memory.
-    Padding rows (never read) are skipped.
+    Padding rows get zeros. Each column chunk stores d(gate), d(up) at the very elements of
+    GU it loaded gate and up from (and s * h where it loaded g), after computing from them, and no other
+    chunk or program touches those: DGU may be GU (and the eager backward passes GU).
     """
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(ROW_PAIR + rows, mask=rows < R, other=-1)
@@ -354,9 +390,15 @@ def _moe_act_backward_kernel(
     for c0 in range(0, N, BLOCK_N):
         cols = c0 + tl.arange(0, BLOCK_N)
         mask = used[:, None] & (cols < N)[None, :]
+        if INTERLEAVED:
+            gate_at = r64 * (2 * N) + 2 * cols[None, :]
+            up_at = gate_at + 1
+        else:
+            gate_at = r64 * (2 * N) + cols[None, :]
+            up_at = gate_at + N
         g_in = tl.load(G + r64 * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        gate = tl.load(GU + r64 * (2 * N) + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(GU + r64 * (2 * N) + N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(GU + gate_at, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(GU + up_at, mask=mask, other=0.0).to(tl.float32)
         dh = g_in * scale
         if ACT == "silu":
             sig = tl.sigmoid(gate)
@@ -374,13 +416,11 @@ def _moe_act_backward_kernel(
             h = (u + 1.0) * glu
         h = h.to(G.dtype.element_ty).to(tl.float32)
         dw += tl.sum(g_in * h, axis=1)
-        if INTERLEAVED:
-            tl.store(DGU + r64 * (2 * N) + 2 * cols[None, :], dgate.to(DGU.dtype.element_ty), mask=mask)
-            tl.store(DGU + r64 * (2 * N) + 2 * cols[None, :] + 1, dup.to(DGU.dtype.element_ty), mask=mask)
-        else:
-            tl.store(DGU + r64 * (2 * N) + cols[None, :], dgate.to(DGU.dtype.element_ty), mask=mask)
-            tl.store(DGU + r64 * (2 * N) + N + cols[None, :], dup.to(DGU.dtype.element_ty), mask=mask)
-        tl.store(G + r64 * N + cols[None, :], (h * scale).to(G.dtype.element_ty), mask=mask)
+        # padding rows too (zeros: their loads were masked), so the weight gradients' descriptors read zeros
+        stored = (rows < R)[:, None] & (cols < N)[None, :]
+        tl.store(DGU + gate_at, dgate.to(DGU.dtype.element_ty), mask=stored)
+        tl.store(DGU + up_at, dup.to(DGU.dtype.element_ty), mask=stored)
+        tl.store(G + r64 * N + cols[None, :], (h * scale).to(G.dtype.element_ty), mask=stored)
     if HAS_BIAS:
         tokens = tl.where(used, pairs // TOP_K, 0).to(tl.int64)
         expert = tl.load(BLOCK_EXPERT + rows // ALIGN, mask=used, other=0).to(tl.int64)
@@ -399,21 +439,27 @@ def _moe_act_backward_kernel(
 def _moe_combine_kernel(
     # Pointers
     Y,  # (R, H) the rows
-    POS,  # (T * k,) each pair's row, -1 for a dropped pair
+    POS,  # (T * k,) each pair's row, -1 for a dropped pair; with PAIR_ROWS each pair's expert id
     WEIGHTS,  # (T * k,) each pair's routing weight, read when HAS_WEIGHTS
     OUT,  # (T, H) out
     # Sizes
     T,
     H,
+    E,  # experts, read when PAIR_ROWS
     # Strides
     stride_out_t,
     # Meta-parameters
     TOP_K: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
+    PAIR_ROWS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """out[t] = sum_j w[t, j] * Y[pos[t, j]] in float32, a fixed order (no atomics); pos < 0: dropped."""
+    """out[t] = sum_j w[t, j] * Y[pos[t, j]] in float32, a fixed order (no atomics); pos < 0: dropped.
+
+    PAIR_ROWS: Y's rows are the pairs themselves (the decode path's, :mod:`tritonspec.ops.moe_decode`) and POS
+    holds their expert ids; a pair whose id is outside [0, E) is dropped.
+    """
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     t_ok = tokens < T
@@ -421,6 +467,8 @@ def _moe_combine_kernel(
     acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         pos = tl.load(POS + tokens * TOP_K + j, mask=t_ok, other=-1)
+        if PAIR_ROWS:
+            pos = tl.where((pos >= 0) & (pos < E), tokens * TOP_K + j, -1)
         ok = pos >= 0
         y = tl.load(
             Y + tl.where(ok, pos, 0).to(tl.int64)[:, None] * H + cols[None, :],
@@ -438,10 +486,37 @@ def _moe_combine_kernel(
 
 
 @triton.jit
+def _moe_sorted_rows_kernel(
+    # Pointers
+    SRC,  # (T, C) by strides: tokens' rows
+    ROW_PAIR,  # (R,) each row's pair, -1 for a padding row
+    OUT,  # (R, C) out
+    # Sizes
+    R,
+    C,
+    TOP_K,
+    # Strides
+    stride_src,
+    # Meta-parameters
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """OUT[r] = SRC[pair(r) // TOP_K], zeros in padding rows: tokens' rows in the sort's order, one pass."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    pairs = tl.load(ROW_PAIR + rows, mask=rows < R, other=-1)
+    valid = pairs >= 0
+    col_ok = cols < C
+    tokens = tl.where(valid, pairs // TOP_K, 0).to(tl.int64)
+    v = tl.load(SRC + tokens[:, None] * stride_src + cols[None, :], mask=valid[:, None] & col_ok[None, :], other=0.0)
+    tl.store(OUT + rows.to(tl.int64)[:, None] * C + cols[None, :], v, mask=(rows < R)[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _moe_weight_grad_kernel(
     # Pointers to matrices
-    L,  # (rows or tokens, M): the padded rows themselves, or (GATHER_L) the rows' tokens
-    RHS,  # (rows or tokens, N): likewise (GATHER_R)
+    L,  # (rows or tokens, M): the padded rows themselves, or (GATHER_L) the rows' tokens; TMA: a descriptor
+    RHS,  # (rows or tokens, N): likewise (GATHER_R); TMA: a descriptor over the rows
     SCALE,  # (T * k,) each pair's routing weight, read when HAS_SCALE (the bias gradient's factor)
     DW,  # (E, M, N) by strides, out: each expert's weight gradient, in the weight's own layout
     DBIAS,  # (E, M) by strides, out: each expert's bias gradient, written when HAS_BIAS
@@ -466,6 +541,7 @@ def _moe_weight_grad_kernel(
     GATHER_R: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -474,7 +550,8 @@ def _moe_weight_grad_kernel(
     """dW_e[m, n] = sum over expert e's rows of L_row[m] * RHS_row[n]; dbias_e[m] = sum of scale * L_row[m].
 
     An expert without rows gets zeros. Programs run expert by expert (grid axis 1), so an expert's rows
-    are read while they are in L2.
+    are read while they are in L2. TMA: both operands are sorted rows read by descriptors, whole BLOCK_K-row
+    steps (an expert's rows are padded to a multiple of BLOCK_K with rows of zeros in both).
     """
     e = tl.program_id(1)
     pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -489,13 +566,22 @@ def _moe_weight_grad_kernel(
     for k0 in range(0, count, BLOCK_K):
         within = k0 + tl.arange(0, BLOCK_K)
         rows = start + within
-        pairs = tl.load(ROW_PAIR + rows, mask=within < count, other=-1)
-        valid = pairs >= 0
-        tokens = tl.where(valid, pairs // TOP_K, 0).to(tl.int64)
-        l_rows = tokens if GATHER_L else rows.to(tl.int64)
-        r_rows = tokens if GATHER_R else rows.to(tl.int64)
-        lt = tl.load(L + l_rows[:, None] * stride_l_k + ms[None, :], mask=valid[:, None] & m_ok[None, :], other=0.0)
-        rt = tl.load(RHS + r_rows[:, None] * stride_rhs_k + ns[None, :], mask=valid[:, None] & n_ok[None, :], other=0.0)
+        if TMA:
+            lt = L.load([start + k0, pid_m * BLOCK_M])
+            rt = RHS.load([start + k0, pid_n * BLOCK_N])
+            if HAS_BIAS:
+                pairs = tl.load(ROW_PAIR + rows, mask=within < count, other=-1)
+                valid = pairs >= 0
+        else:
+            pairs = tl.load(ROW_PAIR + rows, mask=within < count, other=-1)
+            valid = pairs >= 0
+            tokens = tl.where(valid, pairs // TOP_K, 0).to(tl.int64)
+            l_rows = tokens if GATHER_L else rows.to(tl.int64)
+            r_rows = tokens if GATHER_R else rows.to(tl.int64)
+            lt = tl.load(L + l_rows[:, None] * stride_l_k + ms[None, :], mask=valid[:, None] & m_ok[None, :], other=0.0)
+            rt = tl.load(
+                RHS + r_rows[:, None] * stride_rhs_k + ns[None, :], mask=valid[:, None] & n_ok[None, :], other=0.0
+            )
         acc = tl.dot(tl.trans(lt), rt, acc)
         if HAS_BIAS:
             lf = lt.to(tl.float32)
@@ -605,13 +691,14 @@ def moe_experts_forward(
     h = torch.empty((R, I), dtype=x.dtype, device=device)
     gu = torch.empty((R, 2 * I), dtype=x.dtype, device=device) if save else _dummy(device)
     w = _gate_up_view(gate_up_proj, layout)
+    tma = cfg.TMA and layout == "concatenated" and gate_up_proj.is_contiguous() and tma_ok(gate_up_proj)
     has_bias = gate_up_bias is not None
     bias = gate_up_bias if has_bias else _dummy(device)
     launch(
         _moe_up_kernel,
         (num_m * cdiv(I, cfg.BLOCK_N),),
         X=x,
-        W=w,
+        W=TensorDescriptor(gate_up_proj, [E * 2 * I, H], [H, 1], [cfg.BLOCK_N, cfg.BLOCK_K]) if tma else w,
         BIAS=bias,
         H_OUT=h,
         GU_OUT=gu,
@@ -632,6 +719,7 @@ def moe_experts_forward(
         HAS_BIAS=has_bias,
         STORE_GU=save,
         ACT=activation,
+        TMA=tma,
         BLOCK_M=cfg.BLOCK_M,
         BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K,
@@ -660,17 +748,32 @@ def moe_experts_forward(
     return out, saved
 
 
+def _weights_descriptor(b, block_k: int, block_n: int):
+    """``(descriptor, k_major)`` over the experts' weights ``b`` ((E, K, N) by strides) as the 2-D tensor their
+    storage is, (E * N, K) with K contiguous or (E * K, N); None where TMA cannot read them (another layout,
+    16-byte alignment, or K not a multiple of block_k: a K tile would run into the next expert's)."""
+    E, K, N = b.shape
+    if TensorDescriptor is None or K % block_k or b.data_ptr() % 16:
+        return None
+    if b.stride() == (K * N, 1, K) and K * b.element_size() % 16 == 0:
+        return TensorDescriptor(b, [E * N, K], [K, 1], [block_n, block_k]), True
+    if b.stride() == (K * N, N, 1) and N * b.element_size() % 16 == 0:
+        return TensorDescriptor(b, [E * K, N], [N, 1], [block_k, block_n]), False
+    return None
+
+
 def _rows(a, gather, row_pair, block_expert, scale, b, bias, c, top_k, block_m, problem, traced):
     """c = scale * (a_rows @ b_e) + bias_e; ``b`` is (E, K, N) by strides."""
     cfg = launch_config(MoERows, c.device, lambda: _rows_default(problem["tokens_per_expert"]), **problem)
     dummy = _dummy(c.device)
     n = c.shape[1]
     num_m = row_pair.numel() // block_m
+    desc = _weights_descriptor(b, cfg.BLOCK_K, cfg.BLOCK_N) if cfg.TMA else None
     launch(
         _moe_rows_kernel,
         (num_m * cdiv(n, cfg.BLOCK_N),),
         A=a,
-        B=b,
+        B=b if desc is None else desc[0],
         BIAS=dummy if bias is None else bias,
         SCALE=dummy if scale is None else scale,
         C=c,
@@ -689,6 +792,8 @@ def _rows(a, gather, row_pair, block_expert, scale, b, bias, c, top_k, block_m, 
         GATHER=gather,
         HAS_SCALE=scale is not None,
         HAS_BIAS=bias is not None,
+        TMA=desc is not None,
+        K_MAJOR=desc is not None and desc[1],
         BLOCK_M=block_m,
         BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K,
@@ -698,10 +803,25 @@ def _rows(a, gather, row_pair, block_expert, scale, b, bias, c, top_k, block_m, 
     )
 
 
-def _combine(y, pair_pos, weights, out, top_k, problem, traced):
-    cfg = launch_config(MoECombine, out.device, _COMBINE_DEFAULT, **problem)
+# Eager LaunchPlans (see _launch_cache) of the gather-reduce, the one launch a decode step and a training step
+# share: contiguous tensors by shape and dtype.
+_COMBINE_PLANS = PlanCache()
+
+
+def _combine(y, pair_pos, weights, out, top_k, problem, traced, experts=None):
+    """out = the routing-weighted sum of each token's rows of y; ``experts``: y's rows are the pairs and
+    ``pair_pos`` their expert ids (the decode path)."""
     T, H = out.shape
-    launch(
+    key = None
+    if not traced:
+        key = (y.shape, pair_pos.shape, pair_pos.dtype, None if weights is None else weights.dtype, out.shape, top_k)
+        key += (experts, y.dtype, out.device)
+        plan = _COMBINE_PLANS.get(key)
+        tensors = (y, pair_pos, _dummy(out.device) if weights is None else weights, out)
+        if plan is not None and plan(*tensors):
+            return
+    cfg = launch_config(MoECombine, out.device, _COMBINE_DEFAULT, **problem)
+    plan = launch(
         _moe_combine_kernel,
         (cdiv(T, cfg.BLOCK_T), cdiv(H, cfg.BLOCK_H)),
         Y=y,
@@ -710,28 +830,82 @@ def _combine(y, pair_pos, weights, out, top_k, problem, traced):
         OUT=out,
         T=T,
         H=H,
+        E=experts or 0,
         stride_out_t=out.stride(0),
         TOP_K=top_k,
         HAS_WEIGHTS=weights is not None,
+        PAIR_ROWS=experts is not None,
         BLOCK_T=cfg.BLOCK_T,
         BLOCK_H=cfg.BLOCK_H,
         **cfg.options,
         traced=traced,
+        plan=key is not None,
     )
+    if plan is not None:
+        _COMBINE_PLANS[key] = plan
+
+
+def _sorted_rows(src, row_pair, top_k, traced, cols=slice(None)):
+    """``src[:, cols]``'s rows in the sort's row order (R rows), zeros in the padding rows."""
+    src = src[:, cols]
+    out = torch.empty((row_pair.numel(), src.shape[1]), dtype=src.dtype, device=src.device)
+    launch(
+        _moe_sorted_rows_kernel,
+        (cdiv(out.shape[0], 16), cdiv(out.shape[1], 256)),
+        SRC=src,
+        ROW_PAIR=row_pair,
+        OUT=out,
+        R=out.shape[0],
+        C=out.shape[1],
+        TOP_K=top_k,
+        stride_src=src.stride(0),
+        BLOCK_R=16,
+        BLOCK_C=256,
+        traced=traced,
+    )
+    return out
+
+
+def _x_columns(H: int, T: int, R: int) -> list[slice]:
+    """Blocks of x's columns (multiples of 256, at least 512) whose sorted rows (R of them) take at most the
+    size of x and dx together (2 T rows of H): the gate/up weight gradient's operand, made when both weight
+    gradients exist. As few as that allows: each block re-reads d(gate, up)."""
+    blocks = -(-R // (2 * T))
+    width = H if blocks <= 1 else min(H, max(512, H // blocks // 256 * 256))
+    return [slice(c, min(c + width, H)) for c in range(0, H, width)]
+
+
+def _weight_grad_config(problem: dict, device) -> MoEWeightGrad:
+    return launch_config(MoEWeightGrad, device, lambda: _weight_grad_default(problem["tokens_per_expert"]), **problem)
 
 
 def _weight_grad(
-    lhs, gather_l, rhs, gather_r, row_pair, expert_start, expert_rows, scale, dw, dbias, top_k, problem, traced
+    lhs,
+    gather_l,
+    rhs,
+    gather_r,
+    row_pair,
+    expert_start,
+    expert_rows,
+    scale,
+    dw,
+    dbias,
+    top_k,
+    problem,
+    traced,
+    tma=False,
 ):
-    """dw: an (E, M, N) view of a weight's gradient; dbias: its (E, M) bias gradient or None."""
-    cfg = launch_config(MoEWeightGrad, dw.device, lambda: _weight_grad_default(problem["tokens_per_expert"]), **problem)
+    """dw: an (E, M, N) view of a weight's gradient; dbias: its (E, M) bias gradient or None. ``tma``: lhs and
+    rhs are sorted rows, (R, M) and (R, N), read through descriptors."""
+    cfg = _weight_grad_config(problem, dw.device)
     E, m, n = dw.shape
     dummy = _dummy(dw.device)
+    desc = lambda t, cols: TensorDescriptor(t, list(t.shape), list(t.stride()), [cfg.BLOCK_K, cols])  # noqa: E731
     launch(
         _moe_weight_grad_kernel,
         (cdiv(m, cfg.BLOCK_M) * cdiv(n, cfg.BLOCK_N), E),
-        L=lhs,
-        RHS=rhs,
+        L=desc(lhs, cfg.BLOCK_M) if tma else lhs,
+        RHS=desc(rhs, cfg.BLOCK_N) if tma else rhs,
         SCALE=dummy if scale is None else scale,
         DW=dw,
         DBIAS=dummy if dbias is None else dbias,
@@ -752,6 +926,7 @@ def _weight_grad(
         GATHER_R=gather_r,
         HAS_SCALE=scale is not None,
         HAS_BIAS=dbias is not None,
+        TMA=tma,
         BLOCK_M=cfg.BLOCK_M,
         BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K,
@@ -775,9 +950,21 @@ def moe_experts_backward(
     clamp: float,
     top_k: int,
     *,
+    in_place: bool = False,
     traced: bool = False,
 ):
-    """``(dx, dweights, dgate_up, ddown, dgate_up_bias or None, ddown_bias or None)``."""
+    """``(dx, dweights, dgate_up, ddown, dgate_up_bias or None, ddown_bias or None)``, all fresh tensors.
+
+    ``in_place``: d(gate, up) is written over the saved pre-activations (``saved[-1]``), whose version is
+    then bumped (a second backward through the same graph fails loudly instead of reading gradients).
+    Peak memory: each row buffer is freed as soon as nothing reads it, in this order: g (R x I), the
+    activation's backward (g becomes s * h), d down_proj, g freed, the dx rows (R x H), dx, the rows
+    freed, d gate_up_proj (from d(gate, up), R x 2I, and x).
+
+    Where the backend's weight-gradient config asks for TMA, both weight gradients read sorted rows through
+    descriptors: dout's rows are gathered once (R x H, also the g GEMM's operand, freed after d down_proj),
+    and x's rows a block of columns at a time (:func:`_x_columns`).
+    """
     row_pair, block_expert, pair_pos, expert_start, expert_rows, gu = saved
     T, H = x.shape
     E = gate_up_proj.shape[0]
@@ -788,11 +975,20 @@ def moe_experts_backward(
     block_m = R // block_expert.numel()
     dout = dout.contiguous()
     w_flat = weights.reshape(-1)
+    wg_cfg = _weight_grad_config(problem, device)
+    tma = (
+        wg_cfg.TMA
+        and TensorDescriptor is not None
+        and block_m % wg_cfg.BLOCK_K == 0  # whole descriptor steps stay in an expert's (padded) rows
+        and all(n * x.element_size() % 16 == 0 for n in (H, I))
+    )
+    if tma:
+        dout_rows = _sorted_rows(dout, row_pair, top_k, traced)
     # g = dout_t @ down_e^T per row; then the activation's backward, dw = <g, h> (+ the bias term) and s * h
     g = torch.empty((R, I), dtype=x.dtype, device=device)
     _rows(
-        dout,
-        True,
+        dout_rows if tma else dout,
+        not tma,
         row_pair,
         block_expert,
         None,
@@ -804,7 +1000,7 @@ def moe_experts_backward(
         problem,
         traced,
     )
-    dgu = torch.empty((R, 2 * I), dtype=x.dtype, device=device)
+    dgu = gu if in_place else torch.empty((R, 2 * I), dtype=x.dtype, device=device)
     dweights = torch.zeros(T * top_k, dtype=torch.float32, device=device)  # dropped pairs keep 0
     launch(
         _moe_act_backward_kernel,
@@ -833,38 +1029,16 @@ def moe_experts_backward(
         BLOCK_N=128,
         traced=traced,
     )
-    hw = g
-    # dx: each pair's d(gate, up) @ gate_up_e^T, then the same gather-reduce as the forward
-    w_t = _gate_up_view(gate_up_proj, layout).transpose(1, 2)  # (E, 2I, H)
-    dxp = torch.empty((R, H), dtype=x.dtype, device=device)
-    _rows(dgu, False, row_pair, block_expert, None, w_t, None, dxp, top_k, block_m, problem, traced)
-    dx = torch.empty((T, H), dtype=x.dtype, device=device)
-    _combine(dxp, pair_pos, None, dx, top_k, problem, traced)
-    # weight gradients: each expert's rows, written in the weights' own layout
-    dgate_up = torch.empty_like(gate_up_proj)
-    dgb = torch.empty_like(gate_up_bias) if gate_up_bias is not None else None
-    _weight_grad(
-        dgu,
-        False,
-        x,
-        True,
-        row_pair,
-        expert_start,
-        expert_rows,
-        None,
-        _gate_up_view(dgate_up, layout).transpose(1, 2),
-        dgb,
-        top_k,
-        problem,
-        traced,
-    )
+    if in_place:
+        torch.autograd.graph.increment_version(gu)
+    # d down_e (as (E, H, I)) = sum of dout_t^T (s * h_row); its bias: sum of s * dout_t. g (now s * h) is
+    # read by nothing after it.
     ddown = torch.empty_like(down_proj)
     ddb = torch.empty_like(down_bias) if down_bias is not None else None
-    # d down_e (as (E, H, I)) = sum of dout_t^T (s * h_row); its bias: sum of s * dout_t
     _weight_grad(
-        dout,
-        True,
-        hw,
+        dout_rows if tma else dout,
+        not tma,
+        g,
         False,
         row_pair,
         expert_start,
@@ -875,7 +1049,39 @@ def moe_experts_backward(
         top_k,
         problem,
         traced,
+        tma,
     )
+    del g
+    if tma:
+        del dout_rows
+    # dx: each pair's d(gate, up) @ gate_up_e^T, then the same gather-reduce as the forward
+    w_t = _gate_up_view(gate_up_proj, layout).transpose(1, 2)  # (E, 2I, H)
+    dxp = torch.empty((R, H), dtype=x.dtype, device=device)
+    _rows(dgu, False, row_pair, block_expert, None, w_t, None, dxp, top_k, block_m, problem, traced)
+    dx = torch.empty((T, H), dtype=x.dtype, device=device)
+    _combine(dxp, pair_pos, None, dx, top_k, problem, traced)
+    del dxp
+    # d gate_up_e: each expert's rows, written in the weight's own layout
+    dgate_up = torch.empty_like(gate_up_proj)
+    dgb = torch.empty_like(gate_up_bias) if gate_up_bias is not None else None
+    dgate_up_view = _gate_up_view(dgate_up, layout).transpose(1, 2)  # (E, 2I, H)
+    for cols in _x_columns(H, T, R) if tma else (slice(0, H),):
+        _weight_grad(
+            dgu,
+            False,
+            _sorted_rows(x, row_pair, top_k, traced, cols) if tma else x,
+            not tma,
+            row_pair,
+            expert_start,
+            expert_rows,
+            None,
+            dgate_up_view[:, :, cols],
+            dgb if cols.start == 0 else None,  # each block of columns would write the same bias gradient
+            top_k,
+            problem,
+            traced,
+            tma,
+        )
     return dx, dweights.view(T, top_k), dgate_up, ddown, dgb, ddb
 
 
@@ -974,7 +1180,12 @@ def _backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if dout is None:  # eager autograd passes None for an output that got no gradient
         dout = torch.zeros_like(x)
+    # gu is this op's own intermediate, which no caller ever sees: the eager backward always writes d(gate,
+    # up) over it (one (R, 2I) buffer fewer), whatever in_place_backward says. The traced backward is a
+    # library op whose schema mutates nothing, so it never does.
+    in_place = not traced
     saved = (row_pair, block_expert, pair_pos, expert_start, expert_rows, gu)
+    # Every gradient is a fresh tensor nothing else holds, so AccumulateGrad adopts it instead of copying.
     dx, dw, dgu, dd, dgb, ddb = moe_experts_backward(
         dout,
         x,
@@ -988,6 +1199,7 @@ def _backward(
         activation,
         clamp,
         weights.shape[1],
+        in_place=in_place,
         traced=traced,
     )
     # absent biases get empty gradients of their own (library op outputs may not alias each other)
@@ -1108,6 +1320,29 @@ def _check(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, la
         )
 
 
+def _inference(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, layout, activation, clamp):
+    """No gradient wanted: nothing saved for a backward, and decode-sized batches skip the sort."""
+    gate_up_bias, down_bias = _contiguous_last(gate_up_bias), _contiguous_last(down_bias)
+    if x.shape[0] <= DECODE_TOKENS:
+        E, k, I = gate_up_proj.shape[0], ids.shape[1], down_proj.shape[2 if layout == "concatenated" else 1]
+        y = decode_rows(
+            x,
+            ids,
+            _gate_up_view(gate_up_proj, layout),
+            _down_view(down_proj, layout),
+            gate_up_bias,
+            down_bias,
+            layout != "concatenated",
+            activation,
+            clamp,
+        )
+        out = torch.empty_like(x)
+        _combine(y, ids, weights, out, k, _problem(x, E, I, k), False, experts=E)
+        return out
+    args = (x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, layout, activation, clamp)
+    return moe_experts_forward(*args, save=False)[0]
+
+
 def _contiguous_last(t):
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
@@ -1162,6 +1397,22 @@ def moe_experts(
     if x.shape[0] == 0:
         return x.new_zeros(x.shape) + 0 * top_k_weights.sum() + 0 * gate_up_proj.sum() + 0 * down_proj.sum()
     x, top_k_weights = x.contiguous(), top_k_weights.contiguous()
+    params = (x, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
+    if not use_library_op() and not (
+        torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params)
+    ):
+        return _inference(
+            x,
+            top_k_ids.contiguous(),
+            top_k_weights,
+            gate_up_proj,
+            down_proj,
+            gate_up_bias,
+            down_bias,
+            layout,
+            activation,
+            clamp,
+        )
     return MOE_EXPERTS(
         x,
         top_k_ids.contiguous(),

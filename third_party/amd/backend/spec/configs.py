@@ -55,6 +55,8 @@ def _moe(kernel: str, **problem):
         return None
     if kernel == "moe_combine":
         return {"num_warps": 4}
+    if kernel == "moe_decode":
+        return {"BLOCK_K": 64, "num_stages": 2}  # gate and up tiles of 64 columns: 36 KB
     if problem.get("tokens_per_expert", 0) <= 16:
         return {"num_stages": 2}  # decode-sized 16-row tiles: 20 KB
     if kernel == "moe_rows":
@@ -80,7 +82,7 @@ kernel_config = ConfigTable(
         **dict.fromkeys(
             ("rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope", "linear_cross_entropy"), _rows
         ),
-        **dict.fromkeys(("moe_up", "moe_rows", "moe_weight_grad", "moe_combine"), _moe),
+        **dict.fromkeys(("moe_up", "moe_rows", "moe_weight_grad", "moe_combine", "moe_decode"), _moe),
         **dict.fromkeys(
             ("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "attention_bwd_preprocess"), _attention
         ),

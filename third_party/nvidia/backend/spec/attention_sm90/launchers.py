@@ -10,7 +10,8 @@ import functools
 import torch
 
 from tritonspec.ops._library import PlanCache, cdiv, launch
-from tritonspec.ops.attention import LOG2E, tma_ok
+from tritonspec.ops._library import tma_ok
+from tritonspec.ops.attention import LOG2E
 
 from .gluon_compat import GLUON
 from .schedule import (

@@ -1,0 +1,103 @@
+"""Decode-sized MoE experts without gradients (``moe_experts`` under ``torch.no_grad``): the sort-free GEMMs of
+:mod:`tritonspec.ops.moe_decode` up to 16 tokens, the sorted path without saved activations beyond, both
+against the float64 reference (tolerance as in test_moe.py: a few ``u`` of the sum of the terms' magnitudes).
+"""
+
+import pytest
+import torch
+
+from numerics import assert_close, poisoned_allocations
+from tritonspec.ops import moe_decode
+from tritonspec.ops.moe import moe_experts, moe_experts_ref
+
+KINDS = {"silu": dict(activation="silu"), "gpt_oss": dict(activation="gpt_oss", clamp=7.0)}
+
+
+def _problem(T, H, I, E, k, layout, kind, dtype, device, gen, bias=False):
+    r = lambda *s: torch.randn(*s, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
+    shape_gu, shape_d = ((E, 2 * I, H), (E, H, I)) if layout == "concatenated" else ((E, H, 2 * I), (E, I, H))
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(device)
+    weights = torch.rand(T, k, generator=gen).softmax(-1).to(device)
+    kw = dict(KINDS[kind], layout=layout)
+    if bias:
+        kw.update(gate_up_bias=r(E, 2 * I) * 0.5, down_bias=r(E, H) * 0.5)
+    return (r(T, H), ids, weights, r(*shape_gu) * H**-0.5, r(*shape_d) * I**-0.5), kw
+
+
+def _check(args, kw):
+    with torch.no_grad(), poisoned_allocations():
+        out = moe_experts(*args, **kw)
+
+    def f64(t, f=torch.Tensor.double):
+        return f(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    mag = lambda t: f64(t, lambda u: u.double().abs())  # noqa: E731
+    ref = moe_experts_ref(*map(f64, args), **{n: f64(v) for n, v in kw.items()})
+    scale = moe_experts_ref(*map(mag, args), **{n: mag(v) for n, v in kw.items()}).abs().max().item()
+    assert out.shape == args[0].shape and out.dtype == args[0].dtype
+    assert_close(out, ref, "out", scale=scale)
+    return out
+
+
+def _count_decode_launches(monkeypatch):
+    calls = []
+    real = moe_decode.decode_rows
+    monkeypatch.setattr("tritonspec.ops.moe.decode_rows", lambda *a: calls.append(a) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("layout", ["concatenated", "interleaved_transposed"])
+@pytest.mark.parametrize("T", [1, 5, 16])
+def test_decode_matches_reference(T, layout, kind, device, gen, monkeypatch):
+    calls = _count_decode_launches(monkeypatch)
+    dtypes = [torch.float32, torch.bfloat16] if device == "cpu" else [torch.float16, torch.bfloat16]
+    for dtype in dtypes:
+        args, kw = _problem(T, 32, 24, 6, 3, layout, kind, dtype, device, gen, bias=kind == "gpt_oss")
+        _check(args, kw)
+    assert len(calls) == len(dtypes)
+
+
+def _dtype(device):
+    return torch.float32 if device == "cpu" else torch.bfloat16
+
+
+def test_beyond_decode_tokens_runs_the_sorted_path_without_saving(device, gen, monkeypatch):
+    calls = _count_decode_launches(monkeypatch)
+    args, kw = _problem(moe_decode.MAX_TOKENS + 1, 32, 16, 4, 2, "concatenated", "silu", _dtype(device), device, gen)
+    _check(args, kw)
+    assert calls == []
+
+
+def test_experts_shared_by_tokens_and_dropped_pairs(device, gen):
+    """Every token on the same two experts (each expert's weights serve all its tokens in one program), and
+    expert-parallel sentinels (ids outside [0, E)) that contribute nothing."""
+    args, kw = _problem(7, 32, 16, 4, 2, "concatenated", "silu", _dtype(device), device, gen)
+    x, ids, w, gu, dn = args
+    ids = torch.tensor([[2, 0]] * 7, device=device)
+    ids[1, 0], ids[4, 1], ids[6] = -1, 4, torch.tensor([9, 1])
+    out = _check((x, ids, w, gu, dn), kw)
+    assert torch.all(out[6] != 0)  # expert 1 alone still contributes to token 6
+
+
+def test_decode_is_bitwise_deterministic(device, gen):
+    args, kw = _problem(9, 32, 16, 8, 4, "interleaved_transposed", "gpt_oss", _dtype(device), device, gen)
+    with torch.no_grad():
+        first = moe_experts(*args, **kw)
+        assert torch.equal(first, moe_experts(*args, **kw))
+
+
+def test_grad_wanted_keeps_the_autograd_path(device, gen, monkeypatch):
+    calls = _count_decode_launches(monkeypatch)
+    args, kw = _problem(2, 32, 16, 4, 2, "concatenated", "silu", _dtype(device), device, gen)
+    x = args[0].requires_grad_()
+    out = moe_experts(x, *args[1:], **kw)
+    out.sum().backward()
+    assert calls == [] and x.grad is not None and torch.all(torch.isfinite(x.grad))
+
+
+def test_direct_call_refuses_too_many_tokens(device, gen):
+    args, _ = _problem(moe_decode.MAX_TOKENS + 1, 32, 16, 4, 2, "concatenated", "silu", _dtype(device), device, gen)
+    x, ids, w, gu, dn = args
+    with pytest.raises(ValueError, match="at most 16 tokens"):
+        moe_decode.decode_rows(x, ids, gu.transpose(1, 2), dn.transpose(1, 2), None, None, False, "silu", 0.0)
