@@ -1375,7 +1375,10 @@ def moe_experts(
         activation: "silu" (``silu(gate) * up``) or "gpt_oss" (``(up + 1) * gate * sigmoid(1.702 * gate)``
             with ``gate <= clamp`` and ``|up| <= clamp``).
     Returns:
-        (T, H) in x's dtype. Gradients flow to x, the routing weights, both weights and the biases.
+        (T, H) in x's dtype. Gradients flow to x, the routing weights, both weights and the biases. The eager
+        backward writes its activation gradient over what the forward saved: a second backward through the
+        same graph (``retain_graph=True``) raises autograd's in-place error. Without gradients (inference),
+        up to 16 tokens run :mod:`tritonspec.ops.moe_decode`'s sort-free GEMMs.
     """
     _check(x, top_k_ids, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, layout, activation, clamp)
     if x.dtype == torch.bfloat16 and x.device.type == "cpu":
