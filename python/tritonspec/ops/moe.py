@@ -815,7 +815,7 @@ def _combine(y, pair_pos, weights, out, top_k, problem, traced, experts=None):
     key = None
     if not traced:
         key = (y.shape, pair_pos.shape, pair_pos.dtype, None if weights is None else weights.dtype, out.shape, top_k)
-        key += (experts, y.dtype, out.device)
+        key += (experts, y.dtype, out.device, *problem.items())  # the problem picks the launch config
         plan = _COMBINE_PLANS.get(key)
         tensors = (y, pair_pos, _dummy(out.device) if weights is None else weights, out)
         if plan is not None and plan(*tensors):

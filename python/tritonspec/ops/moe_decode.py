@@ -159,10 +159,11 @@ def _moe_decode_kernel(
     tl.store(OUT + rows + cols[None, :], out.to(OUT.dtype.element_ty), mask=chose[:, None] & col_ok[None, :])
 
 
-def _default(programs_per_expert_col: int) -> MoEDecode:
-    """64 columns a program, fewer where the chosen experts' column blocks would not fill the GPU twice."""
+def _default(columns: int) -> MoEDecode:
+    """64 columns a program, fewer where the chosen experts' ``columns`` in blocks would not fill an H100's 132
+    SMs twice."""
     block_n = 64
-    while block_n > 16 and programs_per_expert_col // block_n < 264:
+    while block_n > 16 and columns // block_n < 264:
         block_n //= 2
     return MoEDecode(BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=4)
 
