@@ -9,13 +9,13 @@ GPT-OSS) with random weights and routes random tokens with a softmax top-k route
 (transformers' batched matmul over each token's experts), switched the way users switch them
 (``config._experts_implementation``); Liger-Kernel's ``LigerFusedMoEFunction`` on the same
 weights when it is importable ([gate; up] layouts); and, at decode sizes, our forward replayed from a
-CUDA graph (how decode runs once launches cost more than the GPU's work; grouped_mm and Liger's host
-synchronization cannot be captured). Per (case, tokens, impl, mode): median / p20 / p80 of
-``triton.testing.do_bench``, TFLOP/s over the useful FLOPs (forward ``2*T*k*3*H*I``, backward twice
-that), the peak memory of one forward+backward above what was allocated before it, and at decode sizes
-(T <= 16) the ratio to the weight-read floor (the chosen experts' weights read once at the card's
-measured copy speed). Outputs and
-dx are checked first against the float64 reference where it fits in memory, else against grouped_mm.
+CUDA graph of a 48-layer decode step, per layer (how decode runs once launches cost more than the GPU's
+work; grouped_mm and Liger's host synchronization cannot be captured). Per (case, tokens, impl, mode):
+median / p20 / p80 of ``triton.testing.do_bench``, TFLOP/s over the useful FLOPs (forward ``2*T*k*3*H*I``,
+backward twice that), the peak memory of one forward+backward above what was allocated before it, and at
+decode sizes (T <= 16) the ratio to the weight-read floor (the chosen experts' weights read once at the
+card's measured copy speed). Outputs and dx are checked first against the float64 reference where it fits
+in memory, else against grouped_mm.
 ``--sweep`` first times launch-config variants of our kernels (tuning data, not results). ``--smoke``
 runs tiny shapes on the CPU interpreter to check this script itself.
 """
@@ -23,6 +23,7 @@ runs tiny shapes on the CPU interpreter to check this script itself.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import os
 import sys
@@ -234,18 +235,36 @@ def _liger():
     )
 
 
-def _graphed(fn):
-    """``fn`` (no arguments) captured in a CUDA graph: how decode runs once launches cost more than the GPU work."""
+STEP_LAYERS = 48  # a decode step's layers in the graph (Qwen3-30B-A3B's depth)
+COPIES = 8  # distinct experts modules it cycles over, where they fit
+
+
+def _layers(experts):
+    """``STEP_LAYERS`` experts modules for a decode-step graph, cycling over ``COPIES`` copies of ``experts``
+    (distinct weights: no layer finds the one before's in L2) where they fit in a quarter of the GPU's memory,
+    else ``experts`` itself each time (DeepSeek-V3: its chosen experts' weights alone are many times L2)."""
+    size = sum(p.numel() * p.element_size() for p in experts.parameters())
+    if SMOKE or COPIES * size > 0.25 * torch.cuda.get_device_properties(0).total_memory:
+        return [experts] * STEP_LAYERS
+    copies = [experts] + [copy.deepcopy(experts) for _ in range(COPIES - 1)]
+    return [copies[i % COPIES] for i in range(STEP_LAYERS)]
+
+
+def _graphed(fn, layers):
+    """``fn(experts)`` for each of ``layers`` captured in one CUDA graph, as a decode step runs once launches cost
+    more than the GPU's work; the replay's time per layer (a lone layer's replay would also time the graph's
+    own launch, which a step of many layers pays once)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(3):
-            fn()
+            fn(layers[0])
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+        for experts in layers:
+            fn(experts)
+    return graph.replay, len(layers)
 
 
 def _copy_bandwidth() -> float:
@@ -380,7 +399,7 @@ def main(argv=None):
                 fn = impls[impl.split()[0]]
                 if mode == "fwd":
 
-                    def call(fn=fn, experts=experts):
+                    def call(experts=experts, fn=fn):
                         with torch.no_grad():
                             fn(experts, x, ids, w)
                 else:
@@ -391,8 +410,8 @@ def main(argv=None):
                         fn(experts, x, ids, w).backward(dout)
 
                 try:
-                    timed = _graphed(call) if "graph" in impl else call
-                    t = bench(timed)
+                    timed, per = _graphed(call, _layers(experts)) if "graph" in impl else (call, 1)
+                    t = [ms / per for ms in bench(timed)]
                     peak = _peak_mib(call) if mode == "fwd+bwd" else float("nan")
                 except Exception as e:  # noqa: BLE001
                     print(f"# {case[0]} T={T} {impl} {mode}: {type(e).__name__}: {str(e)[:200]}")
@@ -434,8 +453,8 @@ def main(argv=None):
         key = (r["case"], r["T"], r["mode"])
         ratio = r["ms"] / speed[key] if key in speed else float("nan")
         lines.append(
-            f"| {r['case']} | {r['T']} | {r['impl']} | {r['mode']} | {r['ms']:.3f} "
-            f"({r['p20']:.3f}-{r['p80']:.3f}) | {r['tflops']:.0f} | {ratio:.2f}x | "
+            f"| {r['case']} | {r['T']} | {r['impl']} | {r['mode']} | {r['ms']:.4g} "
+            f"({r['p20']:.4g}-{r['p80']:.4g}) | {r['tflops']:.0f} | {ratio:.2f}x | "
             f"{'-' if r['floor'] is None else format(r['ms'] / r['floor'], '.2f') + 'x'} | {r['peak']:.0f} "
             f"| {r['err']:.1e} | {r['derr']:.1e} | {r['ref']} |"
         )

@@ -226,6 +226,7 @@ class MoEDecode(LaunchConfig):
     kernel: ClassVar[str] = "moe_decode"
     BLOCK_N: int
     BLOCK_K: int
+    PDL: bool = False  # programmatic dependent launch (sm90+): each launch starts while the previous one ends
 
 
 @dataclass(frozen=True, kw_only=True)

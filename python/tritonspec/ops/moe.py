@@ -10,8 +10,8 @@
   expert-parallel sentinels) are dropped.
 * Forward: a grouped GEMM gathers each row's token inside its loads (no permuted copy of ``x``) and
   applies the activation in its epilogue (``h``); a second grouped GEMM projects down (``y``); a
-  gather-reduce adds each token's ``k`` rows with its routing weights. No atomics anywhere: outputs
-  and gradients are bitwise the same from run to run.
+  gather-reduce adds each token's ``k`` rows with its routing weights. Every sum has a fixed order (no
+  floating-point atomics): outputs and gradients are bitwise the same from run to run.
 * Backward: ``g = dout @ down_e^T`` (a grouped GEMM gathering ``dout``); one pass over g recomputes
   ``h`` from the saved pre-activations and gives the routing weights' gradient ``<g, h>`` (so neither
   ``h`` nor ``y`` is kept from the forward), the activation's backward of ``w * g``, and ``w * h``;
@@ -21,8 +21,8 @@
   row buffer once nothing reads it, so the backward's peak is about one ``(R, 2I)`` buffer besides the
   gradients.
 * Without gradients (inference), nothing is saved, and batches of at most 16 tokens skip the sort: each
-  chosen expert's weights are read once by :mod:`tritonspec.ops.moe_decode`'s two GEMMs, then the same
-  gather-reduce.
+  chosen expert's weights are read once by :mod:`tritonspec.ops.moe_decode`'s two launches, the second of
+  which also sums each token's rows.
 * Where the backend's launch configs say ``TMA`` (sm90), the weights' tiles come through host tensor
   descriptors, and for large experts the weight gradients read rows sorted first (``_sorted_rows``).
 
@@ -49,7 +49,7 @@ from ..kernel_table import MoECombine, MoERows, MoEUp, MoEWeightGrad
 from ..launch import launch_config
 from ._checks import check_same_device, check_tensor
 from ._library import Op, PlanCache, TensorDescriptor, cdiv, launch, next_pow2, tma_ok, use_library_op
-from .moe_decode import MAX_TOKENS as DECODE_TOKENS, decode_rows
+from .moe_decode import MAX_TOKENS as DECODE_TOKENS, moe_decode
 from .moe_routing import moe_route
 from .moe_sort import padded_rows, sort_by_expert
 
@@ -439,27 +439,21 @@ def _moe_act_backward_kernel(
 def _moe_combine_kernel(
     # Pointers
     Y,  # (R, H) the rows
-    POS,  # (T * k,) each pair's row, -1 for a dropped pair; with PAIR_ROWS each pair's expert id
+    POS,  # (T * k,) each pair's row, -1 for a dropped pair
     WEIGHTS,  # (T * k,) each pair's routing weight, read when HAS_WEIGHTS
     OUT,  # (T, H) out
     # Sizes
     T,
     H,
-    E,  # experts, read when PAIR_ROWS
     # Strides
     stride_out_t,
     # Meta-parameters
     TOP_K: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
-    PAIR_ROWS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """out[t] = sum_j w[t, j] * Y[pos[t, j]] in float32, a fixed order (no atomics); pos < 0: dropped.
-
-    PAIR_ROWS: Y's rows are the pairs themselves (the decode path's, :mod:`tritonspec.ops.moe_decode`) and POS
-    holds their expert ids; a pair whose id is outside [0, E) is dropped.
-    """
+    """out[t] = sum_j w[t, j] * Y[pos[t, j]] in float32, a fixed order (no atomics); pos < 0: dropped."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     t_ok = tokens < T
@@ -467,8 +461,6 @@ def _moe_combine_kernel(
     acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         pos = tl.load(POS + tokens * TOP_K + j, mask=t_ok, other=-1)
-        if PAIR_ROWS:
-            pos = tl.where((pos >= 0) & (pos < E), tokens * TOP_K + j, -1)
         ok = pos >= 0
         y = tl.load(
             Y + tl.where(ok, pos, 0).to(tl.int64)[:, None] * H + cols[None, :],
@@ -803,19 +795,17 @@ def _rows(a, gather, row_pair, block_expert, scale, b, bias, c, top_k, block_m, 
     )
 
 
-# Eager LaunchPlans (see _launch_cache) of the gather-reduce, the one launch a decode step and a training step
-# share: contiguous tensors by shape and dtype.
+# Eager LaunchPlans (see _launch_cache) of the gather-reduce: contiguous tensors by shape and dtype.
 _COMBINE_PLANS = PlanCache()
 
 
-def _combine(y, pair_pos, weights, out, top_k, problem, traced, experts=None):
-    """out = the routing-weighted sum of each token's rows of y; ``experts``: y's rows are the pairs and
-    ``pair_pos`` their expert ids (the decode path)."""
+def _combine(y, pair_pos, weights, out, top_k, problem, traced):
+    """out = the routing-weighted sum of each token's rows of y."""
     T, H = out.shape
     key = None
     if not traced:
         key = (y.shape, pair_pos.shape, pair_pos.dtype, None if weights is None else weights.dtype, out.shape, top_k)
-        key += (experts, y.dtype, out.device, *problem.items())  # the problem picks the launch config
+        key += (y.dtype, out.device, *problem.items())  # the problem picks the launch config
         plan = _COMBINE_PLANS.get(key)
         tensors = (y, pair_pos, _dummy(out.device) if weights is None else weights, out)
         if plan is not None and plan(*tensors):
@@ -830,11 +820,9 @@ def _combine(y, pair_pos, weights, out, top_k, problem, traced, experts=None):
         OUT=out,
         T=T,
         H=H,
-        E=experts or 0,
         stride_out_t=out.stride(0),
         TOP_K=top_k,
         HAS_WEIGHTS=weights is not None,
-        PAIR_ROWS=experts is not None,
         BLOCK_T=cfg.BLOCK_T,
         BLOCK_H=cfg.BLOCK_H,
         **cfg.options,
@@ -1324,21 +1312,9 @@ def _inference(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias
     """No gradient wanted: nothing saved for a backward, and decode-sized batches skip the sort."""
     gate_up_bias, down_bias = _contiguous_last(gate_up_bias), _contiguous_last(down_bias)
     if x.shape[0] <= DECODE_TOKENS:
-        E, k, I = gate_up_proj.shape[0], ids.shape[1], down_proj.shape[2 if layout == "concatenated" else 1]
-        y = decode_rows(
-            x,
-            ids,
-            _gate_up_view(gate_up_proj, layout),
-            _down_view(down_proj, layout),
-            gate_up_bias,
-            down_bias,
-            layout != "concatenated",
-            activation,
-            clamp,
-        )
-        out = torch.empty_like(x)
-        _combine(y, ids, weights, out, k, _problem(x, E, I, k), False, experts=E)
-        return out
+        gate_up, down = _gate_up_view(gate_up_proj, layout), _down_view(down_proj, layout)
+        interleaved = layout != "concatenated"
+        return moe_decode(x, ids, weights, gate_up, down, gate_up_bias, down_bias, interleaved, activation, clamp)
     args = (x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, layout, activation, clamp)
     return moe_experts_forward(*args, save=False)[0]
 

@@ -3,7 +3,7 @@
 At a few tokens the experts' cost is reading the chosen experts' weights, and the sort of the sorted path
 (:mod:`tritonspec.ops.moe`: three launches before the first GEMM, and blocks of padding rows after it) is
 launch latency on the critical path. Here, for at most :data:`MAX_TOKENS` tokens, each GEMM is one launch
-of ``_moe_decode_kernel``, a program per (pair, column block):
+of ``_moe_decode_kernel`` (two in all), a program per (pair, column block):
 
 * a pair's program works only if its expert appears in no earlier pair (later pairs of the same expert
   exit at once), so each chosen expert's weights are read once, whatever the number of tokens sharing it;
@@ -12,8 +12,13 @@ of ``_moe_decode_kernel``, a program per (pair, column block):
   for the down GEMM;
 * the GEMM is swapped (``W_e @ x^T``): the weight's columns fill the MMA's M side, the tokens its narrow N.
 
-The sorted path's gather-reduce then sums each token's ``k`` rows in a fixed order (no atomics). Forward
-only (inference): training keeps the sorted path, whose saved pre-activations the backward reads.
+The down GEMM's programs then count themselves done, per column block, on an int32 counter (which the up
+GEMM zeroes); the last to finish sums each token's ``k`` rows there in slot order, so the result does not
+depend on which program is last. On sm90 the backend's table launches both with programmatic dependent
+launch: each starts while the kernel before it ends, prefetches its weights' first tiles into L2, and waits
+for that kernel's writes before touching anything it may write; each lets the next start once its own
+main loop is done.
+Forward only (inference): training keeps the sorted path, whose saved pre-activations the backward reads.
 """
 
 from __future__ import annotations
@@ -21,14 +26,21 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..kernel_table import MoEDecode
 from ..launch import launch_config
 from ._library import PlanCache, cdiv, launch, next_pow2
 
-__all__ = ["MAX_TOKENS", "decode_rows"]
+__all__ = ["MAX_TOKENS", "moe_decode"]
 
 MAX_TOKENS = 16  # the token tile: one MMA's narrow side
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """PTX ``prefetch.global.L2``: each address's line into L2, nothing waited on (sm90 under PDL only)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -38,13 +50,17 @@ def _moe_decode_kernel(
     IDS,  # (T * k,) each pair's expert
     W,  # (E, K, N) by strides, or (GATED) (E, K, 2N): each expert's gate and up columns
     BIAS,  # (E, N) or (E, 2N) by strides, read when HAS_BIAS
-    OUT,  # (T * k, N) out: the rows of each pair whose expert is in [0, E)
+    ROWS,  # (T * k, N) out: the rows of each pair whose expert is in [0, E)
+    WEIGHTS,  # (T * k,) the routing weights (not GATED)
+    OUT,  # (T, N) out (not GATED): each token's routing-weighted sum of its rows
+    COUNTS,  # int32: per column block, the programs done (not GATED); GATED zeroes the first NUM_COUNTS
     # Matrix dimensions
     T,
     N,
     K,
     E,
     TOP_K,
+    NUM_COUNTS,
     # Strides
     stride_a,
     stride_w_e,
@@ -52,6 +68,7 @@ def _moe_decode_kernel(
     stride_w_n,
     stride_bias_e,
     stride_bias_n,
+    stride_out,
     # Scalars
     clamp,  # gpt_oss's clamp
     # Meta-parameters
@@ -59,24 +76,44 @@ def _moe_decode_kernel(
     INTERLEAVED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr,
+    PDL: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_J: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """BLOCK_N columns of the rows of every token that chose pair ``p``'s expert, once per expert.
 
     GATED: ``act(x @ gate_e, x @ up_e)`` from the tokens' rows (W's gate columns [0, N) and up [N, 2N), or
-    INTERLEAVED alternate columns); else ``h @ W_e`` from the pairs' rows. Rounded as a Hugging Face expert
-    rounds (each projection's output, the activation).
+    INTERLEAVED alternate columns); else ``h @ W_e`` from the pairs' rows, and the last program of a column
+    block to finish sums every token's rows there. Rounded as a Hugging Face expert rounds (each
+    projection's output, the activation).
     """
     p = tl.program_id(0)
+    c = tl.program_id(1)
+    if PDL:
+        # Launched while the kernel before ends: the weights' first two K steps into L2 (its ids come from
+        # before that kernel, and a stale one only prefetches another expert), then wait for its writes.
+        if stride_w_k == 1:
+            e_hint = tl.minimum(tl.maximum(tl.load(IDS + p), 0), E - 1)
+            lines = tl.minimum(tl.arange(0, 2 * BLOCK_K // 64) * 64, K - 1)  # 128-byte lines of 16-bit weights
+            w_rows = tl.minimum(c * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
+            tile = W + e_hint.to(tl.int64) * stride_w_e + w_rows[:, None] * stride_w_n + lines[None, :]
+            _prefetch_l2(tile)
+            if GATED:
+                _prefetch_l2(tile + N * stride_w_n)
+        gdc_wait()
+    if GATED:
+        if (p == 0) & (c == 0):  # the down launch's counters, zero before it starts
+            zeroes = tl.arange(0, BLOCK_C)
+            tl.store(COUNTS + zeroes, tl.zeros([BLOCK_C], dtype=tl.int32), mask=zeroes < NUM_COUNTS)
     e = tl.load(IDS + p)
     earlier = tl.arange(0, BLOCK_P)
     before = tl.load(IDS + earlier, mask=earlier < p, other=-1)
-    if (e < 0) | (e >= E) | (tl.sum((before == e).to(tl.int32), axis=0) > 0):
-        return
+    works = ((e >= 0) & (e < E) & (tl.sum((before == e).to(tl.int32), axis=0) == 0)).to(tl.int32)
+    k_end = K * works  # the other programs only count themselves done
     # the tokens that chose e, and in which of their k slots
     tokens = tl.arange(0, BLOCK_T)
     js = tl.arange(0, BLOCK_J)
@@ -88,18 +125,18 @@ def _moe_decode_kernel(
         )
         == e
     )
-    chose = tl.max(hit.to(tl.int32), axis=1) > 0
+    chose = tl.max(hit.to(tl.int32), axis=1) * works > 0
     pairs = tokens * TOP_K + tl.sum(tl.where(hit, js[None, :], 0), axis=1)  # an expert at most once per token
     a_cols = A + (tokens if GATED else pairs).to(tl.int64)[None, :] * stride_a  # A^T: (K, tokens)
     w_e = W + e.to(tl.int64) * stride_w_e
     b_e = BIAS + e.to(tl.int64) * stride_bias_e
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     if GATED and INTERLEAVED:
-        c2 = tl.program_id(1) * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        c2 = c * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
         c2_ok = c2 < 2 * N
         acc = tl.zeros([2 * BLOCK_N, BLOCK_T], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(0, k_end, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             at = tl.load(a_cols + ks[:, None], mask=k_ok[:, None] & chose[None, :], other=0.0)
@@ -111,12 +148,12 @@ def _moe_decode_kernel(
             acc = tl.dot(w, at, acc)
         acc = tl.trans(acc)  # (tokens, 2 * BLOCK_N)
         if HAS_BIAS:
-            acc += tl.load(b_e + c2 * stride_bias_n, mask=c2_ok, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(b_e + c2 * stride_bias_n, mask=c2 < 2 * N * works, other=0.0).to(tl.float32)[None, :]
         acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_T, BLOCK_N, 2)))
     elif GATED:
         acc_g = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(0, k_end, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             at = tl.load(a_cols + ks[:, None], mask=k_ok[:, None] & chose[None, :], other=0.0)
@@ -127,11 +164,12 @@ def _moe_decode_kernel(
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
         if HAS_BIAS:
-            acc_g += tl.load(b_e + cols * stride_bias_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            acc_u += tl.load(b_e + (N + cols) * stride_bias_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            b_ok = cols < N * works
+            acc_g += tl.load(b_e + cols * stride_bias_n, mask=b_ok, other=0.0).to(tl.float32)[None, :]
+            acc_u += tl.load(b_e + (N + cols) * stride_bias_n, mask=b_ok, other=0.0).to(tl.float32)[None, :]
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(0, k_end, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             at = tl.load(a_cols + ks[:, None], mask=k_ok[:, None] & chose[None, :], other=0.0)
@@ -143,99 +181,136 @@ def _moe_decode_kernel(
             acc = tl.dot(w, at, acc)
         acc = tl.trans(acc)
         if HAS_BIAS:
-            acc += tl.load(b_e + cols * stride_bias_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(b_e + cols * stride_bias_n, mask=cols < N * works, other=0.0).to(tl.float32)[None, :]
+    if PDL:  # the next launch may start: this program's loads are done
+        gdc_launch_dependents()
     if GATED:
-        gate = acc_g.to(OUT.dtype.element_ty).to(tl.float32)
-        up = acc_u.to(OUT.dtype.element_ty).to(tl.float32)
+        gate = acc_g.to(ROWS.dtype.element_ty).to(tl.float32)
+        up = acc_u.to(ROWS.dtype.element_ty).to(tl.float32)
         if ACT == "silu":
-            out = (gate * tl.sigmoid(gate)).to(OUT.dtype.element_ty).to(tl.float32) * up
+            rows = (gate * tl.sigmoid(gate)).to(ROWS.dtype.element_ty).to(tl.float32) * up
         else:  # gpt_oss
             g = tl.minimum(gate, clamp)
             u = tl.minimum(tl.maximum(up, -clamp), clamp)
-            out = (u + 1.0) * (g * tl.sigmoid(1.702 * g))
+            rows = (u + 1.0) * (g * tl.sigmoid(1.702 * g))
     else:
-        out = acc
-    rows = pairs.to(tl.int64)[:, None] * N
-    tl.store(OUT + rows + cols[None, :], out.to(OUT.dtype.element_ty), mask=chose[:, None] & col_ok[None, :])
+        rows = acc
+    row_at = pairs.to(tl.int64)[:, None] * N + cols[None, :]
+    tl.store(ROWS + row_at, rows.to(ROWS.dtype.element_ty), mask=chose[:, None] & col_ok[None, :])
+    if not GATED:
+        # Count this program done once all its threads stored; the last of the column block's T * k
+        # programs sees every row written (acquire; L2 reads) and sums each token's in slot order.
+        tl.debug_barrier()
+        if tl.atomic_add(COUNTS + c, 1, sem="acq_rel") == T * TOP_K - 1:
+            t_ok = tokens < T
+            total = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+            for j in range(0, TOP_K):
+                pair = tokens * TOP_K + j
+                e_j = tl.load(IDS + pair, mask=t_ok, other=-1)
+                ok = (e_j >= 0) & (e_j < E)
+                y = tl.load(
+                    ROWS + pair.to(tl.int64)[:, None] * N + cols[None, :],
+                    mask=ok[:, None] & col_ok[None, :],
+                    other=0.0,
+                    cache_modifier=".cg",
+                ).to(tl.float32)
+                total += y * tl.load(WEIGHTS + pair, mask=ok, other=0.0).to(tl.float32)[:, None]
+            out_at = tokens.to(tl.int64)[:, None] * stride_out + cols[None, :]
+            tl.store(OUT + out_at, total.to(OUT.dtype.element_ty), mask=t_ok[:, None] & col_ok[None, :])
 
 
-def _default(columns: int) -> MoEDecode:
-    """64 columns a program, fewer where the chosen experts' ``columns`` in blocks would not fill an H100's 132
-    SMs twice."""
-    block_n = 64
-    while block_n > 16 and columns // block_n < 264:
-        block_n //= 2
-    return MoEDecode(BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=4)
-
+_DEFAULT = MoEDecode(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
 
 # Eager LaunchPlans (see _launch_cache): decode repeats the same shapes every step, and at a few tokens the
-# host's time per launch is what an eager step waits on.
+# host's time per launch is what an eager step waits on. key -> (up plan, down plan, counters).
 _PLANS = PlanCache()
 
 
-def _gemm(a, ids, w, bias, out, gated, interleaved, activation, clamp, problem):
+def _gemm(a, ids, w, bias, rows, weights, out, counts, num_counts, gated, interleaved, activation, clamp, cfg):
+    """One launch of ``_moe_decode_kernel``: its LaunchPlan, or None."""
     T, k = ids.shape
-    E, K, n = w.shape
-    n = n // 2 if gated else n
+    n = w.shape[2] // 2 if gated else w.shape[2]
     has_bias = bias is not None
     bias_stride = bias.stride() if has_bias else (0, 0)
-    bias = bias if has_bias else torch.empty(1, device=a.device)
-    key = (gated, a.shape, a.stride(), ids.shape, ids.dtype, w.shape, w.stride(), has_bias, bias_stride)
-    key += (interleaved, a.dtype, activation, clamp, a.device)
-    plan = _PLANS.get(key)
-    if plan is not None and plan(a, ids, w, bias, out):
-        return
-    cols = min(problem["tokens"] * k, E) * n  # the most columns the chosen experts have (not counted: no sync)
-    cfg = launch_config(MoEDecode, a.device, lambda: _default(cols), gated=gated, **problem)
-    plan = launch(
+    pdl = {"launch_pdl": True} if cfg.PDL else {}
+    return launch(
         _moe_decode_kernel,
         (T * k, cdiv(n, cfg.BLOCK_N)),
         A=a,
         IDS=ids,
         W=w,
-        BIAS=bias,
+        BIAS=bias if has_bias else counts,
+        ROWS=rows,
+        WEIGHTS=weights,
         OUT=out,
+        COUNTS=counts,
         T=T,
         N=n,
-        K=K,
-        E=E,
+        K=w.shape[1],
+        E=w.shape[0],
         TOP_K=k,
+        NUM_COUNTS=num_counts,
         stride_a=a.stride(0),
         stride_w_e=w.stride(0),
         stride_w_k=w.stride(1),
         stride_w_n=w.stride(2),
         stride_bias_e=bias_stride[0],
         stride_bias_n=bias_stride[1],
+        stride_out=out.stride(0),
         clamp=float(clamp or 0.0),
         GATED=gated,
         INTERLEAVED=interleaved,
         HAS_BIAS=has_bias,
         ACT=activation,
+        PDL=cfg.PDL,
         BLOCK_T=MAX_TOKENS,
         BLOCK_J=max(2, next_pow2(k)),
         BLOCK_P=max(16, next_pow2(T * k)),
+        BLOCK_C=max(2, next_pow2(num_counts)),
         BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K,
         **cfg.options,
+        **pdl,
         plan=True,
     )
-    if plan is not None:
-        _PLANS[key] = plan
 
 
-def decode_rows(x, ids, gate_up, down, gate_up_bias, down_bias, interleaved, activation, clamp):
-    """``y`` (T * k, H): each pair's expert output (rows of dropped pairs unwritten), for T <= MAX_TOKENS.
+def moe_decode(x, ids, weights, gate_up, down, gate_up_bias, down_bias, interleaved, activation, clamp):
+    """``out`` (T, H): each token's routing-weighted sum of its experts' outputs, for T <= MAX_TOKENS.
 
     ``gate_up`` (E, H, 2I) and ``down`` (E, I, H) are strided views (K, then N), as :mod:`tritonspec.ops.moe`
-    passes them; ``ids`` (T, k) contiguous.
+    passes them; ``ids`` and ``weights`` (T, k) contiguous.
     """
     T, H = x.shape
     if T > MAX_TOKENS:
-        raise ValueError(f"decode_rows: at most {MAX_TOKENS} tokens, got {T}")
-    I = gate_up.shape[2] // 2
-    problem = dict(tokens=next_pow2(T), top_k=ids.shape[1], H=int(H), I=int(I), E=gate_up.shape[0], dtype=str(x.dtype))
-    h = torch.empty((ids.numel(), I), dtype=x.dtype, device=x.device)
-    _gemm(x, ids, gate_up, gate_up_bias, h, True, interleaved, activation, clamp, problem)
-    y = torch.empty((ids.numel(), H), dtype=x.dtype, device=x.device)
-    _gemm(h, ids, down, down_bias, y, False, False, activation, clamp, problem)
-    return y
+        raise ValueError(f"moe_decode: at most {MAX_TOKENS} tokens, got {T}")
+    k, I = ids.shape[1], gate_up.shape[2] // 2
+    dev = x.device
+    h = torch.empty((T * k, I), dtype=x.dtype, device=dev)
+    rows = torch.empty((T * k, H), dtype=x.dtype, device=dev)
+    out = torch.empty_like(x)
+    key = (x.shape, x.stride(), ids.shape, ids.dtype, weights.dtype, gate_up.shape, gate_up.stride(), down.stride())
+    key += tuple(None if b is None else (b.shape, b.stride()) for b in (gate_up_bias, down_bias))
+    key += (interleaved, x.dtype, activation, clamp, dev)
+    plans = _PLANS.get(key)
+    if plans is not None:
+        up, down_sum, num_counts = plans
+        counts = torch.empty(num_counts, dtype=torch.int32, device=dev)
+        # a plan's tensors in argument order; a missing bias is passed as the counters
+        up_bias, down_bias_ = (counts if b is None else b for b in (gate_up_bias, down_bias))
+        if up(x, ids, gate_up, up_bias, h, weights, out, counts) and down_sum(
+            h, ids, down, down_bias_, rows, weights, out, counts
+        ):
+            return out
+    problem = dict(tokens=next_pow2(T), top_k=k, H=int(H), I=int(I), E=gate_up.shape[0], dtype=str(x.dtype))
+    cfg_up = launch_config(MoEDecode, dev, lambda: _DEFAULT, gated=True, **problem)
+    cfg_down = launch_config(MoEDecode, dev, lambda: _DEFAULT, gated=False, **problem)
+    num_counts = cdiv(H, cfg_down.BLOCK_N)
+    counts = torch.empty(num_counts, dtype=torch.int32, device=dev)
+    args = (gate_up, gate_up_bias, h, weights, out, counts, num_counts, True, interleaved, activation, clamp, cfg_up)
+    up = _gemm(x, ids, *args)
+    args = (down, down_bias, rows, weights, out, counts, num_counts, False, False, activation, clamp, cfg_down)
+    down_sum = _gemm(h, ids, *args)
+    if up is not None and down_sum is not None:
+        _PLANS[key] = (up, down_sum, num_counts)
+    return out

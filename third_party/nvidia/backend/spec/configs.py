@@ -171,6 +171,14 @@ def _hopper_moe(kernel: str, **problem):
     return None
 
 
+def _moe_decode(kernel: str, **problem):
+    """sm90 on: programmatic dependent launch, so each decode GEMM starts while the kernel before it ends and
+    prefetches its first weight tiles meanwhile (H100, 48-layer graph: Qwen3 T=1 33.1 -> 31.7 us,
+    ``bench/NOTES.md`` MoE rows 17-18)."""
+    cap = _capability(problem)
+    return {"PDL": True} if cap is not None and cap >= 90 else None
+
+
 def _moe(kernel: str, **problem):
     return _hopper_moe(kernel, **problem) or _ampere(kernel, **problem)
 
@@ -184,5 +192,6 @@ kernel_config = ConfigTable(
         **dict.fromkeys(("rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope"), _pre_ampere_rows),
         **dict.fromkeys(TABLES, _attention),
         **dict.fromkeys(("moe_up", "moe_rows", "moe_weight_grad"), _moe),
+        "moe_decode": _moe_decode,
     }
 )
