@@ -134,6 +134,19 @@ def test_grad_wanted_keeps_the_autograd_path(device, gen, monkeypatch):
     assert calls == [] and x.grad is not None and torch.all(torch.isfinite(x.grad))
 
 
+@pytest.mark.parametrize("arch, pdl", [(90, True), (80, False)])
+def test_programmatic_dependent_launch_on_sm90_only(arch, pdl, gen):
+    """The nvidia table asks for PDL where it was measured (sm90); the kernel's wait and Triton's launch option
+    come together, or neither."""
+    from tritonspec.launch import for_arch
+    from tritonspec.specialization.resolve import use_backend
+
+    args, kw = _problem(3, 64, 32, 8, 4, "concatenated", "silu", torch.bfloat16, "meta", gen)
+    with use_backend("nvidia"), for_arch(arch), torch.no_grad(), recording() as launches:
+        moe_experts(*args, **kw)
+    assert [(l.kwargs["PDL"], l.kwargs.get("launch_pdl", False)) for l in launches] == [(pdl, pdl)] * 2
+
+
 def test_direct_call_refuses_too_many_tokens(device, gen):
     args, _ = _problem(moe_decode.MAX_TOKENS + 1, 32, 16, 4, 2, "concatenated", "silu", _dtype(device), device, gen)
     x, ids, w, gu, dn = args

@@ -228,6 +228,11 @@ class MoEDecode(LaunchConfig):
     BLOCK_K: int
     PDL: bool = False  # programmatic dependent launch (sm90+): each launch starts while the previous one ends
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.PDL:  # the launch option goes with the constexpr: the kernel waits on the previous grid
+            self.options["launch_pdl"] = True
+
 
 @dataclass(frozen=True, kw_only=True)
 class MoECombine(LaunchConfig):

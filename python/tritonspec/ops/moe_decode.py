@@ -98,7 +98,7 @@ def _moe_decode_kernel(
         # before that kernel, and a stale one only prefetches another expert), then wait for its writes.
         if stride_w_k == 1:
             e_hint = tl.minimum(tl.maximum(tl.load(IDS + p), 0), E - 1)
-            lines = tl.minimum(tl.arange(0, 2 * BLOCK_K // 64) * 64, K - 1)  # 128-byte lines of 16-bit weights
+            lines = tl.minimum(tl.arange(0, (2 * BLOCK_K + 63) // 64) * 64, K - 1)  # 128-byte lines, 16-bit weights
             w_rows = tl.minimum(c * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
             tile = W + e_hint.to(tl.int64) * stride_w_e + w_rows[:, None] * stride_w_n + lines[None, :]
             _prefetch_l2(tile)
@@ -232,7 +232,6 @@ def _gemm(a, ids, w, bias, rows, weights, out, counts, num_counts, gated, interl
     n = w.shape[2] // 2 if gated else w.shape[2]
     has_bias = bias is not None
     bias_stride = bias.stride() if has_bias else (0, 0)
-    pdl = {"launch_pdl": True} if cfg.PDL else {}
     return launch(
         _moe_decode_kernel,
         (T * k, cdiv(n, cfg.BLOCK_N)),
@@ -270,7 +269,6 @@ def _gemm(a, ids, w, bias, rows, weights, out, counts, num_counts, gated, interl
         BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K,
         **cfg.options,
-        **pdl,
         plan=True,
     )
 

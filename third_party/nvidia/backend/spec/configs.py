@@ -172,11 +172,11 @@ def _hopper_moe(kernel: str, **problem):
 
 
 def _moe_decode(kernel: str, **problem):
-    """sm90 on: programmatic dependent launch, so each decode GEMM starts while the kernel before it ends and
-    prefetches its first weight tiles meanwhile (H100, 48-layer graph: Qwen3 T=1 33.1 -> 31.7 us,
-    ``bench/NOTES.md`` MoE rows 17-18)."""
+    """sm90, where it was measured: programmatic dependent launch, so each decode GEMM starts while the kernel
+    before it ends and prefetches its first weight tiles meanwhile (H100, 48-layer graph: Qwen3 T=1 33.1 ->
+    31.7 us, ``bench/NOTES.md`` MoE rows 17-18)."""
     cap = _capability(problem)
-    return {"PDL": True} if cap is not None and cap >= 90 else None
+    return {"PDL": True} if cap is not None and cap // 10 == 9 else None
 
 
 def _moe(kernel: str, **problem):

@@ -9,8 +9,7 @@ import functools
 
 import torch
 
-from tritonspec.ops._library import PlanCache, cdiv, launch
-from tritonspec.ops._library import tma_ok
+from tritonspec.ops._library import PlanCache, cdiv, launch, tma_ok
 from tritonspec.ops.attention import LOG2E
 
 from .gluon_compat import GLUON
