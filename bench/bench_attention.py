@@ -9,6 +9,10 @@ Modes:
   --gqa        the same at grouped-query shapes of real models (Llama-3-8B, Qwen3, Llama-3.2-1B style), causal,
                with q, k, v and dO in Hugging Face's layout ((batch, seq, heads, dim) transposed); SDPA gets
                enable_gqa=True as transformers passes it
+  --masked     padded (lengths uniform in [S/2, S], right-padded), packed (the same tokens in one row,
+               sequences by key bounds) and sliding-window batches, causal, GQA: ours against transformers'
+               SDPA path with the equivalent mask (what the model runs without us), and our unmasked
+               kernels on the full shape; TFLOP/s counted on the (query, key) pairs the mask keeps
   --gap        at two GQA shapes, per provider: do_bench ms vs GPU-only ms (host kept ahead) and host ms
                per call, so the host latency inside each timed interval shows; our host ms per call with
                the compiled-launch cache on and off; host profiles of our passes (files in --out)
@@ -36,7 +40,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import tritonspec
-from tritonspec.ops.attention import attention
+from tritonspec.ops.attention import attention, causal_key_bounds, key_bounds_from_mask
 from tritonspec_backends.nvidia.backend import spec as nvidia_spec
 from tritonspec_backends.nvidia.backend.spec.configs import TABLES, h100_attention_config
 from tritonspec_backends.nvidia.backend.spec.attention_sm90 import launchers as launchers_sm90
@@ -546,6 +550,105 @@ def probe():
         A.tma_ok = saved
 
 
+# (batch, heads_q, heads_kv, seq, head_dim, window): the issue's padded / packed shapes, and a Mistral-style
+# 4096-token window over 16k-token sequences
+MASKED_SHAPES = [(4, 32, 8, 4096, 128, None), (8, 32, 8, 2048, 64, None), (1, 32, 8, 16384, 128, 4096)]
+
+
+def _sdpa_masked(mask):
+    """transformers' SDPA attention function with a dense bool mask: what a model runs without us."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def run(q, k, v):
+        module = types.SimpleNamespace(num_key_value_groups=q.shape[1] // k.shape[1], is_causal=True, training=False)
+        return sdpa_attention_forward(module, q, k, v, mask)[0].transpose(1, 2)
+
+    return run
+
+
+def masked(rounds: int = 3):
+    """--masked: see the module docstring."""
+    use_configs()  # the nvidia spec as it ships
+    print(json.dumps(env()))
+    rows = []
+    for b, hq, hkv, s, d, window in MASKED_SHAPES:
+        g = torch.Generator().manual_seed(s + b)
+        cases = []
+        if window is None:
+            lengths = torch.randint(s // 2, s + 1, (b,), generator=g)
+            pos = torch.arange(s)
+            # transformers' mask: padding keys masked; our mask function also empties the padding queries
+            keep = (pos[None, :, None] >= pos[None, None, :]) & (pos[None, None, :] < lengths[:, None, None])
+            padded = key_bounds_from_mask((keep & (pos[None, :, None] < lengths[:, None, None])).cuda())
+            cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).cuda()
+            packed = causal_key_bounds(cu_seqlens=cu)
+            total = int(lengths.sum())
+            cases += [("padded", (b, hq, hkv, s, d), padded, keep[:, None].cuda())]
+            cases += [("packed", (1, hq, hkv, total, d), packed, None)]
+        else:
+            bounds = causal_key_bounds(seq_len=s, window=window, device="cuda").expand(2, b, s).contiguous()
+            pos = torch.arange(s, device="cuda")
+            keep = (pos[:, None] >= pos[None, :]) & (pos[:, None] - pos[None, :] < window)
+            cases += [(f"window {window}", (b, hq, hkv, s, d), bounds, keep[None, None].expand(b, 1, s, s))]
+        for label, shape, bounds, mask in cases:
+            q, k, v, do = make_hf_inputs(shape)
+            pairs = int((bounds[1] - bounds[0]).clamp_min(0).sum())
+            flops = 4.0 * hq * d * pairs
+            providers = [("ours", lambda q, k, v, bounds=bounds: attention(q, k, v, key_bounds=bounds))]
+            if mask is not None:
+                providers.append(("SDPA+mask", _sdpa_masked(mask)))
+            times = {name: [] for name, _ in providers}
+            outs = {}
+            for _ in range(rounds):
+                for name, fn in providers:
+                    fwd, bwd, out, grads = time_provider(fn, q, k, v, do)
+                    times[name].append((fwd, bwd))
+                    outs[name] = (out, grads)
+            row = dict(case=label, shape="x".join(map(str, shape)), real_pairs=pairs)
+            for name in times:
+                fwd = statistics.median(t[0] for t in times[name])
+                bwd = statistics.median(t[1] for t in times[name])
+                row[name] = dict(
+                    fwd_ms=fwd, bwd_ms=bwd, fwd_tflops=flops / fwd / 1e9, bwd_tflops=2.5 * flops / bwd / 1e9
+                )
+            if "SDPA+mask" in outs:
+                real = bounds[1] > bounds[0]  # (b, s): queries that see a key
+                got, want = outs["ours"][0].transpose(1, 2)[real], outs["SDPA+mask"][0].transpose(1, 2)[real]
+                row["err_vs_sdpa"] = rel_err(got, want)
+            if label == "packed":  # our unmasked causal kernels on the padded shape, per real pair: as shipped
+                full = make_hf_inputs((b, hq, hkv, s, d))  # (Hopper's own), and the portable ones bounds run on
+                full_flops = 4.0 * hq * d * b * s * (s + 1) / 2
+                for name, hopper in (("unmasked", True), ("unmasked tl", False)):
+                    use_configs(None, None, hopper_kernels=hopper)
+                    fwd, bwd, _, _ = time_provider(lambda q, k, v: attention(q, k, v, causal=True), *full)
+                    row[name] = dict(
+                        fwd_ms=fwd,
+                        bwd_ms=bwd,
+                        fwd_tflops=full_flops / fwd / 1e9,
+                        bwd_tflops=2.5 * full_flops / bwd / 1e9,
+                    )
+                use_configs()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del q, k, v, do
+            torch.cuda.empty_cache()
+    print(f"\n{'case':<12} {'shape':<18} {'provider':<10} {'fwd ms':>8} {'TF/s':>6} {'bwd ms':>8} {'TF/s':>6}")
+    for row in rows:
+        for name in ("ours", "SDPA+mask", "unmasked", "unmasked tl"):
+            if name in row:
+                r = row[name]
+                print(
+                    f"{row['case']:<12} {row['shape']:<18} {name:<10} {r['fwd_ms']:8.3f} {r['fwd_tflops']:6.0f} "
+                    f"{r['bwd_ms']:8.3f} {r['bwd_tflops']:6.0f}"
+                )
+        if "SDPA+mask" in row:
+            sp = row["SDPA+mask"]
+            print(
+                f"{'':<12} {'':<18} {'speedup':<10} {sp['fwd_ms'] / row['ours']['fwd_ms']:8.2f}x {'':>6} "
+                f"{sp['bwd_ms'] / row['ours']['bwd_ms']:8.2f}x   err {row['err_vs_sdpa']:.1e}"
+            )
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--warm", metavar="I/N")
@@ -554,6 +657,7 @@ def main(argv=None):
     ap.add_argument("--gqa", action="store_true")
     ap.add_argument("--probe", action="store_true")
     ap.add_argument("--gap", action="store_true")
+    ap.add_argument("--masked", action="store_true")
     ap.add_argument("--table", help="table.json from --sweep to use instead of the nvidia spec's TABLES")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="of q, k, v and dO")
@@ -575,6 +679,8 @@ def main(argv=None):
         probe()
     elif args.gap:
         gap(args.out)
+    elif args.masked:
+        masked()
     else:
         ap.print_help()
         return 2

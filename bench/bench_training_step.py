@@ -19,12 +19,18 @@ resident before the step (weights, grads=None, optimizer state). Before timing, 
 loss is compared with the baseline's. MoE models train with ``output_router_logits`` (the auxiliary
 load-balancing loss is in the loss).
 
+With --packed, each row of the batch holds several sequences (lengths uniform in [seq/4, seq], the last cut at
+the row's end) and the model gets ``position_ids`` that restart at each, as packing collators
+(``DataCollatorWithFlattening``, LLaMA-Factory's packing) hand them over, with ``use_cache=False`` as training
+frameworks set it (with a cache transformers does not mask the packing): transformers then masks across
+sequences (a dense 4-D mask for SDPA), and our attention takes each query's key interval.
+
 With --profile, one more step per variant runs under the torch profiler: its GPU time by kernel class
 (attention forward / backward per layer, copies and layout changes, the rest), so an attention that makes the step
 slower, or copies around it, show.
 
 Usage: python bench/bench_training_step.py [--model llama|qwen3-moe] [--hidden 2048 --layers 8 --batch 4
-       --seq 2048 --profile --out FILE]
+       --seq 2048 --packed --profile --out FILE]
 """
 
 from __future__ import annotations
@@ -110,12 +116,25 @@ def prepare(name, args):
     raise ValueError(name)
 
 
+def packed_positions(batch: int, seq: int, g: torch.Generator, device) -> torch.Tensor:
+    """(batch, seq) position_ids restarting at each packed sequence: lengths uniform in [seq/4, seq]."""
+    rows = []
+    for _ in range(batch):
+        pos, n = [], 0
+        while n < seq:
+            length = min(int(torch.randint(seq // 4, seq + 1, (1,), generator=g)), seq - n)
+            pos.append(torch.arange(length))
+            n += length
+        rows.append(torch.cat(pos))
+    return torch.stack(rows).to(device)
+
+
 class Variant:
-    def __init__(self, name, args, ids):
+    def __init__(self, name, args, ids, positions=None):
         import importlib
 
         modeling = importlib.import_module(MODULES[args.model])
-        self.name, self.ids = name, ids
+        self.name, self.ids, self.positions = name, ids, positions
         # Liger rebinds the modeling module's globals (classes, apply_rotary_pos_emb); put them back on release
         # so variants built later are not silently Liger models.
         self._globals = (modeling, dict(vars(modeling)))
@@ -135,7 +154,9 @@ class Variant:
         self.times: list[float] = []
 
     def step(self):
-        loss = self.model(input_ids=self.ids, labels=self.ids).loss
+        # packed: no cache, as training frameworks run (transformers masks the packing only then)
+        packed = {} if self.positions is None else dict(position_ids=self.positions, use_cache=False)
+        loss = self.model(input_ids=self.ids, labels=self.ids, **packed).loss
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -227,6 +248,7 @@ def main():
     p.add_argument("--out", default=None, help="markdown file to write the table to")
     p.add_argument("--profile", action="store_true", help="one profiled step per variant: attention ms per layer")
     p.add_argument("--device", default="cuda", help="cpu only for smoke runs (TRITON_INTERPRET=1)")
+    p.add_argument("--packed", action="store_true", help="rows of packed sequences, position_ids restarting")
     args = p.parse_args()
     if args.device == "cuda":
         assert torch.cuda.is_available(), "needs a CUDA GPU"
@@ -240,6 +262,9 @@ def main():
 
     g = torch.Generator(device=args.device).manual_seed(0)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=args.device, generator=g)
+    positions = (
+        packed_positions(args.batch, args.seq, torch.Generator().manual_seed(1), args.device) if args.packed else None
+    )
 
     results, notes, names = {}, [], []
     # Round 1: first-step loss, peak memory, timing. Round 2, in reverse order: timing again. Only one
@@ -247,7 +272,7 @@ def main():
     for name in args.variants.split(","):
         v = None
         try:
-            v = Variant(name, args, ids)
+            v = Variant(name, args, ids, positions)
             first_loss = v.step().item()
             for _ in range(args.warmup - 1):
                 v.step()
@@ -282,7 +307,7 @@ def main():
         gc.collect()
         torch.cuda.empty_cache()
     for name in names[::-1]:
-        v = Variant(name, args, ids)
+        v = Variant(name, args, ids, positions)
         for _ in range(args.warmup):
             v.step()
         torch.cuda.synchronize()
@@ -305,7 +330,7 @@ def main():
             else f"intermediate {args.intermediate}, "
         )
         + f"vocab {args.vocab}), "
-        f"batch {args.batch} x seq {args.seq}",
+        f"batch {args.batch} x seq {args.seq}" + (" of packed sequences" if args.packed else ""),
         "",
         f"Device: {dev}; torch {torch.__version__}, triton {triton.__version__}, transformers "
         f"{transformers.__version__}, python {platform.python_version()}; date {datetime.date.today()} "

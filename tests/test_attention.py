@@ -486,11 +486,12 @@ def test_library_op_schemas():
     _library_ops()  # registers them
     ops = torch.ops.tritonspec
     assert str(ops.attention_fwd.default._schema) == (
-        "tritonspec::attention_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)"
+        "tritonspec::attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? bounds, Tensor? sinks, bool causal, "
+        "float scale) -> (Tensor, Tensor)"
     )
     assert str(ops.attention_bwd.default._schema) == (
-        "tritonspec::attention_bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, "
-        "float scale) -> (Tensor, Tensor, Tensor)"
+        "tritonspec::attention_bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? bounds, "
+        "Tensor? sinks, bool causal, float scale) -> (Tensor, Tensor, Tensor, Tensor)"
     )
 
 
@@ -531,6 +532,6 @@ def test_opcheck():
     fwd, bwd = _library_ops()
     q, k, v, do = _inputs(1, 2, 1, 17, 17, 16, torch.float32, seed=5)
     ql, kl, vl = (leaf(t) for t in (q, k, v))
-    torch.library.opcheck(fwd, (ql, kl, vl, True, 0.25))
-    o, lse = fwd(q, k, v, False, 0.25)
-    torch.library.opcheck(bwd, (do, q, k, v, o, lse, False, 0.25))
+    torch.library.opcheck(fwd, (ql, kl, vl, None, None, True, 0.25))
+    o, lse = fwd(q, k, v, None, None, False, 0.25)
+    torch.library.opcheck(bwd, (do, q, k, v, o, lse, None, None, False, 0.25))

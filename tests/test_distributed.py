@@ -350,6 +350,9 @@ def _errors_worker(rank):
     expert_parallel(model, mesh)
     with pytest.raises(ValueError, match="expert dimension 'ep' and the data-parallel"):
         fully_shard_model(model, mesh)
+    model.set_experts_implementation("eager")  # sharded experts have no eager path: a clear error, not ours
+    with pytest.raises(RuntimeError, match=r"while it was '\w+' \(expert parallel, .*cannot follow the switch"):
+        model(input_ids=torch.randint(0, 96, (1, 4)))
 
 
 def test_errors():

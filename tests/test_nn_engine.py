@@ -137,6 +137,28 @@ def test_record_custom_runs_undo_once():
     assert calls == [1]
 
 
+def test_a_switch_reports_what_it_selects_now():
+    """A transformers switch (``what`` in engine.SWITCHES) is the user's to turn again: report() reads it, a deep
+    copy's report its own; revert runs the undo whatever it selects now."""
+    m = _model()
+    m.config = types.SimpleNamespace(_experts_implementation="ours")
+    undo = functools.partial(setattr, m.config, "_experts_implementation", "before")
+    engine.record_custom(
+        m, m.config, "_experts_implementation", undo, path="", what="experts_implementation", kernel="k", source="t"
+    )
+    ours = engine.report(m)
+    assert ours.counts() == {"k": 1}
+    m.config._experts_implementation = "eager"
+    (now,) = engine.report(m)
+    assert (now.kernel, now.what, now.source) == ("eager", "experts_implementation", "t")
+    assert "switched to 'eager' since t set 'ours'" in now.detail
+    twin = copy.deepcopy(m)
+    twin.config._experts_implementation = "ours"
+    assert engine.report(twin) == ours and engine.report(m) == [now]
+    engine.revert(m)
+    assert m.config._experts_implementation == "before" and twin.config._experts_implementation == "ours"
+
+
 def test_iter_modules_prunes_and_visits_shared_once():
     shared = Scale(1.0)
     m = nn.Sequential(nn.Sequential(shared, Scale(2.0)), shared)

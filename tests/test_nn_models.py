@@ -114,21 +114,6 @@ def test_front_ends_compose_and_revert_together(spy):
         torch.testing.assert_close(model(input_ids=ids).logits, original(input_ids=ids).logits, rtol=0, atol=0)
 
 
-def test_attention_falls_back_to_sdpa_with_padding(spy):
-    """A padded batch needs a mask our kernel does not take: the SDPA path runs and results still match."""
-    tnn.register_attention()
-    ids = token_ids(96)
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    model = tiny_model("llama", torch.float32, attn="tritonspec")
-    original = tiny_model("llama", torch.float32)
-    with torch.no_grad():
-        got = model(input_ids=ids, attention_mask=mask).logits
-        assert "attention" not in spy
-        ref = original(input_ids=ids, attention_mask=mask).logits
-    torch.testing.assert_close(got, ref)
-
-
 def test_shared_rotary_patch_is_safe_for_other_models(monkeypatch, spy):
     """kernelize replaces the module-level apply_rotary_pos_emb, which every Llama in the process calls: a
     float64 model, or a CPU model when Triton cannot run there, must keep working on the reference formula."""

@@ -2,13 +2,16 @@
 
 The experts (``MoEExperts``) and the routers (``MoERouter``) go in through each front end (kernelize, the
 registry, YAML rules), and the experts also through transformers' own switch (``experts_implementation=
-"tritonspec"``). Logits, loss (with the auxiliary load-balancing loss: ``output_router_logits=True``), the
-auxiliary loss itself, the router logits transformers records with its forward hook, and every gradient (router
-included) must be as close to a float64 run of the model's own eager experts as the original model is
-(helpers.compare_to_original's tolerance model). One layer, so every router sees the same input in every model
-and picks the same experts.
+"tritonspec"``), which the front ends set themselves when they choose every experts module: the user's
+``set_experts_implementation`` then switches away and back, and where it cannot (some experts chosen only) a
+forward run after switching raises. Logits, loss (with the auxiliary load-balancing loss:
+``output_router_logits=True``), the auxiliary loss itself, the router logits transformers records with its
+forward hook, and every gradient (router included) must be as close to a float64 run of the model's own eager
+experts as the original model is (helpers.compare_to_original's tolerance model). One layer, so every router
+sees the same input in every model and picks the same experts.
 """
 
+import copy
 import functools
 
 import pytest
@@ -24,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import tritonspec.nn as tnn
+from tritonspec.nn import engine
 from tritonspec.nn.experts import EXPERTS_NAME
 from tritonspec.nn.hub.layers import MoEExperts, MoERouter
 from tritonspec.nn.detectors import is_fused_experts, is_topk_router, router_kind
@@ -127,13 +131,28 @@ def _forward_of(module):
     return getattr(fwd, "__func__", fwd)
 
 
+def _layer_of(module):
+    """The layer forward a front end installed in ``module``, through the pin on experts transformers dispatches."""
+    fwd = _forward_of(module)
+    return getattr(fwd, "layer_forward", fwd)
+
+
+def _assert_switched(model, experts=None):
+    """Every experts module runs ours through transformers' switch: no forward of its own, the switch recorded."""
+    assert model.config._experts_implementation == EXPERTS_NAME
+    for path, module in experts or _modules(model, "Experts"):
+        assert _forward_of(module) is None and module.config._experts_implementation == EXPERTS_NAME, path
+    (switch,) = [c for c in tnn.report(model) if c.what == "experts_implementation"]
+    assert switch.kernel == engine.qualname(MoEExperts.forward), switch
+
+
 @pytest.mark.parametrize("front_end", FRONT_ENDS)
 @pytest.mark.parametrize("model_name", MODELS)
 def test_front_ends_install_router_and_experts_and_match_original(model_name, front_end, spy):
     model = _model(model_name, torch.float32)
+    before = model.config._experts_implementation
     _install(front_end, model)
-    for path, module in _modules(model, "Experts"):
-        assert _forward_of(module) is MoEExperts.forward, path
+    _assert_switched(model)
     for path, module in _modules(model, "Router"):
         assert _forward_of(module) is MoERouter.forward, path
     shared = [(p, m) for p, m in model.named_modules() if "shared_expert" in p]
@@ -149,6 +168,7 @@ def test_front_ends_install_router_and_experts_and_match_original(model_name, fr
     _compare(model_name, got)
     tnn.revert(model)
     assert tnn.report(model) == [] and all("forward" not in vars(m) for m in model.modules())
+    assert model.config._experts_implementation == before
 
 
 @pytest.mark.parametrize("model_name", MODELS)
@@ -161,6 +181,205 @@ def test_experts_implementation_switch_matches_original(model_name, spy):
     got = _step(model, token_ids(96))
     assert spy.get("moe_experts", 0) >= 1 and "moe_route" not in spy
     _compare(model_name, got)
+
+
+def _count_experts_functions(monkeypatch):
+    """Calls of the experts functions transformers dispatches to, counted in its global mapping as its own
+    test_eager_matches_batched_and_grouped_inference does (``eager`` is the class's own forward)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    calls = {}
+    mapping = ALL_EXPERTS_FUNCTIONS._global_mapping
+
+    def counted(name, fn, *args, **kwargs):
+        calls[name] = calls.get(name, 0) + 1
+        return fn(*args, **kwargs)
+
+    for name in ("batched_mm", "grouped_mm", EXPERTS_NAME):
+        monkeypatch.setitem(mapping, name, functools.partial(counted, name, mapping[name]))
+    return calls
+
+
+def _install_experts(front_end, model):
+    """The experts only, by ``front_end`` (every other layer stays the model's: no interpreter time there)."""
+    from tritonspec.nn import registry_kernels
+
+    if front_end == "kernelize":
+        only_experts = {"MoEExperts": {"cpu": tnn.TritonspecRepository("MoEExperts")}}
+        with tnn.use_kernel_mapping(only_experts, inherit_mapping=False):
+            tnn.kernelize(model, mode=tnn.Mode.INFERENCE)
+    elif front_end == "registry":
+        tnn.apply_kernel(model, registry_kernels.CpuTritonMoEExpertsKernel)
+    else:
+        tnn.apply_rules(model, "- {match: {kernel: moe}, replace: {kernel: moe}}")
+
+
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
+@pytest.mark.parametrize("model_name", MODELS)
+def test_front_ends_leave_the_experts_switch_to_the_user(model_name, front_end, monkeypatch, spy):
+    """transformers' test_eager_matches_batched_and_grouped_inference after a front end: each implementation set
+    is the one that runs (ours only under "tritonspec", again after switching back, bit for bit), and all agree
+    within float32 tolerance."""
+    model = _model(model_name, torch.float32)
+    _install_experts(front_end, model)
+    _assert_switched(model)
+    calls = _count_experts_functions(monkeypatch)
+    ids = token_ids(96, batch=1, seq=5)  # 5 tokens: the interpreter's time is the experts'
+    outs = {}
+    for impl in (EXPERTS_NAME, "eager", "batched_mm", "grouped_mm", EXPERTS_NAME):
+        model.set_experts_implementation(impl)
+        assert model.config._experts_implementation == impl
+        calls.clear()
+        spy.pop("moe_experts", None)
+        with torch.no_grad():
+            out = model(input_ids=ids).logits
+        assert set(calls) == ({impl} - {"eager"}), (impl, calls)
+        assert ("moe_experts" in spy) == (impl == EXPERTS_NAME), (impl, spy)
+        assert impl not in outs or torch.equal(out, outs[impl]), impl
+        outs[impl] = out
+    for impl, out in outs.items():
+        torch.testing.assert_close(out, outs["eager"], rtol=1e-4, atol=1e-4, msg=lambda m, impl=impl: f"{impl}: {m}")
+
+
+def _switches(model):
+    return {c.what: c for c in tnn.report(model) if c.what in engine.SWITCHES}
+
+
+def test_report_shows_what_the_switches_select_now():
+    """After the user switches attention and experts away, report() names what runs (not ours), a deep copy's
+    report its own config's; revert restores what was there before tritonspec, switched away or not."""
+    model = _model("qwen3_moe", torch.float32)
+    before = (model.config._attn_implementation, model.config._experts_implementation)
+    tnn.apply_available_kernels(model)  # the attention (FLASH_ATTENTION) and experts (MOE) kernels: both switches
+    ours = _switches(model)
+    assert ours["attn_implementation"].kernel == engine.qualname(tnn.tritonspec_attention_forward)
+    assert ours["experts_implementation"].kernel == engine.qualname(MoEExperts.forward)
+    model.set_attn_implementation("sdpa")
+    model.set_experts_implementation("eager")
+    now = _switches(model)
+    assert {w: c.kernel for w, c in now.items()} == {"attn_implementation": "sdpa", "experts_implementation": "eager"}
+    assert "switched to 'eager' since registry set 'tritonspec'" in str(tnn.report(model))
+    twin = copy.deepcopy(model)
+    twin.set_experts_implementation(EXPERTS_NAME)
+    assert _switches(twin)["experts_implementation"] == ours["experts_implementation"]
+    assert _switches(model) == now
+    tnn.revert(model)
+    tnn.revert(twin)
+    for m in (model, twin):
+        assert (m.config._attn_implementation, m.config._experts_implementation) == before
+        assert tnn.report(m) == []
+
+
+def _experts_rule(layer, replace="kernel: moe"):
+    return f"- {{match: {{name: 'layers\\.{layer}\\.mlp\\.experts$'}}, replace: {{{replace}}}}}"
+
+
+@pytest.mark.parametrize("front_end", ["registry", "rules"])
+def test_some_experts_only_get_a_pinned_forward_that_refuses_another_implementation(front_end, spy):
+    """One config value cannot say "ours in layer 0 only": that layer's forward is replaced, pinned to the
+    implementation the config names; after a switch it raises, naming what to do, instead of running ours."""
+    from tritonspec.nn import registry_kernels
+
+    model = _model("qwen3_moe", torch.float32, num_hidden_layers=2)
+    before = model.config._experts_implementation
+    ids = token_ids(96, batch=1, seq=5)
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    if front_end == "registry":
+        tnn.apply_kernel(model, registry_kernels.CpuTritonMoEExpertsKernel, exclude=[r"layers\.1\."])
+    else:
+        tnn.apply_rules(model, _experts_rule(0))
+    (_, first), (_, second) = _modules(model, "Experts")
+    assert _layer_of(first) is MoEExperts.forward and _forward_of(second) is None
+    assert model.config._experts_implementation == before and not _switches(model)
+    spy.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+    assert spy.get("moe_experts") == 1
+    model.set_experts_implementation("eager")
+    with pytest.raises(RuntimeError, match=rf"is 'eager'.*set_experts_implementation\('{before}'\).*revert\(model\)"):
+        model(input_ids=ids)
+    model.set_experts_implementation(before)
+    with torch.no_grad():
+        model(input_ids=ids)
+    tnn.revert(model)
+    model.set_experts_implementation("eager")
+    spy.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+    assert "moe_experts" not in spy and tnn.report(model) == []
+
+
+class GroupedExperts(torch.nn.Module):
+    """Someone else's experts layer (hub-style): transformers' grouped_mm, which the switch has no name for."""
+
+    gate_up_proj: torch.Tensor
+    down_proj: torch.Tensor
+
+    has_backward = True
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def test_choices_of_several_calls_become_the_switch_and_split_again(spy):
+    """Layer 0's experts by one rule file and layer 1's by another are every experts module: the switch. Another
+    layer for layer 0 is not ours: the switch goes, each layer gets a pinned forward. revert undoes all of it."""
+    model = _model("qwen3_moe", torch.float32, num_hidden_layers=2)
+    before = model.config._experts_implementation
+    ids = token_ids(96, batch=1, seq=5)
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    (first_path, first), (second_path, second) = experts = _modules(model, "Experts")
+    tnn.apply_rules(model, _experts_rule(0))
+    assert _layer_of(first) is MoEExperts.forward and model.config._experts_implementation == before
+    made = tnn.apply_rules(model, _experts_rule(1))
+    _assert_switched(model, experts)
+    assert made.paths() == [""] and tnn.report(model).paths() == [""]
+    tnn.apply_rules(model, _experts_rule(0, f"class: {__name__}.GroupedExperts"), allowed_modules=[__name__])
+    assert model.config._experts_implementation == before and not _switches(model)
+    assert _layer_of(first) is GroupedExperts.forward and _layer_of(second) is MoEExperts.forward
+    assert sorted(tnn.report(model).paths("forward")) == [first_path, second_path]
+    spy.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+    assert spy.get("moe_experts") == 1
+    tnn.revert(model)
+    assert model.config._experts_implementation == before and tnn.report(model) == []
+    assert _forward_of(first) is None and _forward_of(second) is None
+
+
+def test_kernelize_without_a_kernel_for_the_mode_takes_the_switch_back():
+    """kernelize again in a mode no MoEExperts kernel serves: the experts keep their own forward, so the switch
+    goes back to the implementation from before."""
+    model = _model("qwen3_moe", torch.float32)
+    before = model.config._experts_implementation
+    tnn.kernelize(model, mode=tnn.Mode.TRAINING)
+    _assert_switched(model)
+    inference_only = {"MoEExperts": {"cpu": {tnn.Mode.INFERENCE: tnn.TritonspecRepository("MoEExperts")}}}
+    with tnn.use_kernel_mapping(inference_only):
+        tnn.kernelize(model, mode=tnn.Mode.TRAINING)
+    assert model.config._experts_implementation == before and not _switches(model)
+    assert all(_forward_of(m) is None for _, m in _modules(model, "Experts"))
+
+
+def test_a_failing_kernelize_leaves_the_experts_as_they_were():
+    """All-or-nothing: kernelize failing after it chose the experts (at the rotary function, the last thing it
+    looks at) sets no switch on a fresh model and takes none back on a kernelized one."""
+    model = _model("qwen3_moe", torch.float32)
+    before = model.config._experts_implementation
+    no_training_rotary = {"rotary_pos_emb": {"cpu": {tnn.Mode.INFERENCE: tnn.TritonspecRepository("RotaryPosEmb")}}}
+    with tnn.use_kernel_mapping(no_training_rotary), pytest.raises(ValueError, match="apply_rotary_pos_emb"):
+        tnn.kernelize(model, mode=tnn.Mode.TRAINING, use_fallback=False)
+    assert model.config._experts_implementation == before and tnn.report(model) == []
+    tnn.kernelize(model, mode=tnn.Mode.TRAINING)
+    report = tnn.report(model)
+    with tnn.use_kernel_mapping(no_training_rotary), pytest.raises(ValueError, match="apply_rotary_pos_emb"):
+        tnn.kernelize(model, mode=tnn.Mode.TRAINING, use_fallback=False)
+    _assert_switched(model)
+    assert tnn.report(model) == report
 
 
 @pytest.mark.parametrize("model_name", MODELS)
@@ -262,7 +481,7 @@ def test_a_router_whose_math_differs_is_left_alone(cls):
     assert router_kind(router) is None and not is_topk_router(router)
     tnn.kernelize(model, mode=tnn.Mode.TRAINING)
     assert _forward_of(router) is None
-    assert _forward_of(_modules(model, "Experts")[0][1]) is MoEExperts.forward
+    _assert_switched(model)
     with pytest.raises(tnn.RuleError, match="rule 0: match: matched no module"):
         tnn.apply_rules(model, "- {match: {kernel: moe_router}, replace: {kernel: moe_router}}")
 
@@ -317,8 +536,8 @@ def test_experts_keep_expert_parallel_sentinels(gen):
     ids[::2, 1] = experts.num_experts
     weights = torch.rand(6, 2, generator=gen).masked_fill(ids >= experts.num_experts, 0.0)
     want = grouped_mm_experts_forward(experts, x, ids, weights)
-    tnn.kernelize(experts, mode=tnn.Mode.INFERENCE, device="cpu")
-    assert _forward_of(experts) is MoEExperts.forward
+    tnn.kernelize(experts, mode=tnn.Mode.INFERENCE, device="cpu")  # no model around it: no switch, a pinned forward
+    assert _layer_of(experts) is MoEExperts.forward
     torch.testing.assert_close(experts(x, ids, weights), want, rtol=1e-5, atol=1e-6)
 
 
@@ -341,14 +560,20 @@ def test_unsupported_activation_is_left_to_transformers(spy):
     torch.testing.assert_close(got[0], base[0], rtol=0, atol=0)
 
 
-def test_moe_block_compiles_fullgraph(spy):
-    """can_torch_compile: the replaced router and experts trace into one graph (aot_eager on CPU)."""
+@pytest.mark.parametrize("whole", [True, False], ids=["switch", "pinned"])
+def test_moe_block_compiles_fullgraph(whole, spy):
+    """can_torch_compile: the replaced router and experts trace into one graph (aot_eager on CPU), the experts
+    through transformers' switch (the model kernelized) or a pinned forward (the block alone: no switch)."""
     model = _model("qwen3_moe", torch.float32)
     block = model.model.layers[0].mlp
     x = torch.randn(2, 5, SIZES["hidden_size"], generator=torch.Generator().manual_seed(0))
     want = block(x)
-    tnn.kernelize(model, mode=tnn.Mode.TRAINING | tnn.Mode.TORCH_COMPILE)
-    assert _forward_of(block.gate) is MoERouter.forward and _forward_of(block.experts) is MoEExperts.forward
+    tnn.kernelize(model if whole else block, mode=tnn.Mode.TRAINING | tnn.Mode.TORCH_COMPILE)
+    assert _forward_of(block.gate) is MoERouter.forward
+    if whole:
+        _assert_switched(model)
+    else:
+        assert _layer_of(block.experts) is MoEExperts.forward
     block(x)  # the hub layers import tritonspec's functions on their first call, which Dynamo does not trace
     spy.clear()
     try:
@@ -360,8 +585,9 @@ def test_moe_block_compiles_fullgraph(spy):
 
 
 def test_gpt_oss_keeps_its_attention_and_rotary():
-    """GPT-OSS's sinks need its eager attention, and its apply_rotary_pos_emb takes half-width cos/sin:
-    the registry replaces its router and experts and leaves both be."""
+    """GPT-OSS's sinks need its eager attention unless ours takes them (tritonspec.nn.attention decides), and its
+    apply_rotary_pos_emb takes half-width cos/sin: the registry replaces its router and experts, leaves the
+    rotary be, and switches the attention only with the switch recorded."""
     from transformers.models.gpt_oss import modeling_gpt_oss
     from transformers.models.llama import modeling_llama
 
@@ -371,8 +597,9 @@ def test_gpt_oss_keeps_its_attention_and_rotary():
     assert not is_rotate_half_rope(rotary) and is_rotate_half_rope(modeling_llama.apply_rotary_pos_emb)
     model = _model("gpt_oss", torch.float32)
     tnn.apply_available_kernels(model)
-    assert model.config._attn_implementation == "eager"
-    assert _forward_of(model.model.layers[0].mlp.experts) is MoEExperts.forward
+    switched = [c for c in tnn.report(model) if c.what == "attn_implementation"]
+    assert model.config._attn_implementation == (tnn.ATTENTION_NAME if switched else "eager")
+    _assert_switched(model)
     assert _forward_of(model.model.layers[0].mlp.router) is MoERouter.forward
     assert modeling_gpt_oss.apply_rotary_pos_emb is rotary
     tnn.revert(model)

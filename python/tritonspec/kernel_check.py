@@ -133,6 +133,11 @@ def _attention(m: ModelShape, t: int, dtype):
     k = _meta(1, keys, m.kv_heads, m.head_dim, dtype=dtype, layout=(0, 2, 1, 3))
     v = _meta(1, keys, m.kv_heads, m.head_dim, dtype=dtype, layout=(0, 2, 1, 3))
     _backward(attention(q, k, v, causal=t == keys))
+    if t == keys:  # padded, packed or windowed batches (key bounds), with GPT-OSS's sinks
+        import torch
+
+        bounds, sinks = _meta(2, 1, t, dtype=torch.int32), _meta(m.heads, dtype=torch.float32)
+        _backward(attention(q, k, v, key_bounds=bounds, sinks=sinks))
 
 
 def _linear_cross_entropy(m: ModelShape, t: int, dtype):

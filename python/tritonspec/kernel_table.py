@@ -452,7 +452,7 @@ declare(
     Kernel(
         "flash_attention",
         "tritonspec.ops.attention",
-        ("attention",),
+        ("attention", "causal_key_bounds", "key_bounds_from_mask"),
         "attention",
         None,
         (AttentionForward, AttentionBackwardKV, AttentionBackwardQ, AttentionPreprocess),

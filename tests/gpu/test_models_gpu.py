@@ -215,3 +215,48 @@ def test_kernelized_model_under_torch_compile():
     )
     _check("llama-tiny/compiled", got, original, expected, [])
     tnn.revert(model)
+
+
+def _run_batch(model, inputs, real):
+    """(logits of real tokens, loss, grads) in float32 on a padded or packed batch; padding labels are -100."""
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs, labels=inputs["input_ids"].masked_fill(~real, -100))
+    out.loss.backward()
+    grads = {n: p.grad.float() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    logits = out.logits if out.logits is not None else model(**inputs).logits
+    return logits.detach().float()[real], out.loss.detach().float(), grads
+
+
+@pytest.mark.parametrize("kind", ["padded", "packed"])
+@pytest.mark.parametrize("name", [n for n in ("llama", "mistral") if n in MODELS])
+def test_bf16_model_on_padded_and_packed_batches(name, kind, worst):
+    """Our attention takes transformers' masks as key bounds (mistral: a 96-token window too) at a real size."""
+    g = torch.Generator(device=DEVICE).manual_seed(2)
+    ids = torch.randint(0, COMMON["vocab_size"], (BATCH, SEQ), device=DEVICE, generator=g)
+    real = torch.ones_like(ids, dtype=torch.bool)
+    if kind == "padded":  # left padding in row 0, right padding in row 1
+        real[0, :70] = False
+        real[1, 200:] = False
+        inputs = dict(input_ids=ids, attention_mask=real.long())
+    else:  # rows of packed sequences, positions restarting at each
+        cuts = [(0, 100, 101, SEQ), (0, 37, 180, SEQ)]
+        pos = [torch.cat([torch.arange(b - a) for a, b in zip(c[:-1], c[1:])]) for c in cuts]
+        inputs = dict(input_ids=ids, position_ids=torch.stack(pos).to(DEVICE), use_cache=False)
+    sizes = dict(COMMON, sliding_window=96) if name == "mistral" else COMMON
+
+    def build(dtype, attn):
+        return build_model(name, dtype, attn, seed=0, device=DEVICE, init_dtype=torch.float32, **sizes)
+
+    ref = _run_batch(build(torch.float64, "sdpa"), inputs, real)
+    base = _run_batch(build(torch.bfloat16, "sdpa"), inputs, real)
+    model = build(torch.bfloat16, "sdpa")
+    tnn.apply_available_kernels(model)
+    assert model.config._attn_implementation == "tritonspec"
+    from tritonspec.nn import attention as nn_attention
+
+    nn_attention.fallbacks.clear()
+    got = _run_batch(model, inputs, real)
+    assert not nn_attention.fallbacks, dict(nn_attention.fallbacks)
+    _check(f"{name}/{kind}", got, base, ref, worst)
+    tnn.revert(model)

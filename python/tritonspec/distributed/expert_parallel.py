@@ -158,6 +158,7 @@ def expert_parallel(model: nn.Module, mesh, mesh_dim: str | None = None) -> list
     """
     from ..nn import engine
     from ..nn.detectors import is_fused_experts
+    from ..nn.experts import dispatched, pinned
 
     ep_mesh = mesh if mesh_dim is None else mesh[mesh_dim]
     if ep_mesh.ndim != 1:
@@ -200,8 +201,12 @@ def expert_parallel(model: nn.Module, mesh, mesh_dim: str | None = None) -> list
             source="distributed",
             detail=detail,
         )
+        # sharded experts have no transformers implementation: switching experts_implementation away raises
+        forward = _forward
+        if dispatched(module):
+            forward = pinned(_forward, module.config._experts_implementation, f"expert parallel, {detail}")
         engine.replace_forward(
-            model, module, _forward, path=path, kernel=engine.qualname(_forward), source="distributed", detail=detail
+            model, module, forward, path=path, kernel=engine.qualname(_forward), source="distributed", detail=detail
         )
         done.append(path)
     return done

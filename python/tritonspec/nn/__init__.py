@@ -8,7 +8,9 @@ Whichever you use, ``report(model)`` lists what was replaced and ``revert(model)
 original forwards. transformers' own switches work once this package is imported:
 ``attn_implementation="tritonspec"`` selects the Triton attention and ``experts_implementation="tritonspec"`` the
 Triton MoE experts. MoE experts and routers are also layers like the others (``MoEExperts``, ``MoERouter``: the
-MOE and MOE_ROUTER registry kernels).
+MOE and MOE_ROUTER registry kernels); the front ends put the experts in by that switch where it can say what they
+chose, so ``set_experts_implementation`` / ``set_attn_implementation`` keep switching away and back, and
+``report(model)`` shows what the switches select now (:mod:`.experts`).
 
 ``RMSNorm`` and ``SwiGLUMLP`` (stateful modules, :mod:`tritonspec.nn.modules`) are loaded on first use. MoE models
 larger than the GPU: :func:`offload_experts` (experts in host memory or on disk, a GPU cache; :mod:`.offload`).

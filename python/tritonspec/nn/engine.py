@@ -44,15 +44,19 @@ class _Missing:
 
 _MISSING = _Missing()
 
+# The transformers config switches front ends turn (``Change.what``; the config attribute is ``"_" + what``).
+SWITCHES = ("attn_implementation", "experts_implementation")
+
 
 @dataclass(frozen=True)
 class Change:
     """One replacement, as reported to the user.
 
     ``path``: dotted module path inside the model (``""`` is the root), or the dotted name of a shared
-    object outside it. ``what``: ``"forward"``, ``"module"``, ``"attribute"`` or ``"attn_implementation"``.
-    ``kernel``: qualified name of what was installed. ``source``: ``"registry"``, ``"kernelize"`` or
-    ``"rules"``. ``detail``: front-end specific (kernel type and device, mode, rule index).
+    object outside it. ``what``: ``"forward"``, ``"module"``, ``"attribute"``, or a transformers switch
+    (``"attn_implementation"``, ``"experts_implementation"``). ``kernel``: qualified name of what was installed
+    (for a switch the user has turned since: the implementation it names now). ``source``: ``"registry"``,
+    ``"kernelize"`` or ``"rules"``. ``detail``: front-end specific (kernel type and device, mode, rule index).
     """
 
     path: str
@@ -96,6 +100,19 @@ class _Entry:
     # Custom undo (a module swap, the attention switch): a partial over the objects it touches, never a closure,
     # so a deep copy of the model gets one that touches the copy's objects.
     undo: Callable[[], None] | None = None
+    set_to: Any = _MISSING  # a transformers switch: the value it was set to (``target.attr`` then)
+    note: Callable[[], str] | None = None  # what the change has done since (a partial, as ``undo``)
+
+    def current(self) -> Change:
+        """The change as it stands: a switch the user has turned since reports what it names now; a note
+        (e.g. the calls our attention left to SDPA) is added to the detail."""
+        c = self.change
+        now = getattr(self.target, self.attr, _MISSING) if self.set_to is not _MISSING else _MISSING
+        if now != self.set_to:
+            detail = f"switched to {now!r} since {c.source} set {self.set_to!r}; revert restores the original"
+            return Change(c.path, c.what, str(now), c.source, detail)
+        extra = self.note() if self.note is not None else ""
+        return Change(c.path, c.what, c.kernel, c.source, f"{c.detail}; {extra}") if extra else c
 
 
 class _Ledger:
@@ -135,6 +152,8 @@ class _Ledger:
                         copy.deepcopy(e.original, memo),
                         False,
                         copy.deepcopy(e.undo, memo),
+                        copy.deepcopy(e.set_to, memo),
+                        copy.deepcopy(e.note, memo),
                     )
                 )
         return new
@@ -328,21 +347,35 @@ def record_custom(
     kernel: str,
     source: str,
     detail: str = "",
+    note: Callable[[], str] | None = None,
 ) -> Change:
     """Record a change made by the caller through an API (e.g. ``set_attn_implementation``).
 
     ``undo`` runs on revert. Recording the same (target, key) twice keeps the first ``undo``. Pass a
     ``functools.partial`` of a function over the objects it restores, not a closure: a deep copy of the model
     then gets an undo that restores the copy's objects.
+
+    A transformers switch (``what`` in :data:`SWITCHES`, ``key`` the config attribute it sets, recorded after
+    setting it) is a value the user may turn again: :func:`report` reads ``target.key`` when it is built, so it
+    never claims ours runs after the user switched away. ``note`` (a partial, as ``undo``), when it returns text,
+    is added to the change's detail in every report.
     """
     led = _ledger(model)
     change = Change(path, what, kernel, source, detail)
+    set_to = getattr(target, key, _MISSING) if what in SWITCHES else _MISSING
     entry = led.find(target, key)
     if entry is not None:
-        entry.change = change
+        entry.change, entry.set_to, entry.note = change, set_to, note
     else:
-        led.entries.append(_Entry(change, target, key, None, False, undo=undo))
+        led.entries.append(_Entry(change, target, key, None, False, undo=undo, set_to=set_to, note=note))
     return change
+
+
+def recorded(model: nn.Module, target: Any, attr: str) -> Change | None:
+    """The change recorded for ``target.attr`` on ``model`` (as :func:`report` shows it), or None."""
+    led = _ledger(model, create=False)
+    entry = led.find(target, attr) if led is not None else None
+    return entry.current() if entry is not None else None
 
 
 def _undo(model: nn.Module, e: _Entry) -> None:
@@ -369,9 +402,10 @@ def restore(model: nn.Module, target: Any, attr: str = "forward") -> bool:
 
 
 def report(model: nn.Module) -> Report:
-    """Every change currently installed on ``model``, in the order it was made."""
+    """Every change currently installed on ``model``, in the order it was made; a transformers switch as it
+    stands now (see :func:`record_custom`)."""
     led = _ledger(model, create=False)
-    return Report(e.change for e in led.entries) if led is not None else Report()
+    return Report(e.current() for e in led.entries) if led is not None else Report()
 
 
 def revert(model: nn.Module) -> Report:

@@ -22,7 +22,7 @@ from torch import nn
 
 from .. import kernel_table
 from ..devices import DEVICE_TYPES
-from . import engine
+from . import engine, experts
 
 logger = logging.getLogger("tritonspec.nn.kernel_registry")
 
@@ -130,25 +130,27 @@ class MetaKernel(metaclass=AutoRegisterKernelMeta):
     ) -> list[engine.Change]:
         """Rebind ``forward`` (default ``cls.kernel``) on every submodule where ``predicate(path, module)``.
 
-        The helper most ``apply`` methods need; it records the changes in the engine.
+        The helper most ``apply`` methods need; it records the changes in the engine. MoE experts that
+        transformers dispatches go in through its switch where it can say what was chosen
+        (:class:`tritonspec.nn.experts.Plan`).
         """
         fn = forward if forward is not None else cls.kernel
         fn = getattr(fn, "__func__", fn)
+        kernel = engine.qualname(fn)
         out = []
+        plan = experts.Plan(model, "registry")
         for path, module in model.named_modules():
-            if predicate(path, module):
-                out.append(
-                    engine.replace_forward(
-                        model,
-                        module,
-                        fn,
-                        path=path,
-                        kernel=engine.qualname(fn),
-                        source="registry",
-                        detail=cls._detail(),
-                    )
+            if not predicate(path, module):
+                continue
+            if experts.dispatched(module):
+                plan.choose(path, module, fn, kernel=kernel, detail=cls._detail())
+                continue
+            out.append(
+                engine.replace_forward(
+                    model, module, fn, path=path, kernel=kernel, source="registry", detail=cls._detail()
                 )
-        return out
+            )
+        return out + plan.apply()
 
     @classmethod
     def _detail(cls) -> str:

@@ -8,7 +8,9 @@ interval. Two additions: the kernel table's layers are the default mapping for t
 (``RMSNorm``, ``SwiGLUMLP``, ``rotary_pos_emb``: the names transformers uses) on every device type
 Triton runs on, and untagged modules that a declared kernel recognizes get its layer name inferred
 (``infer_layer_names``), because transformers only tags when it accepts the installed ``kernels``
-version.
+version. MoE experts that transformers dispatches on ``experts_implementation`` keep their forward when they
+all get our ``MoEExperts``: the switch selects ours instead, and stays the user's to turn
+(:mod:`tritonspec.nn.experts`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch import nn
 
 from .. import kernel_table
 from ..devices import check_device_type, triton_device_types
-from . import engine
+from . import engine, experts
 from .repository import TritonspecRepository, validate_layer
 from .detectors import function_sites, infer_layer_name, tagged_name
 
@@ -343,7 +345,9 @@ def kernelize(
             routers) the matching layer name.
 
     Every replacement is logged at INFO on ``tritonspec.nn.kernelize`` and listed by
-    ``tritonspec.nn.report(model)``; ``tritonspec.nn.revert(model)`` undoes them.
+    ``tritonspec.nn.report(model)``; ``tritonspec.nn.revert(model)`` undoes them. Where every experts module
+    transformers dispatches gets ``MoEExperts``, their forwards stay and ``experts_implementation="tritonspec"``
+    is set instead (:class:`tritonspec.nn.experts.Plan`).
     """
     if not isinstance(mode, Mode):
         raise TypeError(f"mode: expected a tritonspec.nn.Mode, got {type(mode).__name__}")
@@ -376,6 +380,14 @@ def kernelize(
     ):
         """Select, load, validate and install the layer for one target (a module, or a global function)."""
         undo_key = undo_key or (target, "forward")
+        routed = install is None and experts.dispatched(target)  # the experts plan decides how it goes in
+
+        def keep():
+            if routed:
+                plan.keep(path, target)
+            else:
+                engine.restore(model, *undo_key)
+
         cond = getattr(type(target), "kernel_condition", None)
         if cond is not None and not cond(target):
             logger.info("kernelize: %s (%s) skipped by its kernel_condition", path, label)
@@ -387,7 +399,7 @@ def kernelize(
             if not use_fallback:
                 raise ValueError(f"kernelize: {path} ({label}): {reason}")
             logger.info("kernelize: %s (%s) keeps its original forward: %s", path, label, reason)
-            engine.restore(model, *undo_key)
+            keep()
             return
         repo, repo_mode = choice
         layer = _load(repo, reference)
@@ -410,11 +422,13 @@ def kernelize(
                 repo,
                 " and ".join(missing),
             )
-            engine.restore(model, *undo_key)
+            keep()
             return
         kernel = engine.qualname(layer.forward)
         detail = f"{name}, mode {mode}, from {repo} ({repo_mode})"
-        if install is not None:
+        if routed:
+            plan.choose(path, target, layer.forward, kernel=kernel, detail=detail)
+        elif install is not None:
             install(layer, kernel, detail)
         else:
             engine.replace_forward(
@@ -422,6 +436,7 @@ def kernelize(
             )
         logger.info("kernelize: %s (%s) -> %s [%s]", path or "<root>", label, kernel, detail)
 
+    plan = experts.Plan(model, "kernelize")
     with engine.transaction(model):
         done: set[int] = set()
         for path, module in model.named_modules():
@@ -478,6 +493,7 @@ def kernelize(
                 undo_key=(pymod, attr),
                 inferred=True,
             )
+        plan.apply()  # last: it may take back earlier calls' changes, which a rollback would not restore
     return model
 
 

@@ -33,11 +33,13 @@ crashing or taking gigabytes, whether the rules come as YAML or as Python lists 
   RMSNorm's ``eps``) when the rule is applied, not at the first forward.
 
 A replacement class is either a hub-style pure layer (validated like kernelize's; its ``forward`` is
-bound onto the matched module) or an ``nn.Module`` to put in the module's place. For the latter the class
-(or a converter registered with :func:`register_module_converter`) builds it from the original module,
-sharing its parameters, so training updates survive ``revert``. A replacement with a ``release()`` method
-has it called when it is taken out again (revert, or a failed rule file), to hand back what it took from
-the original (offloaded experts return the weights to their device).
+bound onto the matched module, or for MoE experts that transformers dispatches, selected through its
+``experts_implementation`` switch where that says the same: :mod:`tritonspec.nn.experts`) or an ``nn.Module``
+to put in the module's place. For the latter the class (or a converter registered with
+:func:`register_module_converter`) builds it from the original module, sharing its parameters, so training
+updates survive ``revert``. A replacement with a ``release()`` method has it called when it is taken out again
+(revert, or a failed rule file), to hand back what it took from the original (offloaded experts return the
+weights to their device).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from torch import nn
 
 from .. import kernel_table
 from ..specialization.hooks import suggest
-from . import engine
+from . import engine, experts
 from .repository import validate_layer
 from .detectors import infer_layer_name, tagged_name
 
@@ -664,6 +666,7 @@ def apply_rules(model: nn.Module, rules: str | Path | list, *, allowed_modules: 
         if hits[r.index] == 0 and not r.optional:
             raise RuleError(r.index, "match", "matched no module (mark the rule optional: true if that is fine)")
 
+    chosen = experts.Plan(model, "rules")
     with engine.transaction(model) as made:
         for path, module, rule in plan:
             cls = classes.get(rule.index)
@@ -679,15 +682,18 @@ def apply_rules(model: nn.Module, rules: str | Path | list, *, allowed_modules: 
                     validate_layer(cls, type(live), repo=name)
                 except TypeError as e:
                     raise RuleError(rule.index, "replace.class", f"cannot replace {path}: {e}") from None
-                engine.replace_forward(
-                    model,
-                    live,
-                    cls.forward,
-                    path=path,
-                    kernel=engine.qualname(cls.forward),
-                    source="rules",
-                    detail=detail,
-                )
+                if experts.dispatched(live):
+                    chosen.choose(path, live, cls.forward, kernel=engine.qualname(cls.forward), detail=detail)
+                else:
+                    engine.replace_forward(
+                        model,
+                        live,
+                        cls.forward,
+                        path=path,
+                        kernel=engine.qualname(cls.forward),
+                        source="rules",
+                        detail=detail,
+                    )
             elif not path:
                 raise RuleError(
                     rule.index,
@@ -717,4 +723,5 @@ def apply_rules(model: nn.Module, rules: str | Path | list, *, allowed_modules: 
                     parent=_parent_in_use(model, path, module, parents[path]),
                 )
             logger.info("rules: %s (%s) -> %s [rule %d]", path, type(live).__name__, name, rule.index)
+        chosen.apply()  # last: it may take back earlier calls' changes, which a rollback would not restore
     return made
