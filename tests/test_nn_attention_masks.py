@@ -124,3 +124,23 @@ def test_set_attn_implementation_switches_away_and_back(spy):
         assert ("attention" in spy) == ours, impl
     tnn.revert(model)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_generation_with_a_padded_cache_and_a_window(spy):
+    """Decoding: left padding and a window shorter than the cache; greedy tokens equal SDPA's, with no fallback."""
+    tnn.register_attention()
+    ids = token_ids(96, batch=2, seq=10)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    nn_attention.fallbacks.clear()
+    spy.clear()
+    got = (
+        _model("mistral", "tritonspec")
+        .eval()
+        .generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    )
+    want = (
+        _model("mistral", "sdpa").eval().generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    )
+    assert spy.get("attention", 0) >= 2 * 8 and not nn_attention.fallbacks, dict(nn_attention.fallbacks)
+    assert torch.equal(got, want)

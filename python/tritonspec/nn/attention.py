@@ -93,18 +93,24 @@ def tritonspec_mask(*args, **kwargs):
     batch, kv_len = kwargs.get("batch_size", 1), kwargs["kv_length"]
     q_len = kwargs["q_length"] if by_length else kwargs["cache_position"].shape[0]
     rows = max(1, _MASK_CHUNK // max(1, batch * kv_len))
-    parts = []
-    for start in range(0, q_len, rows):
-        n = min(rows, q_len - start)
-        if by_length:
-            chunk = dict(q_length=n, q_offset=kwargs.get("q_offset", 0) + start)
-        else:
-            chunk = dict(cache_position=kwargs["cache_position"][start : start + n])
-        mask = sdpa_mask(**dict(kwargs, allow_is_causal_skip=False, allow_is_bidirectional_skip=False, **chunk))
-        bounds = _ops().key_bounds_from_mask(mask)
-        if bounds is None:  # not intervals: transformers' own mask, for SDPA
-            return sdpa_mask(*args, **kwargs)
-        parts.append(bounds)
+    if q_len <= rows:  # one chunk: transformers' own call, its skips (a plain causal batch, a decode step) kept
+        mask = sdpa_mask(*args, **kwargs)
+        parts = [None if mask is None else _ops().key_bounds_from_mask(mask)]
+        if parts[0] is None:
+            return mask
+    else:
+        parts = []
+        for start in range(0, q_len, rows):
+            n = min(rows, q_len - start)
+            if by_length:
+                chunk = dict(q_length=n, q_offset=kwargs.get("q_offset", 0) + start)
+            else:
+                chunk = dict(cache_position=kwargs["cache_position"][start : start + n])
+            mask = sdpa_mask(**dict(kwargs, allow_is_causal_skip=False, allow_is_bidirectional_skip=False, **chunk))
+            bounds = _ops().key_bounds_from_mask(mask)
+            if bounds is None:  # not intervals: transformers' own mask, for SDPA
+                return sdpa_mask(*args, **kwargs)
+            parts.append(bounds)
     bounds = torch.cat(parts, -1) if len(parts) > 1 else parts[0]
     if q_len == kv_len and _is_plain_causal(bounds):
         return None
