@@ -12,7 +12,8 @@ Modes:
   --masked     padded (lengths uniform in [S/2, S], right-padded), packed (the same tokens in one row,
                sequences by key bounds) and sliding-window batches, causal, GQA: ours against transformers'
                SDPA path with the equivalent mask (what the model runs without us), and our unmasked
-               kernels on the full shape; TFLOP/s counted on the (query, key) pairs the mask keeps
+               kernels on the full shape and at the packed sequences' mean length; TFLOP/s counted on
+               the (query, key) pairs the mask keeps
   --gap        at two GQA shapes, per provider: do_bench ms vs GPU-only ms (host kept ahead) and host ms
                per call, so the host latency inside each timed interval shows; our host ms per call with
                the compiled-launch cache on and off; host profiles of our passes (files in --out)
@@ -616,7 +617,7 @@ def masked(rounds: int = 3):
                 got, want = outs["ours"][0].transpose(1, 2)[real], outs["SDPA+mask"][0].transpose(1, 2)[real]
                 row["err_vs_sdpa"] = rel_err(got, want)
             if label == "packed":  # our unmasked causal kernels on the padded shape, per real pair: as shipped
-                full = make_hf_inputs((b, hq, hkv, s, d))  # (Hopper's own), and the portable ones bounds run on
+                full = make_hf_inputs((b, hq, hkv, s, d))  # (Hopper's own), and the portable ones
                 full_flops = 4.0 * hq * d * b * s * (s + 1) / 2
                 for name, hopper in (("unmasked", True), ("unmasked tl", False)):
                     use_configs(None, None, hopper_kernels=hopper)
@@ -628,23 +629,33 @@ def masked(rounds: int = 3):
                         bwd_tflops=2.5 * full_flops / bwd / 1e9,
                     )
                 use_configs()
+                # and our unmasked causal kernels at the packed sequences' mean length (b of them): causal
+                # attention's TFLOP/s grow with the length, so this is the packed batch's own yardstick
+                n = int(lengths.float().mean())
+                fwd, bwd, _, _ = time_provider(
+                    lambda q, k, v: attention(q, k, v, causal=True), *make_hf_inputs((b, hq, hkv, n, d))
+                )
+                mean_flops = 4.0 * hq * d * b * n * (n + 1) / 2
+                row["mean length"] = dict(
+                    fwd_ms=fwd, bwd_ms=bwd, fwd_tflops=mean_flops / fwd / 1e9, bwd_tflops=2.5 * mean_flops / bwd / 1e9
+                )
             rows.append(row)
             print(json.dumps(row), flush=True)
             del q, k, v, do
             torch.cuda.empty_cache()
-    print(f"\n{'case':<12} {'shape':<18} {'provider':<10} {'fwd ms':>8} {'TF/s':>6} {'bwd ms':>8} {'TF/s':>6}")
+    print(f"\n{'case':<12} {'shape':<18} {'provider':<11} {'fwd ms':>8} {'TF/s':>6} {'bwd ms':>8} {'TF/s':>6}")
     for row in rows:
-        for name in ("ours", "SDPA+mask", "unmasked", "unmasked tl"):
+        for name in ("ours", "SDPA+mask", "unmasked", "unmasked tl", "mean length"):
             if name in row:
                 r = row[name]
                 print(
-                    f"{row['case']:<12} {row['shape']:<18} {name:<10} {r['fwd_ms']:8.3f} {r['fwd_tflops']:6.0f} "
+                    f"{row['case']:<12} {row['shape']:<18} {name:<11} {r['fwd_ms']:8.3f} {r['fwd_tflops']:6.0f} "
                     f"{r['bwd_ms']:8.3f} {r['bwd_tflops']:6.0f}"
                 )
         if "SDPA+mask" in row:
             sp = row["SDPA+mask"]
             print(
-                f"{'':<12} {'':<18} {'speedup':<10} {sp['fwd_ms'] / row['ours']['fwd_ms']:8.2f}x {'':>6} "
+                f"{'':<12} {'':<18} {'speedup':<11} {sp['fwd_ms'] / row['ours']['fwd_ms']:8.2f}x {'':>6} "
                 f"{sp['bwd_ms'] / row['ours']['bwd_ms']:8.2f}x   err {row['err_vs_sdpa']:.1e}"
             )
 

@@ -287,18 +287,18 @@ def _own_kernels_spec(calls, written, run, decline=False):
     logsumexp; the backward's runner reads that lse and delta = rowsum(dO * O)), keeping copies in
     ``written``; otherwise they decline with ``decline``."""
 
-    def attention_forward(q, k, v, o, lse, causal, scale):
+    def attention_forward(q, k, v, o, lse, causal, scale, *, bounds):
         calls.append(("forward", tuple(q.shape), tuple(k.shape), causal, scale))
-        if run:
+        if run and bounds is None:
             s = _scores(q, k, causal, scale)
             o.copy_(torch.softmax(s, -1) @ v.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1))
             lse[..., : q.shape[2]] = torch.logsumexp(s, -1) / math.log(2)
             written["out"] = o.clone()
-        return run
+        return run and bounds is None
 
-    def attention_backward(q, k, v, do, dk, dv, lse, causal, scale):
+    def attention_backward(q, k, v, do, dk, dv, lse, causal, scale, *, bounds):
         calls.append(("backward", tuple(q.shape), tuple(k.shape), causal, scale))
-        if not run:
+        if not run or bounds is not None:
             return decline
 
         def backward(dqa, delta):
@@ -413,7 +413,7 @@ def test_a_taken_backward_runs_on_a_zeroed_accumulator_and_delta(registry, monke
 
 @pytest.mark.parametrize("result", [True, 1, "run"])
 def test_a_backward_hook_returning_neither_a_runner_nor_a_decline_is_an_error(result, registry):
-    def attention_backward(q, k, v, do, dk, dv, lse, causal, scale):
+    def attention_backward(q, k, v, do, dk, dv, lse, causal, scale, *, bounds):
         return result
 
     tritonspec.register_spec("bad-runner-test", make_spec("bad_runner_spec", attention_backward=attention_backward))

@@ -374,7 +374,7 @@ def check_hopper_attention_kernels_compile():
     """The Gluon kernels with the descriptors the hooks build: 12 warps (two consumer warpgroups, a
     producer warp rounded up to a warpgroup; 16 with the forward's three at d=64 without the mask),
     registers moved between partitions, async wgmma, within the SM's 227 KB of shared memory; both at
-    head dims 128 and 64 (the backward with its own swizzle)."""
+    head dims 128 and 64 (the backward with its own swizzle), with and without key bounds."""
     from tritonspec_backends.nvidia.backend.spec.attention_sm90 import (
         backward as backward_sm90,
         forward as forward_sm90,
@@ -389,15 +389,17 @@ def check_hopper_attention_kernels_compile():
             name: f"tensordesc<{kinds[d.base.dtype]}[{','.join(map(str, d.block_shape))}],{d.layout!r}>"
             for name, d in zip(names, descriptors)
         }
-        return {**out, **scalars, "CAUSAL": "constexpr", "STAGES": "constexpr"}
+        return {**out, **scalars, "CAUSAL": "constexpr", "BOUNDS": "constexpr", "STAGES": "constexpr"}
 
-    i32 = dict.fromkeys(("HQ", "GROUP", "SEQ_Q", "SEQ_K"), "i32")
+    i32 = dict.fromkeys(("HQ", "GROUP", "SEQ_Q", "SEQ_K", "SEQ_PAD", "BOUNDS_HI"), "i32")
     cases = []
-    for dtype, d, causal in (
-        (torch.bfloat16, 128, True),
-        (torch.float16, 128, False),
-        (torch.bfloat16, 64, True),
-        (torch.bfloat16, 64, False),
+    for dtype, d, causal, bounds in (
+        (torch.bfloat16, 128, True, False),
+        (torch.float16, 128, False, False),
+        (torch.bfloat16, 64, True, False),
+        (torch.bfloat16, 64, False, False),
+        (torch.bfloat16, 128, True, True),
+        (torch.float16, 64, True, True),
     ):
         t = torch.empty(1, 2, 256, d, dtype=dtype)
         dqa = torch.empty(1, 2, 256, d, dtype=torch.float32)
@@ -410,14 +412,16 @@ def check_hopper_attention_kernels_compile():
             (
                 forward_sm90._attn_fwd_ws_kernel,
                 causal,
+                bounds,
                 schedule_sm90.fwd_warpgroups(d, causal),
                 sig(
                     ("q_desc", "k_desc", "v_desc", "o_desc"),
                     fwd,
                     LSE="*fp32",
                     SCHED="*i32",
+                    KB="*i32",
+                    TILES="*i32",
                     qk_scale="fp32",
-                    SEQ_PAD="i32",
                     WGS="constexpr",
                     **i32,
                 ),
@@ -431,12 +435,13 @@ def check_hopper_attention_kernels_compile():
             (
                 backward_sm90._attn_bwd_ws_kernel,
                 causal,
+                bounds,
                 2,
-                sig(names, bwd, HKV="i32", qk_scale="fp32", sm_scale="fp32", **i32),
+                sig(names, bwd, KB="*i32", QT="*i32", PAIRS="*i32", HKV="i32", qk_scale="fp32", sm_scale="fp32", **i32),
             )
         )
-    for fn, causal, consumers, signature in cases:
-        constexprs = {"CAUSAL": causal, "STAGES": schedule_sm90.STAGES}
+    for fn, causal, bounds, consumers, signature in cases:
+        constexprs = {"CAUSAL": causal, "BOUNDS": bounds, "STAGES": schedule_sm90.STAGES}
         if "WGS" in signature:
             constexprs["WGS"] = consumers
         kernel = triton.compile(
@@ -518,6 +523,80 @@ def test_hopper_forward_schedule(batch_heads, group, tiles, seq_k, ctas, kv_per_
         assert max(map(len, lists)) - min(map(len, lists)) <= 1
 
 
+def _random_bounds(kind: str, batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
+    """Key intervals (2, batch, seq) of one kind: packed causal sequences, right padding, a sliding window,
+    or arbitrary intervals (empty ones included)."""
+    rows = torch.arange(seq)
+    lo, hi = torch.zeros(batch, seq, dtype=torch.int64), torch.zeros(batch, seq, dtype=torch.int64)
+    for b in range(batch):
+        if kind == "packed":
+            cuts = torch.randint(0, seq, (int(torch.randint(1, 6, (), generator=gen)),), generator=gen)
+            starts = torch.zeros(seq, dtype=torch.int64)
+            starts[cuts] = 1
+            lo[b] = torch.cummax(torch.where(starts.bool(), rows, 0), 0).values
+            hi[b] = rows + 1
+        elif kind == "padded":
+            n = int(torch.randint(0, seq + 1, (), generator=gen))
+            lo[b], hi[b] = 0, torch.where(rows < n, rows + 1, 0)
+        elif kind == "window":
+            lo[b], hi[b] = (rows - int(torch.randint(1, seq, (), generator=gen)) + 1).clamp(min=0), rows + 1
+        else:
+            lo[b] = torch.randint(0, seq, (seq,), generator=gen)
+            hi[b] = (lo[b] + torch.randint(-20, seq, (seq,), generator=gen)).clamp(0, seq)
+    from tritonspec.ops.attention import _padded_bounds
+
+    return _padded_bounds(torch.stack((lo, hi)), seq)
+
+
+@pytest.mark.parametrize("kind", ["packed", "padded", "window", "arbitrary"])
+def test_hopper_block_tables_under_key_bounds(kind):
+    """Under key bounds, the forward walks, per query tile, every key block any of its rows sees, and leaves
+    the mask out only on blocks every row sees whole; the backward, per key tile, every q block that sees
+    one of its keys, and leaves the mask out only on blocks whose rows all see all its keys; its CTAs take
+    every key tile once, in pairs of about equal work."""
+    from tritonspec_backends.nvidia.backend.spec.attention_sm90 import schedule as schedule_sm90
+
+    gen = torch.Generator().manual_seed(sum(map(ord, kind)))
+    seq, batch = 700, 3
+    bounds = _random_bounds(kind, batch, seq, gen)
+    keys = torch.arange(seq)
+    pad = bounds.shape[-1]
+    sees = (keys >= bounds[0, :, :, None]) & (keys < bounds[1, :, :, None])  # (batch, padded rows, keys)
+    sees = torch.nn.functional.pad(sees, (0, 1024 - seq))  # whole blocks: keys past seq_k are never seen
+    rows, bn = 128, schedule_sm90.BLOCK_N
+    table = schedule_sm90.key_block_table(bounds, seq, rows, bn)
+    assert table.shape == (batch, -(-seq // rows), 4) and table.dtype == torch.int32
+    for b in range(batch):
+        for t, (first, a, c, n) in enumerate(table[b].tolist()):
+            block = sees[b, t * rows : (t + 1) * rows].view(rows, -1, bn)  # (rows, key blocks, bn)
+            seen = block.any(2).any(0).nonzero().flatten().tolist()
+            assert n >= 1 and 0 <= a <= c <= n and (a < c or a == c == 0)  # the walk starts at block a < n
+            if seen:
+                assert first == seen[0] and first + n == seen[-1] + 1
+            for j in range(first + a, first + c):
+                assert block[:, j].all()
+    for block_m in (64, 128):
+        tn = 2 * schedule_sm90.BWD_HALF_N
+        qt = schedule_sm90.query_block_table(bounds, seq, seq, block_m, tn)
+        assert qt.shape == (batch, -(-seq // tn), 4)
+        for b in range(batch):
+            for t, (first, a, c, n) in enumerate(qt[b].tolist()):
+                tile = sees[b, : pad // block_m * block_m, t * tn : (t + 1) * tn].reshape(-1, block_m, tn)
+                reached = tile.any(2).any(1).nonzero().flatten().tolist()
+                assert 0 <= a <= c <= n
+                assert (first, n) == ((reached[0], reached[-1] + 1 - reached[0]) if reached else (0, 0))
+                for j in range(first + a, first + c):
+                    assert tile[j].all()
+        pairs = schedule_sm90.tile_pairs(qt)  # every key tile once; pairs' work about equal
+        n_t = qt.shape[1]
+        assert pairs.shape == (batch, -(-n_t // 2), 2)
+        for b in range(batch):
+            tiles = pairs[b].flatten().tolist()
+            assert sorted(set(tiles)) == list(range(n_t)) and len(tiles) - n_t == n_t % 2
+            work = [qt[b, i, 3] + (qt[b, j, 3] if j != i else 0) for i, j in pairs[b].tolist()]
+            assert max(work) - min(work) <= qt[b, :, 3].max()
+
+
 @pytest.mark.parametrize("d", [64, 96, 128])
 def test_hopper_backward_tiles(d):
     """The backward's tiles follow the op's padded head dim (dqa's), and each warpgroup's dQ reads half
@@ -583,9 +662,10 @@ def test_hopper_backward_plans_take_the_problem_before_the_accumulator_exists(mo
     run = launchers_sm90.attention_backward(q, k, v, do, dk, dv, lse, True, 0.1)
     assert callable(run) and not checked and not relaunched  # nothing runs before the op has dqa and delta
     run(dqa, delta)
-    (call,) = relaunched
+    ((*call, kb, qt, pairs),) = relaunched
     assert all(d.base is t for d, t in zip(call, (q, k, v, do, dk, dv, dqa, lse, delta), strict=True))
     assert [d.block_shape for d in call] == [d.block_shape for d in descs]  # the plan's tiles, rebased
+    assert kb is qt is pairs is lse  # no key bounds: the kernel's key-bound pointers are unused
     assert not launched
 
     run(torch.zeros(1, 2, 256, 64), delta)  # not the layout the plan was built for

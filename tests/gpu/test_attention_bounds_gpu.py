@@ -2,7 +2,7 @@
 
 Tolerance model as tests/gpu/test_attention_gpu.py: within a small multiple of the error of PyTorch's SDPA
 with the equivalent dense mask, in the same dtype, plus one ulp of the output's magnitude. Runs as the
-nvidia spec ships (its tuned ``tl`` tiles on sm90: Hopper's own kernels do not take bounds).
+nvidia spec ships: on sm90 Hopper's own kernels take the bounds (the ``tl`` kernels take the sinks).
 """
 
 import pytest
@@ -97,3 +97,28 @@ def test_packed(D):
 def test_sliding_window_with_sinks(D):
     bounds = causal_key_bounds(seq_len=4096, window=1000, device="cuda").expand(2, 2, 4096).contiguous()
     _check(bounds, 2, 16, 2, 4096, D, torch.bfloat16, with_sinks=True)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_sliding_window_and_arbitrary_intervals(D):
+    bounds = causal_key_bounds(seq_len=3000, window=700, device="cuda").expand(2, 2, 3000).contiguous()
+    _check(bounds, 2, 16, 4, 3000, D, torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(D)
+    lo = torch.randint(0, 3000, (2, 3000), device="cuda", generator=g)
+    hi = (lo + torch.randint(-300, 3000, (2, 3000), device="cuda", generator=g)).clamp(0, 3000)
+    _check(torch.stack((lo, hi)), 2, 16, 4, 3000, D, torch.float16)
+
+
+def test_hopper_kernels_take_key_bounds():
+    """On an H100 the warp-specialized kernels run key bounds (forward and backward), not the tl kernels."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("Hopper's kernels run on sm90")
+    from tritonspec_backends.nvidia.backend.spec.attention_sm90 import launchers
+    from tritonspec.ops.attention import _padded_bounds, _padded_rows
+
+    q = torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16)
+    bounds = _padded_bounds(causal_key_bounds(seq_len=1000, window=300, device="cuda").expand(2, 2, 1000), 1000)
+    lse = _padded_rows(2, 8, 1000, float("inf"), q.device)
+    assert launchers.attention_forward(q, q, q, torch.empty_like(q), lse, False, 0.1, bounds=bounds)
+    dk, dv = torch.empty_like(q), torch.empty_like(q)
+    assert launchers.attention_backward(q, q, q, q, dk, dv, lse, False, 0.1, bounds=bounds)

@@ -316,3 +316,20 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
             if stride <= 0 or (stride * t.element_size()) % 16:
                 return False
     return True
+
+
+def derived(t: torch.Tensor, key, make: Callable):
+    """``make()``, kept on tensor ``t`` under ``key`` until ``t`` changes in place: what the kernels
+    derive from one batch's key bounds (padded rows, block tables) is built once for every layer of a
+    model, not at each layer's call. Inference tensors keep no version count, and a traced one is not the
+    call's: both get a fresh ``make()``."""
+    if t.is_inference() or torch.compiler.is_compiling():
+        return make()
+    memo = getattr(t, "_tritonspec_derived", None)
+    if memo is None or memo[0] != t._version:
+        memo = (t._version, {})
+        t._tritonspec_derived = memo
+    value = memo[1].get(key)
+    if value is None:
+        value = memo[1][key] = make()
+    return value

@@ -24,8 +24,8 @@ Semantics follow ``torch.nn.functional.scaled_dot_product_attention``:
   alignment a KV-cache decode step wants; pass ``causal=False`` for single-token decode).
 * ``scale`` defaults to ``1/sqrt(head_dim)``.
 * ``key_bounds`` instead of ``causal``: each query's keys as one interval (padding, packed sequences, sliding
-  windows); the kernels split each q block's key blocks into masked and unmasked ranges from the rows' intervals,
-  and a backend's own kernels are asked only without bounds. ``sinks``: GPT-OSS's per-head sink logits.
+  windows); the kernels split each q block's key blocks into masked and unmasked ranges from the rows' intervals
+  (a backend's own kernels get the bounds too). ``sinks``: GPT-OSS's per-head sink logits (portable kernels only).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from ..kernel_table import AttentionBackwardKV, AttentionBackwardQ, AttentionFor
 from ..launch import launch_config
 from ..specialization.resolve import backend_for_device, lookup
 from ._checks import check_same_device, check_same_dtype, check_tensor
-from ._library import Op, TensorDescriptor, cdiv, launch, next_pow2, tma_ok
+from ._library import Op, TensorDescriptor, cdiv, derived, launch, next_pow2, tma_ok
 
 __all__ = ["attention", "attention_ref", "causal_key_bounds", "key_bounds_from_mask", "LOG2E"]
 
@@ -857,7 +857,7 @@ def attention_forward(q, k, v, causal: bool, scale: float, bounds=None, sinks=No
     """Launch the forward; returns (out, lse) with lse the base-2 logsumexp of ``q k^T * scale * log2(e)``.
 
     ``bounds``: the padded key intervals of :func:`_padded_bounds`; ``sinks``: (heads_q,) logits. A backend's
-    own kernels take neither, so they are asked only without them."""
+    own kernels are asked (with the bounds) only without sinks."""
     B, HQ, SQ, D = q.shape
     HKV, SK = k.shape[1], k.shape[2]
     DP = _head_dim_pad(D)
@@ -865,9 +865,8 @@ def attention_forward(q, k, v, causal: bool, scale: float, bounds=None, sinks=No
     lse = _padded_rows(B, HQ, SQ, float("inf"), q.device)
     if o.numel() == 0:
         return o, lse
-    plain = bounds is None and sinks is None
-    own = lookup("attention_forward", backend=backend_for_device(q.device)) if plain else None
-    if own is not None and own(q, k, v, o, lse, bool(causal), scale):
+    own = lookup("attention_forward", backend=backend_for_device(q.device)) if sinks is None else None
+    if own is not None and own(q, k, v, o, lse, bool(causal), scale, bounds=bounds):
         return o, lse  # the backend's own kernel (e.g. Hopper's warp-specialized one) ran
     cfg = launch_config(AttentionForward, q.device, lambda: _fwd_default(DP), **_problem(q, k, causal, bounds))
     BM, BN = cfg.BLOCK_M, cfg.BLOCK_N
@@ -945,9 +944,8 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float, bounds=N
     # a backend's own backward (e.g. Hopper's one-pass warp-specialized kernel) if it takes the
     # problem, else the portable kernels. Asked first: the fp32 dQ accumulator, allocated and zeroed
     # here, is for kernels that add dQ up across key tiles, and a declining backend runs none.
-    plain = bounds is None and sinks is None
-    own = lookup("attention_backward", backend=backend_for_device(q.device)) if plain else None
-    runner = own(q, k, v, do, dk, dv, lse, bool(causal), scale) if own is not None else None  # or False
+    own = lookup("attention_backward", backend=backend_for_device(q.device)) if sinks is None else None
+    runner = own(q, k, v, do, dk, dv, lse, bool(causal), scale, bounds=bounds) if own is not None else None
     accumulate = bool(runner) or portable_config().DQ_ATOMIC
     delta = _padded_rows(B, HQ, SQ, 0.0, q.device)
     dqa = torch.empty((B, HQ, SQ, DP), device=q.device, dtype=torch.float32) if accumulate else delta
@@ -1033,7 +1031,9 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float, bounds=N
         DELTA=delta,
         DQA=_desc(dqa, BM, DP) if tma_reduce else dqa,
         KB=lse if bounds is None else bounds,
-        QR=lse if bounds is None else _query_ranges(bounds, SQ, SK, BM, BN),
+        QR=lse
+        if bounds is None
+        else derived(bounds, ("ranges", SQ, SK, BM, BN), lambda: _query_ranges(bounds, SQ, SK, BM, BN)),
         # Sizes
         HQ=HQ,
         HKV=HKV,
@@ -1333,7 +1333,10 @@ def attention(
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    bounds = None if key_bounds is None else _padded_bounds(key_bounds, k.shape[2])
+    if key_bounds is None:
+        bounds = None
+    else:
+        bounds = derived(key_bounds, ("padded", k.shape[2]), lambda: _padded_bounds(key_bounds, k.shape[2]))
     return ATTENTION(q, k, v, bounds, sinks, causal, scale)
 
 

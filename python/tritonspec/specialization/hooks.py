@@ -91,8 +91,8 @@ def prune_configs_call(configs: list, named_args: dict) -> list: ...
 def do_bench_call(fn): ...  # plus whatever else the caller passes to triton.testing.do_bench
 def host_compiler_call() -> str | None: ...
 def launch_config_call(kernel: str, *, device, **problem) -> dict | None: ...
-def attention_forward_call(q, k, v, o, lse, causal: bool, scale: float) -> bool: ...
-def attention_backward_call(q, k, v, do, dk, dv, lse, causal: bool, scale: float) -> Callable | None: ...
+def attention_forward_call(q, k, v, o, lse, causal: bool, scale: float, *, bounds) -> bool: ...
+def attention_backward_call(q, k, v, do, dk, dv, lse, causal: bool, scale: float, *, bounds) -> Callable | None: ...
 def value_call(): ...  # a VALUE / PREDICATE hook given as a function computes its value on first use
 
 
@@ -275,9 +275,10 @@ HOOKS: dict[str, Hook] = _table(
         F,
         "tritonspec.ops.attention",
         "the portable Triton forward kernel",
-        "(q, k, v, o, lse, causal: bool, scale: float) -> bool: run the backend's own forward kernel, writing o "
-        "and lse (base-2 logsumexp of the scaled scores per row, padded rows already +inf); False keeps the "
-        "portable kernel",
+        "(q, k, v, o, lse, causal: bool, scale: float, *, bounds) -> bool: run the backend's own forward kernel, "
+        "writing o and lse (base-2 logsumexp of the scaled scores per row, padded rows already +inf); bounds is "
+        "None or each query's key interval, int32 (2, batch, padded rows: empty intervals), and a query that sees "
+        "no key gets o = 0 and lse = +inf; False keeps the portable kernel",
         signature=attention_forward_call,
         check=_BOOL,
     ),
@@ -286,7 +287,7 @@ HOOKS: dict[str, Hook] = _table(
         F,
         "tritonspec.ops.attention",
         "the portable Triton backward kernels",
-        "(q, k, v, do, dk, dv, lse, causal: bool, scale: float) -> run | False | None: take the problem by "
+        "(q, k, v, do, dk, dv, lse, causal: bool, scale: float, *, bounds) -> run | False | None: take the problem by "
         "returning run(dqa, delta), which runs the backend's own backward: it adds dQ into dqa (zeroed fp32 "
         "(batch, heads_q, seq_q, head dim padded to a power of two); the op converts it) and writes dk and dv, "
         "from lse and delta = rowsum(dO * O) per q row (padded rows +inf and 0). Two phases, so that the op "

@@ -25,19 +25,19 @@ backend_info = BackendInfo(
 )
 
 
-def attention_forward(q, k, v, o, lse, causal, scale):
+def attention_forward(q, k, v, o, lse, causal, scale, *, bounds):
     """Hopper's warp-specialized forward, or False to keep the portable kernel."""
     from .attention_sm90.launchers import attention_forward as forward
 
-    return forward(q, k, v, o, lse, causal, scale)
+    return forward(q, k, v, o, lse, causal, scale, bounds=bounds)
 
 
-def attention_backward(q, k, v, do, dk, dv, lse, causal, scale):
+def attention_backward(q, k, v, do, dk, dv, lse, causal, scale, *, bounds):
     """Hopper's one-pass warp-specialized backward as ``run(dqa, delta)``, or False to keep the portable
     kernels (asked before the op allocates the dQ accumulator that only a run needs)."""
     from .attention_sm90.launchers import attention_backward as backward
 
-    return backward(q, k, v, do, dk, dv, lse, causal, scale)
+    return backward(q, k, v, do, dk, dv, lse, causal, scale, bounds=bounds)
 
 
 __all__ = ["backend_info", "kernel_config", "attention_forward", "attention_backward"]

@@ -28,14 +28,36 @@ from .gluon_compat import thread_barrier, tma_load, tma_reduce_add, tma_store
 
 
 @gluon.jit
-def _bwd_span(tile, SEQ_Q, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """Key tile ``tile``'s first key, its first q block and its number of q blocks."""
+def _bwd_span(
+    QT,
+    b,
+    tile,
+    SEQ_Q,
+    SEQ_K,
+    HALF_N: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    BOUNDS: gl.constexpr,
+):
+    """Key tile ``tile``'s first key, its first q block, its number n_m of q blocks and, with BOUNDS, the
+    q blocks [a, c) of those (counted from the first) that see all its keys: no mask (QT's row
+    ``b * tiles + tile``, ``launchers``)."""
     start_n = tile * (2 * HALF_N)
-    if CAUSAL:  # q rows < start_n see none of these keys
-        lo = gl.minimum(start_n, SEQ_Q) // BLOCK_M
+    if BOUNDS:
+        entry = QT + (b * gl.cdiv(SEQ_K, 2 * HALF_N) + tile) * 4
+        lo = gl.load(entry)
+        a = gl.load(entry + 1)
+        c = gl.load(entry + 2)
+        n_m = gl.load(entry + 3)
     else:
-        lo = 0
-    return start_n, lo, gl.cdiv(SEQ_Q, BLOCK_M) - lo
+        if CAUSAL:  # q rows < start_n see none of these keys
+            lo = gl.minimum(start_n, SEQ_Q) // BLOCK_M
+        else:
+            lo = 0
+        n_m = gl.cdiv(SEQ_Q, BLOCK_M) - lo
+        a = 0
+        c = n_m
+    return start_n, lo, n_m, a, c
 
 
 @gluon.jit
@@ -82,6 +104,9 @@ def _bwd_steps(
     dqa_desc,
     lse_smem,
     delta_smem,
+    KB,
+    SEQ_PAD,
+    BOUNDS_HI,
     b,
     hk,
     tile,
@@ -95,6 +120,7 @@ def _bwd_steps(
     qk_scale,
     sm_scale,
     desc,
+    BOUNDS: gl.constexpr,
     MASKED: gl.constexpr,
     C: gl.constexpr,
 ):
@@ -135,7 +161,12 @@ def _bwd_steps(
         s_t = warpgroup_mma_wait(1, deps=(s_t,))
         lse = lse_smem.index(stage).load(s_layout)  # [1, BLOCK_M]; padded rows: +inf, so p = 0 there
         p_t = gl.exp2(s_t * qk_scale - lse)
-        if MASKED:
+        if MASKED and BOUNDS:  # each q row's key interval (rows past seq_q: empty)
+            row_lo = gl.expand_dims(gl.load(KB + b.to(gl.int64) * SEQ_PAD + offs_m), 0)
+            row_hi = gl.expand_dims(gl.load(KB + BOUNDS_HI + b.to(gl.int64) * SEQ_PAD + offs_m), 0)
+            keys = gl.expand_dims(offs_n, 1)
+            p_t = gl.where((keys >= row_lo) & (keys < row_hi), p_t, 0.0)
+        elif MASKED:
             p_t = gl.where(gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1), p_t, 0.0)
         p_a = gl.convert_layout(p_t.to(dtype), a_layout)
         dv = warpgroup_mma(p_a, do_t, dv, is_async=True)
@@ -185,6 +216,8 @@ def _bwd_tile(
     do_empty,
     ds_bar,
     end_bar,
+    KB,
+    QT,
     b,
     hk,
     tile,
@@ -193,9 +226,13 @@ def _bwd_tile(
     desc,
     GROUP,
     SEQ_Q,
+    SEQ_K,
+    SEQ_PAD,
+    BOUNDS_HI,
     qk_scale,
     sm_scale,
     CAUSAL: gl.constexpr,
+    BOUNDS: gl.constexpr,
     C: gl.constexpr,
 ):
     """Warpgroup C, the CTA's nth key tile (its steps from ring step ``base``): keys
@@ -213,7 +250,7 @@ def _bwd_tile(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D // 2, 16]
     )
     rows_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-    start_n, lo, n_m = _bwd_span(tile, SEQ_Q, HALF_N, BLOCK_M, CAUSAL)
+    start_n, lo, n_m, a, c = _bwd_span(QT, b, tile, SEQ_Q, SEQ_K, HALF_N, BLOCK_M, CAUSAL, BOUNDS)
 
     k_tile = k_smem.index(C).reshape([HALF_N, D])
     v_tile = v_smem.index(C).reshape([HALF_N, D])
@@ -228,7 +265,12 @@ def _bwd_tile(
     dq0 = gl.zeros([BLOCK_M, D // 2], gl.float32, layout=dq_layout)
     mbarrier.wait(kv_bar, nth & 1)
     end = base + n_m * GROUP
-    if CAUSAL:  # the q blocks that cross the tile's keys (its first two) need the mask, the rest do not
+    # the steps [mask_lo, mask_hi) need no mask (BOUNDS) or need one (CAUSAL: the q blocks that cross
+    # the tile's keys, its first two); blocks go from the last down where desc
+    if BOUNDS:
+        mask_lo = base + (desc * (n_m - c) + (1 - desc) * a) * GROUP
+        mask_hi = base + (desc * (n_m - a) + (1 - desc) * c) * GROUP
+    elif CAUSAL:
         n_diag = gl.minimum(n_m, 2 * HALF_N // BLOCK_M)
         mask_lo = base + desc * (n_m - n_diag) * GROUP
         mask_hi = mask_lo + n_diag * GROUP
@@ -236,117 +278,24 @@ def _bwd_tile(
         mask_lo = end
         mask_hi = end
     dk, dv = _bwd_steps(
-        dk,
-        dv,
-        s0,
-        dq0,
-        k_tile,
-        v_tile,
-        k_dq0,
-        k_dq1,
-        q_smem,
-        do_smem,
-        ds_smem,
-        dq_smem,
-        q_ready,
-        do_ready,
-        q_empty,
-        do_empty,
-        ds_bar,
-        dqa_desc,
-        lse_smem,
-        delta_smem,
-        b,
-        hk,
-        tile,
-        base,
-        mask_lo,
-        base,
-        lo,
-        n_m,
-        GROUP,
-        offs_n,
-        qk_scale,
-        sm_scale,
-        desc,
-        False,
-        C,
-    )
-    if CAUSAL:
+        dk, dv, s0, dq0, k_tile, v_tile, k_dq0, k_dq1, q_smem, do_smem, ds_smem, dq_smem,
+        q_ready, do_ready, q_empty, do_empty, ds_bar, dqa_desc, lse_smem, delta_smem, KB, SEQ_PAD, BOUNDS_HI,
+        b, hk, tile, base, mask_lo, base, lo, n_m, GROUP, offs_n, qk_scale, sm_scale, desc,
+        BOUNDS, BOUNDS, C,
+    )  # fmt: skip
+    if CAUSAL or BOUNDS:
         dk, dv = _bwd_steps(
-            dk,
-            dv,
-            s0,
-            dq0,
-            k_tile,
-            v_tile,
-            k_dq0,
-            k_dq1,
-            q_smem,
-            do_smem,
-            ds_smem,
-            dq_smem,
-            q_ready,
-            do_ready,
-            q_empty,
-            do_empty,
-            ds_bar,
-            dqa_desc,
-            lse_smem,
-            delta_smem,
-            b,
-            hk,
-            tile,
-            mask_lo,
-            mask_hi,
-            base,
-            lo,
-            n_m,
-            GROUP,
-            offs_n,
-            qk_scale,
-            sm_scale,
-            desc,
-            True,
-            C,
-        )
+            dk, dv, s0, dq0, k_tile, v_tile, k_dq0, k_dq1, q_smem, do_smem, ds_smem, dq_smem,
+            q_ready, do_ready, q_empty, do_empty, ds_bar, dqa_desc, lse_smem, delta_smem, KB, SEQ_PAD, BOUNDS_HI,
+            b, hk, tile, mask_lo, mask_hi, base, lo, n_m, GROUP, offs_n, qk_scale, sm_scale, desc,
+            BOUNDS, not BOUNDS, C,
+        )  # fmt: skip
         dk, dv = _bwd_steps(
-            dk,
-            dv,
-            s0,
-            dq0,
-            k_tile,
-            v_tile,
-            k_dq0,
-            k_dq1,
-            q_smem,
-            do_smem,
-            ds_smem,
-            dq_smem,
-            q_ready,
-            do_ready,
-            q_empty,
-            do_empty,
-            ds_bar,
-            dqa_desc,
-            lse_smem,
-            delta_smem,
-            b,
-            hk,
-            tile,
-            mask_hi,
-            end,
-            base,
-            lo,
-            n_m,
-            GROUP,
-            offs_n,
-            qk_scale,
-            sm_scale,
-            desc,
-            False,
-            C,
-        )
+            dk, dv, s0, dq0, k_tile, v_tile, k_dq0, k_dq1, q_smem, do_smem, ds_smem, dq_smem,
+            q_ready, do_ready, q_empty, do_empty, ds_bar, dqa_desc, lse_smem, delta_smem, KB, SEQ_PAD, BOUNDS_HI,
+            b, hk, tile, mask_hi, end, base, lo, n_m, GROUP, offs_n, qk_scale, sm_scale, desc,
+            BOUNDS, BOUNDS, C,
+        )  # fmt: skip
     # K and V are dead: stage dK and dV in their tiles, once the other warpgroup's last dQ has read K
     mbarrier.arrive(end_bar, count=1)
     mbarrier.wait(end_bar, nth & 1)
@@ -382,15 +331,21 @@ def _bwd_consumer(
     do_empty,
     ds_bar,
     end_bar,
+    KB,
+    QT,
     b,
     hk,
     tile,
     twin,
     GROUP,
     SEQ_Q,
+    SEQ_K,
+    SEQ_PAD,
+    BOUNDS_HI,
     qk_scale,
     sm_scale,
     CAUSAL: gl.constexpr,
+    BOUNDS: gl.constexpr,
     C: gl.constexpr,
 ):
     """Warpgroup C over the CTA's key tiles: ``tile`` (q blocks down), then ``twin`` (up) unless the same."""
@@ -416,6 +371,8 @@ def _bwd_consumer(
             do_empty,
             ds_bar,
             end_bar,
+            KB,
+            QT,
             b,
             hk,
             tile + nth * (twin - tile),
@@ -424,9 +381,13 @@ def _bwd_consumer(
             1 - nth,
             GROUP,
             SEQ_Q,
+            SEQ_K,
+            SEQ_PAD,
+            BOUNDS_HI,
             qk_scale,
             sm_scale,
             CAUSAL,
+            BOUNDS,
             C,
         )
 
@@ -450,22 +411,25 @@ def _bwd_load_tile(
     do_ready,
     q_empty,
     do_empty,
+    QT,
     b,
     hk,
     tile,
     base,
     desc,
     SEQ_Q,
+    SEQ_K,
     GROUP,
     HQ,
     CAUSAL: gl.constexpr,
+    BOUNDS: gl.constexpr,
 ):
     """Both K and V halves of key tile ``tile``, then Q and dO block by block in ``_bwd_block``'s
     order, into ring steps from ``base``; returns the next tile's base."""
     HALF_N: gl.constexpr = k_desc.block_type.shape[2]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     NSTAGES: gl.constexpr = q_smem.shape[0]
-    start_n, lo, n_m = _bwd_span(tile, SEQ_Q, HALF_N, BLOCK_M, CAUSAL)
+    start_n, lo, n_m, a, c = _bwd_span(QT, b, tile, SEQ_Q, SEQ_K, HALF_N, BLOCK_M, CAUSAL, BOUNDS)
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for c in gl.static_range(2):
         tma_load(k_desc, [b, hk, start_n + c * HALF_N, 0], kv_bar, k_smem.index(c))
@@ -506,14 +470,17 @@ def _bwd_producer(
     do_ready,
     q_empty,
     do_empty,
+    QT,
     b,
     hk,
     tile,
     twin,
     SEQ_Q,
+    SEQ_K,
     GROUP,
     HQ,
     CAUSAL: gl.constexpr,
+    BOUNDS: gl.constexpr,
 ):
     """One warp: the CTA's key tiles in turn; the twin's K and V once the consumers have stored the
     first tile's dK and dV from those buffers."""
@@ -538,15 +505,18 @@ def _bwd_producer(
             do_ready,
             q_empty,
             do_empty,
+            QT,
             b,
             hk,
             tile + nth * (twin - tile),
             base,
             1 - nth,
             SEQ_Q,
+            SEQ_K,
             GROUP,
             HQ,
             CAUSAL,
+            BOUNDS,
         )
 
 
@@ -564,17 +534,24 @@ def _attn_bwd_ws_kernel(
     # Pointers (TMA descriptors) over (batch * heads_q, padded rows) fp32: one q block's rows each
     lse_desc,  # the forward's base-2 logsumexp, padded rows +inf
     delta_desc,  # rowsum(dO * O), padded rows 0
+    # Pointers
+    KB,  # where BOUNDS, int32 (2, batch, SEQ_PAD): each query's key interval, lo rows then hi rows
+    QT,  # where BOUNDS, int32 (batch, key tiles, 4): each key tile's q blocks (``_bwd_span``)
+    PAIRS,  # where BOUNDS, int32 (batch, key tiles / 2 rounded up, 2): each CTA's two key tiles
     # Sizes
     HQ,  # q heads
     HKV,  # kv heads
     GROUP,  # q heads per kv head
     SEQ_Q,
     SEQ_K,
+    SEQ_PAD,  # KB's row length
+    BOUNDS_HI,  # batch * SEQ_PAD: where KB's hi rows start
     # Scales
     qk_scale,  # softmax scale * log2(e)
     sm_scale,  # softmax scale
     # Meta-parameters
     CAUSAL: gl.constexpr,
+    BOUNDS: gl.constexpr,  # each query sees the keys KB gives it
     STAGES: gl.constexpr,  # Q/dO ring depth
 ):
     """The whole backward in one pass over the keys: two consumer warpgroups (64 keys each, one CTA
@@ -584,7 +561,8 @@ def _attn_bwd_ws_kernel(
     (the first's q blocks from the last down, then the twin's from its first up): every CTA has the
     same work, so no tail, and at any moment the CTAs of a kv head are on one of two q blocks, so
     the group's Q, dO and dQ tiles come from DRAM about twice instead of once per key tile. One tile
-    per CTA, longest first, in head-major order took 1.02-1.41x as long at the GQA model shapes."""
+    per CTA, longest first, in head-major order took 1.02-1.41x as long at the GQA model shapes.
+    Under key bounds the pairs are the i-th longest and the i-th shortest (``tile_pairs``)."""
     HALF_N: gl.constexpr = k_desc.block_type.shape[2]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     dtype: gl.constexpr = q_desc.dtype
@@ -592,13 +570,18 @@ def _attn_bwd_ws_kernel(
     # side by side and share each Q/dO tile and its dQ rows in L2 (``_bwd_block``). Heads fastest put
     # one CTA per head in flight once batch x kv heads reached the SM count: the 4x32x4096x128 causal
     # backward ran at 234 TFLOP/s, where the tiles-fastest order (one tile a CTA) had run 419
-    tile = gl.program_id(0)
     bhk = gl.program_id(1)
     b = bhk // HKV
     hk = bhk % HKV
-    if CAUSAL:
+    if BOUNDS:  # pairs of equal summed work from PAIRS (the tiles' work varies with the bounds)
+        pair = PAIRS + (b * gl.cdiv(gl.cdiv(SEQ_K, 2 * HALF_N), 2) + gl.program_id(0)) * 2
+        tile = gl.load(pair)
+        twin = gl.load(pair + 1)
+    elif CAUSAL:
+        tile = gl.program_id(0)
         twin = gl.cdiv(SEQ_K, 2 * HALF_N) - 1 - tile
     else:
+        tile = gl.program_id(0)
         twin = tile
     k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
@@ -652,15 +635,21 @@ def _attn_bwd_ws_kernel(
                     do_empty,
                     ds_bar,
                     end_bar,
+                    KB,
+                    QT,
                     b,
                     hk,
                     tile,
                     twin,
                     GROUP,
                     SEQ_Q,
+                    SEQ_K,
+                    SEQ_PAD,
+                    BOUNDS_HI,
                     qk_scale,
                     sm_scale,
                     CAUSAL,
+                    BOUNDS,
                     0,
                 ),
             ),
@@ -686,15 +675,21 @@ def _attn_bwd_ws_kernel(
                     do_empty,
                     ds_bar,
                     end_bar,
+                    KB,
+                    QT,
                     b,
                     hk,
                     tile,
                     twin,
                     GROUP,
                     SEQ_Q,
+                    SEQ_K,
+                    SEQ_PAD,
+                    BOUNDS_HI,
                     qk_scale,
                     sm_scale,
                     CAUSAL,
+                    BOUNDS,
                     1,
                 ),
             ),
@@ -719,14 +714,17 @@ def _attn_bwd_ws_kernel(
                     do_ready,
                     q_empty,
                     do_empty,
+                    QT,
                     b,
                     hk,
                     tile,
                     twin,
                     SEQ_Q,
+                    SEQ_K,
                     GROUP,
                     HQ,
                     CAUSAL,
+                    BOUNDS,
                 ),
             ),
         ],

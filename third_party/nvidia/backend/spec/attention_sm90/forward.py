@@ -52,31 +52,58 @@ def _softmax(
     qk_scale,
     j,
     offs_m,
+    lo,
+    hi,
     SEQ_K,
     BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr,
+    BOUNDS: gl.constexpr,
     MASKED: gl.constexpr,
     s_layout: gl.constexpr,
     p_layout: gl.constexpr,
     dtype: gl.constexpr,
 ):
     """Online-softmax step on the raw scores of key block j: (p as p.v's A operand, alpha, m, l).
+    With BOUNDS, row r sees the block's columns [lo[r], hi[r]) (``_block_bounds``) and may have seen
+    no key yet: its max is then -inf, and subtracting 0 instead keeps its probabilities 0 rather than NaN.
 
     Valid only for qk_scale > 0 (the row max is taken before scaling); the launcher checks."""
-    if MASKED:
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    if MASKED and BOUNDS:
+        # two compares a score: the block's own column against the row's interval, shifted to the block
+        c = gl.expand_dims(cols, 0)
+        s = gl.where((c >= gl.expand_dims(lo, 1)) & (c < gl.expand_dims(hi, 1)), s, float("-inf"))
+    elif MASKED:
         # one compare a score: the block's own column against the row's last visible one
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         if CAUSAL:
             last = gl.minimum(offs_m, SEQ_K - 1) - j * BLOCK_N
         else:
             last = gl.full_like(offs_m, SEQ_K - 1 - j * BLOCK_N)
         s = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(last, 1), s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-    alpha = gl.exp2(m_i - m_new)
+    if MASKED and BOUNDS:
+        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_sub = m_new
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_sub, 1))
+    alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, 1)
     p = gl.convert_layout(_to_pairs(p, dtype), p_layout)
     return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _block_bounds(kb_lo, kb_hi, offs_m, block, BLOCK_N: gl.constexpr, BOUNDS: gl.constexpr, MASKED: gl.constexpr):
+    """Where the mask takes key bounds, the rows' intervals shifted to key block ``block``'s columns, read
+    (from L1) where the mask needs them: read before the step's waits on its matmuls, the causal tiles as
+    key bounds ran at 581 TFLOP/s instead of 656 on an H200."""
+    if MASKED and BOUNDS:
+        lo = gl.load(kb_lo + offs_m) - block * BLOCK_N
+        hi = gl.load(kb_hi + offs_m) - block * BLOCK_N
+    else:
+        lo = offs_m
+        hi = offs_m
+    return lo, hi
 
 
 @gluon.jit
@@ -96,21 +123,32 @@ def _consume_blocks(
     lo,
     hi,
     ring,
+    first,
+    rot,
+    n,
     qk_scale,
     offs_m,
+    kb_lo,
+    kb_hi,
     SEQ_K,
     CAUSAL: gl.constexpr,
+    BOUNDS: gl.constexpr,
     MASKED: gl.constexpr,
     s_layout: gl.constexpr,
     p_layout: gl.constexpr,
     row_o: gl.constexpr,
 ):
     """Steps lo..hi-1: q.k^T of block j+1 and p.v of block j in flight together, then the softmax of j+1.
-    Block j sits in ring slot ``ring + j`` (the K/V blocks of the CTA's earlier tiles came first)."""
+    Block j is the tile's jth (key block ``first + (rot + j) % n``: ``_bounded_tile``) and sits in ring slot
+    ``ring + j`` (the K/V blocks of the CTA's earlier tiles came first)."""
     BLOCK_N: gl.constexpr = k_smem.shape[3]
     D: gl.constexpr = k_smem.shape[4]
     NSTAGES: gl.constexpr = k_smem.shape[0]
     for j in range(lo, hi):
+        if BOUNDS:
+            block = _wrapped(first, rot + j + 1, n)
+        else:
+            block = j + 1
         stage = (ring + j) % NSTAGES
         nstage = (ring + j + 1) % NSTAGES
         mbarrier.wait(k_ready.index(nstage), ((ring + j + 1) // NSTAGES) & 1)
@@ -121,14 +159,36 @@ def _consume_blocks(
         acc = warpgroup_mma(p, v_smem.index(stage).reshape([BLOCK_N, D]), acc, is_async=True)
         s, p = warpgroup_mma_wait(1, deps=(s, p))
         mbarrier.arrive(k_empty.index(nstage), count=1)
+        row_lo, row_hi = _block_bounds(kb_lo, kb_hi, offs_m, block, BLOCK_N, BOUNDS, MASKED)
         p_next, alpha, m_i, l_i = _softmax(
-            s, m_i, l_i, qk_scale, j + 1, offs_m, SEQ_K, BLOCK_N, CAUSAL, MASKED, s_layout, p_layout, q.dtype
+            s,
+            m_i,
+            l_i,
+            qk_scale,
+            block,
+            offs_m,
+            row_lo,
+            row_hi,
+            SEQ_K,
+            BLOCK_N,
+            CAUSAL,
+            BOUNDS,
+            MASKED,
+            s_layout,
+            p_layout,
+            q.dtype,
         )
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
         mbarrier.arrive(v_empty.index(stage), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         p = p_next
     return acc, p, m_i, l_i
+
+
+@gluon.jit
+def _wrapped(first, r, n):
+    """Key block ``first + r % n`` for 0 <= r < 2n, without the integer division."""
+    return first + r - (r >= n).to(gl.int32) * n
 
 
 @gluon.jit
@@ -145,9 +205,23 @@ def _fwd_tile(t, SEQ_K, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl
 
 
 @gluon.jit
+def _bounded_tile(TILES, code, n_m, HQ):
+    """Under key bounds, the query tile ``code``'s key blocks (TILES' row ``b * n_m + t``, ``launchers``):
+    its n blocks from ``first``, walked from block ``first + rot`` on and around (``_wrapped``), and the
+    first of those that needs the mask, after which all do. The blocks [a, c) of TILES need no mask:
+    walked from a, the masked head [0, a) comes after the masked tail, and the masked blocks run in one
+    loop (a third loop for the head took ptxas past the consumers' registers: 28 bytes spilled)."""
+    entry = TILES + (code // n_m // HQ * n_m + code % n_m) * 4
+    rot = gl.load(entry + 1)
+    return gl.load(entry), rot, gl.load(entry + 3), gl.load(entry + 2) - rot
+
+
+@gluon.jit
 def _fwd_consumer(
     o_desc,
     LSE,
+    KB,
+    TILES,
     q_smem,
     o_smem,
     k_smem,
@@ -163,8 +237,10 @@ def _fwd_consumer(
     SEQ_Q,
     SEQ_K,
     SEQ_PAD,
+    BOUNDS_HI,
     qk_scale,
     CAUSAL: gl.constexpr,
+    BOUNDS: gl.constexpr,
     C: gl.constexpr,
 ):
     """Warpgroup C: query rows C*HALF_M .. +HALF_M of each of the CTA's tiles against their key blocks.
@@ -191,14 +267,25 @@ def _fwd_consumer(
     code = gl.load(SCHED + begin)
     ring = 0  # K/V blocks of the CTA's earlier tiles: the ring slot of this tile's first
     done = 0  # the CTA's earlier tiles: the Q barrier's phase
+    if BOUNDS:  # each tile's TILES row is read a tile ahead, as its code: the loads' latency hides under a tile
+        next_first, next_rot, next_n, next_mask_from = _bounded_tile(TILES, code, n_m, HQ)
     for i in range(begin, end):
         following = gl.load(SCHED + i + 1)  # the next tile's, read ahead (the table ends in a spare entry)
         bh = code // n_m
         b = bh // HQ
         h = bh % HQ
-        start_m, n, mask_from = _fwd_tile(code % n_m, SEQ_K, CAUSAL, WGS * HALF_M, BLOCK_N)
+        if BOUNDS:
+            start_m = code % n_m * (WGS * HALF_M)
+            first, rot, n, mask_from = next_first, next_rot, next_n, next_mask_from
+            next_first, next_rot, next_n, next_mask_from = _bounded_tile(TILES, following, n_m, HQ)
+        else:
+            first = 0
+            rot = 0
+            start_m, n, mask_from = _fwd_tile(code % n_m, SEQ_K, CAUSAL, WGS * HALF_M, BLOCK_N)
         row0 = start_m + C * HALF_M
         offs_m = row0 + gl.arange(0, HALF_M, layout=row_s)
+        kb_lo = KB + b.to(gl.int64) * SEQ_PAD  # with BOUNDS, the rows' key intervals (padding: empty)
+        kb_hi = kb_lo + BOUNDS_HI
         m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_s)
         l_i = gl.zeros([HALF_M], gl.float32, layout=row_s)
         acc = gl.zeros([HALF_M, D], gl.float32, layout=o_layout)
@@ -206,73 +293,34 @@ def _fwd_consumer(
         q_buf = (done % 2) * WGS + C
         q = q_smem.index(q_buf).reshape([HALF_M, D])
         mbarrier.wait(q_bars.index(q_buf), (done // 2) & 1)
-        first = ring % NSTAGES
-        mbarrier.wait(k_ready.index(first), (ring // NSTAGES) & 1)
-        s = warpgroup_mma(
-            q, k_smem.index(first).reshape([BLOCK_N, D]).permute((1, 0)), s0, use_acc=False, is_async=True
-        )
+        slot = ring % NSTAGES
+        mbarrier.wait(k_ready.index(slot), (ring // NSTAGES) & 1)
+        s = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, D]).permute((1, 0)), s0, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
-        mbarrier.arrive(k_empty.index(first), count=1)
-        if mask_from == 0:
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        row_lo, row_hi = _block_bounds(kb_lo, kb_hi, offs_m, first + rot, BLOCK_N, BOUNDS, True)
+        if mask_from <= 0:
             p, alpha, m_i, l_i = _softmax(
-                s, m_i, l_i, qk_scale, 0, offs_m, SEQ_K, BLOCK_N, CAUSAL, True, s_layout, p_layout, q.dtype
-            )
+                s, m_i, l_i, qk_scale, first + rot, offs_m, row_lo, row_hi, SEQ_K,
+                BLOCK_N, CAUSAL, BOUNDS, True, s_layout, p_layout, q.dtype,
+            )  # fmt: skip
         else:
             p, alpha, m_i, l_i = _softmax(
-                s, m_i, l_i, qk_scale, 0, offs_m, SEQ_K, BLOCK_N, CAUSAL, False, s_layout, p_layout, q.dtype
-            )
+                s, m_i, l_i, qk_scale, first + rot, offs_m, row_lo, row_hi, SEQ_K,
+                BLOCK_N, CAUSAL, BOUNDS, False, s_layout, p_layout, q.dtype,
+            )  # fmt: skip
         # key block j+1 needs the mask iff j+1 >= mask_from: two loops keep the mask out of the first
         split = gl.maximum(gl.minimum(mask_from - 1, n - 1), 0)
         acc, p, m_i, l_i = _consume_blocks(
-            acc,
-            p,
-            m_i,
-            l_i,
-            s0,
-            q,
-            k_smem,
-            v_smem,
-            k_ready,
-            v_ready,
-            k_empty,
-            v_empty,
-            0,
-            split,
-            ring,
-            qk_scale,
-            offs_m,
-            SEQ_K,
-            CAUSAL,
-            False,
-            s_layout,
-            p_layout,
-            row_o,
-        )
+            acc, p, m_i, l_i, s0, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+            0, split, ring, first, rot, n, qk_scale, offs_m, kb_lo, kb_hi, SEQ_K,
+            CAUSAL, BOUNDS, False, s_layout, p_layout, row_o,
+        )  # fmt: skip
         acc, p, m_i, l_i = _consume_blocks(
-            acc,
-            p,
-            m_i,
-            l_i,
-            s0,
-            q,
-            k_smem,
-            v_smem,
-            k_ready,
-            v_ready,
-            k_empty,
-            v_empty,
-            split,
-            n - 1,
-            ring,
-            qk_scale,
-            offs_m,
-            SEQ_K,
-            CAUSAL,
-            True,
-            s_layout,
-            p_layout,
-            row_o,
-        )
+            acc, p, m_i, l_i, s0, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+            split, n - 1, ring, first, rot, n, qk_scale, offs_m, kb_lo, kb_hi, SEQ_K,
+            CAUSAL, BOUNDS, True, s_layout, p_layout, row_o,
+        )  # fmt: skip
         mbarrier.arrive(q_empty.index(q_buf), count=1)  # every q.k^T is done: a later tile's Q may load
         last = ring + n - 1
         stage = last % NSTAGES
@@ -281,7 +329,13 @@ def _fwd_consumer(
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
         mbarrier.arrive(v_empty.index(stage), count=1)
 
-        lse = m_i + gl.log2(l_i)
+        if BOUNDS:
+            # a row that sees no key: output 0 (as SDPA's fully masked rows), lse +inf (probability 0 in the backward)
+            empty = l_i == 0.0
+            l_i = gl.where(empty, 1.0, l_i)
+            lse = gl.where(empty, float("inf"), m_i + gl.log2(l_i))
+        else:
+            lse = m_i + gl.log2(l_i)
         gl.store(LSE + bh.to(gl.int64) * SEQ_PAD + offs_m, lse, mask=offs_m < SEQ_Q)
         out = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
         tma.store_wait(0)  # the previous tile's output has left o_smem
@@ -310,11 +364,13 @@ def _fwd_producer(
     k_empty,
     v_empty,
     SCHED,
+    TILES,
     HQ,
     GROUP,
     SEQ_Q,
     SEQ_K,
     CAUSAL: gl.constexpr,
+    BOUNDS: gl.constexpr,
 ):
     """One warp: for each of the CTA's tiles every consumer's Q block (into the buffer of the tile two
     before, once that consumer is past its last q.k^T), then K and V block by block; a stage is refilled
@@ -329,27 +385,40 @@ def _fwd_producer(
     code = gl.load(SCHED + begin)
     ring = 0
     done = 0
+    if BOUNDS:  # read a tile ahead, as the consumers do
+        next_first, next_rot, next_n = _bounded_tile(TILES, code, n_m, HQ)[:3]
     for i in range(begin, end):
         following = gl.load(SCHED + i + 1)
         bh = code // n_m
         b = bh // HQ
         h = bh % HQ
         hk = h // GROUP
-        start_m, n, mask_from = _fwd_tile(code % n_m, SEQ_K, CAUSAL, WGS * HALF_M, BLOCK_N)
+        if BOUNDS:
+            start_m = code % n_m * (WGS * HALF_M)
+            first, rot, n = next_first, next_rot, next_n
+            next_first, next_rot, next_n = _bounded_tile(TILES, following, n_m, HQ)[:3]
+        else:
+            first = 0
+            rot = 0
+            start_m, n, mask_from = _fwd_tile(code % n_m, SEQ_K, CAUSAL, WGS * HALF_M, BLOCK_N)
         for c in gl.static_range(WGS):  # (a fresh mbarrier counts as "previous phase complete")
             q_buf = (done % 2) * WGS + c
             mbarrier.wait(q_empty.index(q_buf), ((done // 2) & 1) ^ 1)
             mbarrier.expect(q_bars.index(q_buf), q_desc.block_type.nbytes)
             tma_load(q_desc, [b, h, start_m + c * HALF_M, 0], q_bars.index(q_buf), q_smem.index(q_buf))
         for j in range(ring, ring + n):
+            if BOUNDS:
+                row = _wrapped(first, rot + j - ring, n) * BLOCK_N
+            else:
+                row = (j - ring) * BLOCK_N
             stage = j % NSTAGES
             phase = ((j // NSTAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(stage), phase)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma_load(k_desc, [b, hk, (j - ring) * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+            tma_load(k_desc, [b, hk, row, 0], k_ready.index(stage), k_smem.index(stage))
             mbarrier.wait(v_empty.index(stage), phase)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma_load(v_desc, [b, hk, (j - ring) * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+            tma_load(v_desc, [b, hk, row, 0], v_ready.index(stage), v_smem.index(stage))
         ring += n
         done += 1
         code = following
@@ -366,16 +435,20 @@ def _attn_fwd_ws_kernel(
     # Pointers
     LSE,  # (batch, heads_q, SEQ_PAD) fp32: base-2 logsumexp of the scaled scores per q row
     SCHED,  # int32: the CTAs' work list (``fwd_schedule``)
+    KB,  # where BOUNDS, int32 (2, batch, SEQ_PAD): each query's key interval, lo rows then hi rows
+    TILES,  # where BOUNDS, int32 (batch, q tiles, 4): each tile's first key block, a, c and count (``_fwd_keys``)
     # Sizes
     HQ,  # q heads
     GROUP,  # q heads per kv head
     SEQ_Q,
     SEQ_K,
-    SEQ_PAD,  # LSE's row length
+    SEQ_PAD,  # LSE's and KB's row length
+    BOUNDS_HI,  # batch * SEQ_PAD: where KB's hi rows start
     # Scales
     qk_scale,  # softmax scale * log2(e)
     # Meta-parameters
     CAUSAL: gl.constexpr,
+    BOUNDS: gl.constexpr,  # each query sees the keys KB gives it (CAUSAL is then unused)
     STAGES: gl.constexpr,  # K/V ring depth
     WGS: gl.constexpr,  # consumer warpgroups (``fwd_warpgroups``): query rows WGS * HALF_M a tile
 ):
@@ -419,6 +492,8 @@ def _attn_fwd_ws_kernel(
                     (
                         o_desc,
                         LSE,
+                        KB,
+                        TILES,
                         q_smem,
                         o_smem,
                         k_smem,
@@ -434,8 +509,10 @@ def _attn_fwd_ws_kernel(
                         SEQ_Q,
                         SEQ_K,
                         SEQ_PAD,
+                        BOUNDS_HI,
                         qk_scale,
                         CAUSAL,
+                        BOUNDS,
                         0,
                     ),
                 ),
@@ -444,6 +521,8 @@ def _attn_fwd_ws_kernel(
                     (
                         o_desc,
                         LSE,
+                        KB,
+                        TILES,
                         q_smem,
                         o_smem,
                         k_smem,
@@ -459,8 +538,10 @@ def _attn_fwd_ws_kernel(
                         SEQ_Q,
                         SEQ_K,
                         SEQ_PAD,
+                        BOUNDS_HI,
                         qk_scale,
                         CAUSAL,
+                        BOUNDS,
                         1,
                     ),
                 ),
@@ -480,11 +561,13 @@ def _attn_fwd_ws_kernel(
                         k_empty,
                         v_empty,
                         SCHED,
+                        TILES,
                         HQ,
                         GROUP,
                         SEQ_Q,
                         SEQ_K,
                         CAUSAL,
+                        BOUNDS,
                     ),
                 ),
             ],
@@ -499,6 +582,8 @@ def _attn_fwd_ws_kernel(
                     (
                         o_desc,
                         LSE,
+                        KB,
+                        TILES,
                         q_smem,
                         o_smem,
                         k_smem,
@@ -514,8 +599,10 @@ def _attn_fwd_ws_kernel(
                         SEQ_Q,
                         SEQ_K,
                         SEQ_PAD,
+                        BOUNDS_HI,
                         qk_scale,
                         CAUSAL,
+                        BOUNDS,
                         0,
                     ),
                 ),
@@ -524,6 +611,8 @@ def _attn_fwd_ws_kernel(
                     (
                         o_desc,
                         LSE,
+                        KB,
+                        TILES,
                         q_smem,
                         o_smem,
                         k_smem,
@@ -539,8 +628,10 @@ def _attn_fwd_ws_kernel(
                         SEQ_Q,
                         SEQ_K,
                         SEQ_PAD,
+                        BOUNDS_HI,
                         qk_scale,
                         CAUSAL,
+                        BOUNDS,
                         1,
                     ),
                 ),
@@ -549,6 +640,8 @@ def _attn_fwd_ws_kernel(
                     (
                         o_desc,
                         LSE,
+                        KB,
+                        TILES,
                         q_smem,
                         o_smem,
                         k_smem,
@@ -564,8 +657,10 @@ def _attn_fwd_ws_kernel(
                         SEQ_Q,
                         SEQ_K,
                         SEQ_PAD,
+                        BOUNDS_HI,
                         qk_scale,
                         CAUSAL,
+                        BOUNDS,
                         2,
                     ),
                 ),
@@ -585,11 +680,13 @@ def _attn_fwd_ws_kernel(
                         k_empty,
                         v_empty,
                         SCHED,
+                        TILES,
                         HQ,
                         GROUP,
                         SEQ_Q,
                         SEQ_K,
                         CAUSAL,
+                        BOUNDS,
                     ),
                 ),
             ],

@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from tritonspec.ops._library import PlanCache, cdiv, launch, tma_ok
+from tritonspec.ops._library import PlanCache, cdiv, derived, launch, tma_ok
 from tritonspec.ops.attention import LOG2E
 
 from .gluon_compat import GLUON
@@ -24,7 +24,10 @@ from .schedule import (
     STAGES,
     fwd_schedule,
     fwd_warpgroups,
+    key_block_table,
     maxnreg,
+    query_block_table,
+    tile_pairs,
 )
 
 if GLUON:
@@ -133,6 +136,24 @@ _FWD_PLANS = PlanCache()
 _BWD_PLANS = PlanCache()
 
 
+def fwd_tiles(bounds: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The forward's key-block table for these bounds (``key_block_table``), once per batch: kept on them."""
+    rows = fwd_warpgroups(q.shape[-1], True) * HALF_M
+    return derived(bounds, ("sm90 key blocks", rows), lambda: key_block_table(bounds, q.shape[2], rows, BLOCK_N))
+
+
+def bwd_tiles(bounds: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward's q-block table for these bounds (``query_block_table``) and its key tiles' pairs
+    (``tile_pairs``), once per batch: kept on them."""
+    block_m = BWD_BLOCK_M_D64 if q.shape[-1] == 64 else BWD_BLOCK_M
+
+    def make():
+        table = query_block_table(bounds, q.shape[2], k.shape[2], block_m, 2 * BWD_HALF_N)
+        return table, tile_pairs(table)
+
+    return derived(bounds, ("sm90 query blocks", k.shape[2], block_m), make)
+
+
 def _problem_key(causal: bool, scale: float, *tensors: torch.Tensor) -> tuple:
     return (tensors[0].dtype, tensors[0].device, bool(causal), scale, *[(t.shape, t.stride()) for t in tensors])
 
@@ -162,15 +183,24 @@ def _launch_planned(plans: PlanCache, key: tuple, kernel, grid, kept: tuple = ()
 # ----------------------------------------------------------------------------------------------
 # the hooks
 # ----------------------------------------------------------------------------------------------
-def attention_forward(q, k, v, o, lse, causal: bool, scale: float) -> bool:
+def attention_forward(q, k, v, o, lse, causal: bool, scale: float, *, bounds=None) -> bool:
     """The ``attention_forward`` hook: fill ``o`` and ``lse`` (base-2 logsumexp of the scaled scores,
-    rows padded with +inf beforehand) and return True, or return False to leave the problem to the op."""
-    key = _problem_key(causal, scale, q, k, v, o, lse)
+    rows padded with +inf beforehand) and return True, or return False to leave the problem to the op.
+    ``bounds``: each query's key interval, int32 ``(2, batch, padded rows)``, or None."""
+    key = _problem_key(causal, scale, q, k, v, o, lse, *(() if bounds is None else (bounds,)))
     hit = _FWD_PLANS.get(key)
     if hit is not None:
         plan, descs, (schedule,) = hit
+        kb, tiles = (lse, lse) if bounds is None else (bounds, fwd_tiles(bounds, q))
         if plan(
-            _rebased(descs[0], q), _rebased(descs[1], k), _rebased(descs[2], v), _rebased(descs[3], o), lse, schedule
+            _rebased(descs[0], q),
+            _rebased(descs[1], k),
+            _rebased(descs[2], v),
+            _rebased(descs[3], o),
+            lse,
+            schedule,
+            kb,
+            tiles,
         ):
             return True
     if q.shape[2] <= HALF_M or not eligible(q, k, scale, v, o):  # decode-sized queries: half a tile idles
@@ -178,7 +208,9 @@ def attention_forward(q, k, v, o, lse, causal: bool, scale: float) -> bool:
     batch, heads_q, seq_q, d = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
     tile_d = 64 if d == 64 else HEAD_DIM
-    wgs = fwd_warpgroups(tile_d, causal)
+    # key bounds cost as causal does: a tile's keys end near its rows (padding, packing, windows)
+    tiled_causal = bool(causal) or bounds is not None
+    wgs = fwd_warpgroups(tile_d, tiled_causal)
     tiles = cdiv(seq_q, wgs * HALF_M)
     ctas = min(batch * heads_q * tiles, _sm_count(q.device))
     kv_head_bytes = 2 * seq_k * tile_d * k.element_size()
@@ -189,7 +221,7 @@ def attention_forward(q, k, v, o, lse, causal: bool, scale: float) -> bool:
         tiles,
         wgs * HALF_M,
         seq_k,
-        bool(causal),
+        tiled_causal,
         ctas,
         max(1, _l2_bytes(q.device) // 2 // kv_head_bytes),
     )
@@ -207,16 +239,20 @@ def attention_forward(q, k, v, o, lse, causal: bool, scale: float) -> bool:
         # Pointers
         LSE=lse,
         SCHED=schedule,
+        KB=lse if bounds is None else bounds,
+        TILES=lse if bounds is None else fwd_tiles(bounds, q),
         # Sizes
         HQ=heads_q,
         GROUP=heads_q // heads_kv,
         SEQ_Q=seq_q,
         SEQ_K=seq_k,
         SEQ_PAD=lse.shape[-1],
+        BOUNDS_HI=0 if bounds is None else batch * lse.shape[-1],
         # Scales
         qk_scale=scale * LOG2E,
         # Meta-parameters
-        CAUSAL=bool(causal),
+        CAUSAL=tiled_causal,
+        BOUNDS=bounds is not None,
         STAGES=STAGES,
         WGS=wgs,
         num_warps=4,
@@ -225,14 +261,15 @@ def attention_forward(q, k, v, o, lse, causal: bool, scale: float) -> bool:
     return True
 
 
-def attention_backward(q, k, v, do, dk, dv, lse, causal: bool, scale: float):
+def attention_backward(q, k, v, do, dk, dv, lse, causal: bool, scale: float, *, bounds=None):
     """The ``attention_backward`` hook: take the problem by returning ``run(dqa, delta)``, or return False
     before the op allocates anything for it. ``run`` adds dQ, in one pass over the keys, into the op's
     zeroed fp32 accumulator ``dqa`` (head dim padded to 64 or 128) by TMA reduce-adds and fills ``dk`` and
     ``dv``, from the forward's lse and the op's delta (rowsum(dO * O)), both per q row with padded rows
     +inf and 0. dQ's fp32 sums land in arrival order, so its last bits may differ between runs (as
-    FlashAttention's dQ); dK and dV are deterministic."""
-    key = _problem_key(causal, scale, q, k, v, do, dk, dv, lse)
+    FlashAttention's dQ); dK and dV are deterministic. ``bounds``: each query's key interval, int32
+    ``(2, batch, padded rows)``, or None."""
+    key = _problem_key(causal, scale, q, k, v, do, dk, dv, lse, *(() if bounds is None else (bounds,)))
     hit = _BWD_PLANS.get(key)
     if hit is not None:  # eligible() passed on all the key holds; of the rest, TMA needs aligned addresses
         addresses = q.data_ptr() | k.data_ptr() | v.data_ptr() | do.data_ptr() | dk.data_ptr() | dv.data_ptr()
@@ -242,28 +279,33 @@ def attention_backward(q, k, v, do, dk, dv, lse, causal: bool, scale: float):
             def run_planned(dqa, delta):
                 # lse and delta stand for their flat views (rows): the same addresses
                 tensors = (q, k, v, do, dk, dv, dqa, lse, delta)
+                kb, qt, pairs = (lse, lse, lse) if bounds is None else (bounds, *bwd_tiles(bounds, q, k))
                 if layout != (dqa.shape, dqa.stride(), delta.shape, delta.stride()) or not plan(
-                    *[_rebased(d, t) for d, t in zip(descs, tensors)]
+                    *[_rebased(d, t) for d, t in zip(descs, tensors)], kb, qt, pairs
                 ):
-                    _launch_bwd(key, q, k, v, do, dk, dv, dqa, lse, delta, causal, scale)
+                    _launch_bwd(key, q, k, v, do, dk, dv, dqa, lse, delta, causal, scale, bounds)
 
             return run_planned
     if not eligible(q, k, scale, v, do, dk, dv):
         return False
 
     def run(dqa, delta):
-        _launch_bwd(key, q, k, v, do, dk, dv, dqa, lse, delta, causal, scale)
+        _launch_bwd(key, q, k, v, do, dk, dv, dqa, lse, delta, causal, scale, bounds)
 
     return run
 
 
-def _launch_bwd(key, q, k, v, do, dk, dv, dqa, lse, delta, causal: bool, scale: float):
+def _launch_bwd(key, q, k, v, do, dk, dv, dqa, lse, delta, causal: bool, scale: float, bounds):
     """Launch the backward kernel on an eligible problem and keep its plan under ``key``, with the layout of
     ``dqa`` and ``delta`` it was built for (the op's, which the key does not hold)."""
     batch, heads_q, seq_q, _ = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
     tiles = cdiv(seq_k, 2 * BWD_HALF_N)
-    grid = (cdiv(tiles, 2) if causal else tiles, batch * heads_kv)  # causal: a CTA takes tiles i and -1-i
+    # causal: a CTA takes tiles i and -1-i; key bounds: the tiles ``tile_pairs`` pairs by their work (pairs
+    # i, -1-i of packed sequences' tiles left a long tail: 4 x [2048, 4096] x 128 took 2.34 ms, one tile a
+    # CTA 2.20, on an H200; one tile a CTA took padded batches from 2.02 to 2.17 ms on an H100)
+    grid = (cdiv(tiles, 2) if causal or bounds is not None else tiles, batch * heads_kv)
+    kb, qt, pairs = (lse, lse, lse) if bounds is None else (bounds, *bwd_tiles(bounds, q, k))
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc, lse_desc, delta_desc = _bwd_descriptors(
         q, k, v, do, dk, dv, dqa, lse, delta
     )
@@ -283,17 +325,24 @@ def _launch_bwd(key, q, k, v, do, dk, dv, dqa, lse, delta, causal: bool, scale: 
         dqa_desc=dqa_desc,
         lse_desc=lse_desc,
         delta_desc=delta_desc,
+        # Pointers
+        KB=kb,
+        QT=qt,
+        PAIRS=pairs,
         # Sizes
         HQ=heads_q,
         HKV=heads_kv,
         GROUP=heads_q // heads_kv,
         SEQ_Q=seq_q,
         SEQ_K=seq_k,
+        SEQ_PAD=lse.shape[-1],
+        BOUNDS_HI=0 if bounds is None else batch * lse.shape[-1],
         # Scales
         qk_scale=scale * LOG2E,
         sm_scale=scale,
         # Meta-parameters
         CAUSAL=bool(causal),
+        BOUNDS=bounds is not None,
         STAGES=STAGES,
         num_warps=4,
         maxnreg=maxnreg(3),
