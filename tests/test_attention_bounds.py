@@ -126,6 +126,19 @@ def test_decode_against_a_padded_cache(use_configs):
         _check(q, k, v, do, None, key_bounds_from_mask(mask[:, None]))
 
 
+def test_bounds_changed_in_place_are_read_again(use_configs):
+    """What the kernels derive from key bounds is kept on them for every layer of a batch; bounds the caller
+    then changes in place are derived again (never stale), forward and backward."""
+    q, k, v, do, _ = _inputs(1, 2, 1, 40, 40, 16, torch.float32, seed=21)
+    bounds = causal_key_bounds(cu_seqlens=torch.tensor([0, 17, 40]))
+    with use_configs(CONFIGS["small"]):
+        first = _check(q, k, v, do, None, bounds)
+        assert _check(q, k, v, do, None, bounds)[0].equal(first[0])  # kept: the same result again
+        bounds.copy_(causal_key_bounds(cu_seqlens=torch.tensor([0, 5, 40])))
+        again = _check(q, k, v, do, None, bounds)
+    assert not again[0][:, :, 17:].equal(first[0][:, :, 17:])
+
+
 def test_bidirectional_padding(use_configs):
     """An encoder's batch: every token sees every token of its row, padding none."""
     S = 21
