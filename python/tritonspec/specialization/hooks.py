@@ -290,8 +290,9 @@ HOOKS: dict[str, Hook] = _table(
         "(q, k, v, do, dk, dv, lse, causal: bool, scale: float, *, bounds) -> run | False | None: take the problem by "
         "returning run(dqa, delta), which runs the backend's own backward: it adds dQ into dqa (zeroed fp32 "
         "(batch, heads_q, seq_q, head dim padded to a power of two); the op converts it) and writes dk and dv, "
-        "from lse and delta = rowsum(dO * O) per q row (padded rows +inf and 0). Two phases, so that the op "
-        "allocates and zeroes dqa only for a kernel that uses it; False or None keeps the portable kernels",
+        "from lse and delta = rowsum(dO * O) per q row (padded rows +inf and 0), under bounds as the forward's. "
+        "Two phases, so that the op allocates and zeroes dqa only for a kernel that uses it; False or None keeps "
+        "the portable kernels",
         signature=attention_backward_call,
         check=_runner_or_decline,
     ),
