@@ -139,6 +139,18 @@ def test_bounds_changed_in_place_are_read_again(use_configs):
     assert not again[0][:, :, 17:].equal(first[0][:, :, 17:])
 
 
+def test_bounds_made_in_inference_mode(use_configs):
+    """Inference tensors keep no version count: bounds made under torch.inference_mode are derived afresh
+    each call (a generation loop's), not kept, and give the reference's output."""
+    q, k, v, _, _ = _inputs(2, 2, 1, 24, 24, 16, torch.float32, seed=22)
+    with torch.inference_mode(), use_configs(CONFIGS["small"]):
+        bounds = causal_key_bounds(position_ids=torch.tensor([list(range(10)) + list(range(14))] * 2))
+        for _ in range(2):
+            got = attention(q, k, v, key_bounds=bounds)
+            ref = attention_ref(q.double(), k.double(), v.double(), key_bounds=bounds)
+            torch.testing.assert_close(got.double(), ref, rtol=0, atol=_TOL[torch.float32])
+
+
 def test_bidirectional_padding(use_configs):
     """An encoder's batch: every token sees every token of its row, padding none."""
     S = 21

@@ -553,6 +553,7 @@ def test_hopper_block_tables_under_key_bounds(kind):
     the mask out only on blocks every row sees whole; the backward, per key tile, every q block that sees
     one of its keys, and leaves the mask out only on blocks whose rows all see all its keys; its CTAs take
     every key tile once, in pairs of about equal work."""
+    from tritonspec.ops.attention import query_block_table
     from tritonspec_backends.nvidia.backend.spec.attention_sm90 import schedule as schedule_sm90
 
     gen = torch.Generator().manual_seed(sum(map(ord, kind)))
@@ -576,7 +577,7 @@ def test_hopper_block_tables_under_key_bounds(kind):
                 assert block[:, j].all()
     for block_m in (64, 128):
         tn = 2 * schedule_sm90.BWD_HALF_N
-        qt = schedule_sm90.query_block_table(bounds, seq, seq, block_m, tn)
+        qt = query_block_table(bounds, seq, seq, block_m, tn)
         assert qt.shape == (batch, -(-seq // tn), 4)
         for b in range(batch):
             for t, (first, a, c, n) in enumerate(qt[b].tolist()):

@@ -834,20 +834,37 @@ def _padded_bounds(key_bounds: torch.Tensor, seq_k: int) -> torch.Tensor:
     return out
 
 
-def _query_ranges(bounds: torch.Tensor, seq_q: int, seq_k: int, block_m: int, block_n: int) -> torch.Tensor:
-    """For each key block, the q rows [lo, hi) (whole BLOCK_M blocks) whose intervals reach it: the dK/dV
-    kernel's loop, int32 ``(batch, key blocks, 2)``; a few small torch ops per backward."""
-    n_m, n_n = cdiv(seq_q, block_m), cdiv(seq_k, block_n)
-    lo, hi = bounds[0, :, : n_m * block_m], bounds[1, :, : n_m * block_m]  # SEQ_PAD >= n_m * block_m
+def _query_rows(bounds: torch.Tensor, seq_q: int, seq_k: int, block_m: int, block_n: int) -> torch.Tensor:
+    """For each key block, the q rows [lo, hi) (whole BLOCK_M blocks) whose intervals reach it: the portable
+    dK/dV kernel's loop, int32 ``(batch, key blocks, 2)``."""
+    table = query_block_table(bounds, seq_q, seq_k, block_m, block_n)
+    return torch.stack((table[..., 0], table[..., 0] + table[..., 3]), -1).mul_(block_m)
+
+
+def query_block_table(bounds: torch.Tensor, seq_q: int, seq_k: int, block_m: int, tile_n: int) -> torch.Tensor:
+    """The backward's q blocks per key tile of ``tile_n`` keys under key bounds (int32 ``(2, batch, padded
+    rows)``): int32 ``(batch, key tiles, 4)`` rows (first, a, c, n). The tile walks the q blocks of
+    ``block_m`` rows first .. first + n - 1, those that see any of its keys; the blocks [a, c) of those
+    (counted from the first) see all of them, so need no mask (the portable dK/dV kernel masks every
+    block; a backend's own kernels use [a, c)). A few small torch ops, once per batch (``derived``)."""
+    b = bounds.shape[1]
+    n_m, n_t = cdiv(seq_q, block_m), cdiv(seq_k, tile_n)
+    lo = bounds[0, :, : n_m * block_m].view(b, n_m, block_m)
+    hi = bounds[1, :, : n_m * block_m].view(b, n_m, block_m)
     seen = hi > lo
-    tile_lo = torch.where(seen, lo, seq_k).view(-1, n_m, block_m).amin(-1)
-    tile_hi = torch.where(seen, hi, 0).view(-1, n_m, block_m).amax(-1)
-    starts = torch.arange(n_n, device=bounds.device, dtype=torch.int32) * block_n
-    touch = (tile_lo[:, :, None] < starts + block_n) & (tile_hi[:, :, None] > starts)  # (batch, n_m, n_n)
-    first = touch.to(torch.int8).argmax(1)
-    last = n_m - touch.flip(1).to(torch.int8).argmax(1)
+    starts = torch.arange(n_t, device=bounds.device, dtype=bounds.dtype) * tile_n
+    block_lo = torch.where(seen, lo, seq_k).amin(-1)[:, :, None]
+    block_hi = torch.where(seen, hi, 0).amax(-1)[:, :, None]
+    touch = (block_lo < starts + tile_n) & (block_hi > starts)  # (batch, q blocks, key tiles)
+    full = (lo.amax(-1)[:, :, None] <= starts) & (hi.amin(-1)[:, :, None] >= starts + tile_n)
     reached = touch.any(1)
-    return torch.stack((torch.where(reached, first, 0), torch.where(reached, last, 0)), -1).mul_(block_m).int()
+    first = torch.where(reached, touch.byte().argmax(1), 0)
+    end = torch.where(reached, n_m - touch.flip(1).byte().argmax(1), 0)
+    a = torch.where(full.any(1), full.byte().argmax(1), end)
+    blocks = torch.arange(n_m, device=bounds.device)[None, :, None]
+    after = ~full & (blocks >= a[:, None, :])
+    c = torch.minimum(torch.where(after.any(1), after.byte().argmax(1), n_m), end)
+    return torch.stack((first, a - first, c - first, end - first), -1).int()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1033,7 +1050,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float, bounds=N
         KB=lse if bounds is None else bounds,
         QR=lse
         if bounds is None
-        else derived(bounds, ("ranges", SQ, SK, BM, BN), lambda: _query_ranges(bounds, SQ, SK, BM, BN)),
+        else derived(bounds, ("rows", SQ, SK, BM, BN), lambda: _query_rows(bounds, SQ, SK, BM, BN)),
         # Sizes
         HQ=HQ,
         HKV=HKV,

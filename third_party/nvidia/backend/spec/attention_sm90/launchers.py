@@ -10,7 +10,7 @@ import functools
 import torch
 
 from tritonspec.ops._library import PlanCache, cdiv, derived, launch, tma_ok
-from tritonspec.ops.attention import LOG2E
+from tritonspec.ops.attention import LOG2E, query_block_table
 
 from .gluon_compat import GLUON
 from .schedule import (
@@ -26,7 +26,6 @@ from .schedule import (
     fwd_warpgroups,
     key_block_table,
     maxnreg,
-    query_block_table,
     tile_pairs,
 )
 

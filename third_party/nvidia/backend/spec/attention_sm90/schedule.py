@@ -1,6 +1,7 @@
 """How the sm90 attention kernels cut up the work, decided on the host: tile sizes, consumer warpgroups,
 the register budget, the persistent forward's list of query tiles per CTA, and under key bounds each
-tile's range of blocks.
+query tile's key blocks and the backward's pairs of key tiles (each key tile's q blocks: the op's
+``query_block_table``, which the portable kernels use too).
 
 No GPU or Gluon needed, so the choices are tested offline; ``launchers`` applies them.
 """
@@ -98,33 +99,8 @@ def key_block_table(bounds: torch.Tensor, seq_q: int, rows: int, block_n: int) -
     return torch.stack((first, a - first, c - first, end - first), -1).int()
 
 
-def query_block_table(bounds: torch.Tensor, seq_q: int, seq_k: int, block_m: int, tile_n: int) -> torch.Tensor:
-    """The backward's q blocks per key tile of ``tile_n`` keys under key bounds (int32 ``(2, batch, padded
-    rows)``): int32 ``(batch, key tiles, 4)`` rows (first, a, c, n). The tile walks the q blocks of
-    ``block_m`` rows first .. first + n - 1, those that see any of its keys; the blocks [a, c) of those
-    (counted from the first) see all of them, so need no mask."""
-    b = bounds.shape[1]
-    n_m, n_t = cdiv(seq_q, block_m), cdiv(seq_k, tile_n)
-    lo = bounds[0, :, : n_m * block_m].view(b, n_m, block_m)
-    hi = bounds[1, :, : n_m * block_m].view(b, n_m, block_m)
-    seen = hi > lo
-    starts = torch.arange(n_t, device=bounds.device, dtype=bounds.dtype) * tile_n
-    block_lo = torch.where(seen, lo, seq_k).amin(-1)[:, :, None]
-    block_hi = torch.where(seen, hi, 0).amax(-1)[:, :, None]
-    touch = (block_lo < starts + tile_n) & (block_hi > starts)  # (batch, q blocks, key tiles)
-    full = (lo.amax(-1)[:, :, None] <= starts) & (hi.amin(-1)[:, :, None] >= starts + tile_n)
-    reached = touch.any(1)
-    first = torch.where(reached, touch.byte().argmax(1), 0)
-    end = torch.where(reached, n_m - touch.flip(1).byte().argmax(1), 0)
-    a = torch.where(full.any(1), full.byte().argmax(1), end)
-    blocks = torch.arange(n_m, device=bounds.device)[None, :, None]
-    after = ~full & (blocks >= a[:, None, :])
-    c = torch.minimum(torch.where(after.any(1), after.byte().argmax(1), n_m), end)
-    return torch.stack((first, a - first, c - first, end - first), -1).int()
-
-
 def tile_pairs(table: torch.Tensor) -> torch.Tensor:
-    """The backward's key tiles in pairs of about equal summed work, from ``query_block_table``'s
+    """The backward's key tiles in pairs of about equal summed work, from the op's ``query_block_table``'s
     ``table``: per batch row the i-th longest tile with the i-th shortest, int32 ``(batch, tiles / 2
     rounded up, 2)`` (an odd count's middle tile pairs with itself). Causal tiles pair as the causal
     grid pairs them. Pairs of like tiles, heaviest first (the grid's order then runs the heavy ones
