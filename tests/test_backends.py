@@ -86,9 +86,15 @@ def test_new_triton_backends_are_discovered_next_to_the_stock_ones():
     assert [b for b, v in backends.items() if v.compiler.supports_target(ILUVATAR)] == ["iluvatar"]
 
 
-def test_nvidia_spec_changes_nothing_but_launch_configs_and_hoppers_attention_kernels():
+def test_nvidia_spec_changes_nothing_but_launch_configs_and_hoppers_own_kernels():
     provider = PROVIDERS.get("nvidia")
-    assert sorted(provider.exports) == ["attention_backward", "attention_forward", "backend_info", "kernel_config"]
+    assert sorted(provider.exports) == [
+        "attention_backward",
+        "attention_forward",
+        "backend_info",
+        "kernel_config",
+        "moe_experts_gemm",
+    ]
 
 
 def test_iluvatar_driver_is_active_only_when_selected(monkeypatch):
@@ -456,6 +462,70 @@ def check_hopper_attention_kernels_compile():
             assert "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in ptx
             assert not re.search(r"\b(red|atom)\.global", ptx)
         assert kernel.asm["cubin"]
+
+
+def test_hopper_experts_gemm_compiles_for_sm90(compiled):
+    assert compiled["check_hopper_experts_gemm_compile"] == "ok"
+
+
+@compile_check
+def check_hopper_experts_gemm_compile():
+    """The experts' grouped GEMM in its four forms (gate/up with and without the saved pre-activations, plain
+    with K-major and with N-major weights), with the descriptors the hook builds: one 64 x 256 wgmma a
+    warpgroup and K step, within the SM's 227 KB of shared memory."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from tritonspec_backends.nvidia.backend.spec import moe_sm90
+
+    m = moe_sm90
+    bn2 = 2 * m.BLOCK_N
+    for dtype, gate_up, store_gu, k_major in (
+        (torch.bfloat16, True, True, True),
+        (torch.float16, True, False, True),
+        (torch.bfloat16, False, False, True),
+        (torch.float16, False, False, False),
+    ):
+        kind = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+        def desc(block):
+            return f"tensordesc<{kind}[{block[0]},{block[1]}],{m._layout(tuple(block), dtype)!r}>"
+
+        b_block = [m.BLOCK_N, m.BLOCK_K] if gate_up else ([bn2, m.BLOCK_K] if k_major else [m.BLOCK_K, bn2])
+        c_block = [m.BLOCK_M, m.BLOCK_N if gate_up else bn2]
+        constexprs = dict(
+            GATE_UP=gate_up,
+            STORE_GU=store_gu,
+            K_MAJOR=k_major,
+            B_LAYOUT=m._layout((bn2, m.BLOCK_K) if k_major else (m.BLOCK_K, bn2), dtype),
+            C_LAYOUT=m._layout((m.BLOCK_M, bn2), dtype),
+            GROUP=m.GROUP_M,
+            STAGES=m.STAGES,
+            AHEAD=m.AHEAD,
+            IN_FLIGHT=m.IN_FLIGHT,
+            num_warps=8,
+        )
+        signature = {
+            "a_desc": desc([m.BLOCK_M, m.BLOCK_K]),
+            "b_desc": desc(b_block),
+            "c_desc": desc(c_block),
+            "u_desc": desc(c_block),
+            "h_desc": desc(c_block),
+            "BLOCK_EXPERT": "*i32",
+            "N": "i32",
+            "K": "i32",
+            "num_m": "i32",
+            **dict.fromkeys(constexprs, "constexpr"),
+        }
+        kernel = triton.compile(
+            GluonASTSource(m._moe_gemm_sm90_kernel, signature, constexprs=constexprs),
+            target=CUDA,
+            options={"num_warps": 8},
+        )
+        ptx = kernel.asm["ptx"]
+        assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
+        ptx_type = {"bf16": "bf16", "fp16": "f16"}[kind]
+        assert f"wgmma.mma_async.sync.aligned.m64n256k16.f32.{ptx_type}.{ptx_type}" in ptx
+        assert "wgmma.wait_group.sync.aligned 1" in ptx  # one wgmma left in flight
+        assert ("cp.async.bulk.tensor.2d.global.shared::cta" in ptx) and kernel.asm["cubin"]  # TMA stores
 
 
 def test_hopper_descriptors():

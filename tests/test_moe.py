@@ -8,9 +8,11 @@ terms' magnitudes. That magnitude is the same reference run on absolute values (
 """
 
 import pytest
-from helpers import leaf
+from helpers import leaf, make_spec
 import torch
+import torch.nn.functional as F
 
+import tritonspec
 from tritonspec.ops import _library
 from tritonspec.ops import moe as moe_mod
 from numerics import assert_close, poisoned_allocations
@@ -217,6 +219,56 @@ def test_runs_are_bitwise_deterministic(device, gen):
     a, b = _run(moe_experts, args, kw, dout), _run(moe_experts, args, kw, dout)
     assert torch.equal(a[0], b[0])
     assert all(torch.equal(a[1][n], b[1][n]) for n in a[1])
+
+
+def _own_gemm_spec(calls, run):
+    """A spec whose ``moe_experts_gemm`` records each question and, when ``run``, computes in float64 exactly
+    what the hook promises from the sorted rows it is handed (HF's rounding of gate and up before the
+    activation); otherwise it declines."""
+
+    def moe_experts_gemm(b, c, block_expert, *, gate_up, gu):
+        calls.append(("gate_up" if gate_up else "rows", tuple(b.shape), tuple(c.shape), gu is not None))
+        if not run:
+            return None
+
+        def gemm(a):
+            calls.append(("ran", tuple(a.shape)))
+            expert = block_expert.long().repeat_interleave(c.shape[0] // block_expert.numel())
+            out = torch.zeros(c.shape[0], b.shape[2], dtype=torch.float64, device=c.device)
+            some = expert >= 0
+            out[some] = (a[some].double().unsqueeze(1) @ b.double()[expert[some]]).squeeze(1)
+            if gate_up:
+                gate, up = out[:, : c.shape[1]].to(c.dtype), out[:, c.shape[1] :].to(c.dtype)
+                if gu is not None:
+                    gu.copy_(torch.cat([gate, up], 1))
+                out = F.silu(gate.double()).to(c.dtype).double() * up.double()
+            c.copy_(out)
+
+        return gemm
+
+    return make_spec("own_gemm_spec", moe_experts_gemm=moe_experts_gemm)
+
+
+@pytest.mark.parametrize("run", [True, False], ids=["runs", "declines"])
+@pytest.mark.parametrize("layout, kind", [("concatenated", "silu"), ("interleaved_transposed", "gpt_oss")])
+def test_a_backend_may_run_its_own_grouped_gemm(layout, kind, run, registry, device, gen):
+    """The op asks the backend for each grouped GEMM over sorted rows without a bias (the forward's gate/up,
+    which saves gate and up for the backward, only for the concatenated layout and silu; its down projection;
+    the backward's dx) and hands a runner those rows: what it writes is the result; a decline leaves the
+    portable kernels."""
+    calls = []
+    tritonspec.register_spec("own-gemm-test", _own_gemm_spec(calls, run))
+    T, H, I, E, k = 40, 32, 24, 4, 2
+    args, kw = _problem(T, H, I, E, k, layout, kind, _dtypes(device)[0], device, gen)
+    with tritonspec.use_backend("own-gemm-test"):
+        _check(args, kw, gen=gen)
+    asked = [c for c in calls if c[0] != "ran"]
+    R = asked[0][2][0]
+    dx = ("rows", (E, 2 * I, H), (R, H), False)
+    expected = [("gate_up", (E, H, 2 * I), (R, I), True), ("rows", (E, I, H), (R, H), False), dx]
+    assert asked == (expected if kind == "silu" else [dx])  # GPT-OSS: interleaved gate/up and biases
+    ran = [("ran", (R, H)), ("ran", (R, I)), ("ran", (R, 2 * I))] if kind == "silu" else [("ran", (R, 2 * I))]
+    assert [c for c in calls if c[0] == "ran"] == (ran if run else [])  # each runner is handed its rows
 
 
 def test_no_tokens(device, gen):

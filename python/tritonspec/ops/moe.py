@@ -25,6 +25,9 @@
   which also sums each token's rows.
 * Where the backend's launch configs say ``TMA`` (sm90), the weights' tiles come through host tensor
   descriptors, and for large experts the weight gradients read rows sorted first (``_sorted_rows``).
+* A backend may run the grouped GEMMs over sorted rows with its own kernel (the ``moe_experts_gemm`` hook;
+  NVIDIA's on Hopper, for Mixtral-class experts): the forward's gate/up projection (x's rows gathered for
+  it first) and down projection, the backward's d h and dx. Declined problems run the kernels below.
 
 Weight layouts are strides, so one kernel serves both of Hugging Face's: ``"concatenated"``
 (``gate_up_proj (E, 2I, H)`` = [gate; up], ``down_proj (E, H, I)``: Qwen2/3-MoE, Mixtral, OLMoE,
@@ -47,6 +50,7 @@ import triton.language as tl
 
 from ..kernel_table import MoECombine, MoERows, MoEUp, MoEWeightGrad
 from ..launch import launch_config
+from ..specialization.resolve import backend_for_device, lookup
 from ._checks import check_same_device, check_tensor
 from ._library import Op, PlanCache, TensorDescriptor, cdiv, launch, next_pow2, tma_ok, use_library_op
 from .moe_decode import MAX_TOKENS as DECODE_TOKENS, moe_decode
@@ -686,39 +690,45 @@ def moe_experts_forward(
     tma = cfg.TMA and layout == "concatenated" and gate_up_proj.is_contiguous() and tma_ok(gate_up_proj)
     has_bias = gate_up_bias is not None
     bias = gate_up_bias if has_bias else _dummy(device)
-    launch(
-        _moe_up_kernel,
-        (num_m * cdiv(I, cfg.BLOCK_N),),
-        X=x,
-        W=TensorDescriptor(gate_up_proj, [E * 2 * I, H], [H, 1], [cfg.BLOCK_N, cfg.BLOCK_K]) if tma else w,
-        BIAS=bias,
-        H_OUT=h,
-        GU_OUT=gu,
-        ROW_PAIR=row_pair,
-        BLOCK_EXPERT=block_expert,
-        N=I,
-        K=H,
-        num_m=num_m,
-        TOP_K=k,
-        stride_x_m=x.stride(0),
-        stride_w_e=w.stride(0),
-        stride_w_k=w.stride(1),
-        stride_w_n=w.stride(2),
-        stride_bias_e=bias.stride(0) if has_bias else 0,
-        stride_bias_n=bias.stride(1) if has_bias else 0,
-        clamp=float(clamp if clamp is not None else 0.0),
-        INTERLEAVED=layout != "concatenated",
-        HAS_BIAS=has_bias,
-        STORE_GU=save,
-        ACT=activation,
-        TMA=tma,
-        BLOCK_M=cfg.BLOCK_M,
-        BLOCK_N=cfg.BLOCK_N,
-        BLOCK_K=cfg.BLOCK_K,
-        GROUP_M=cfg.GROUP_M,
-        **cfg.options,
-        traced=traced,
-    )
+    own = None
+    if layout == "concatenated" and activation == "silu" and not has_bias:
+        own = _backend_gemm(w, h, block_expert, traced, gate_up=True, gu=gu if save else None)
+    if own is not None:
+        own(_sorted_rows(x, row_pair, k, traced))
+    else:
+        launch(
+            _moe_up_kernel,
+            (num_m * cdiv(I, cfg.BLOCK_N),),
+            X=x,
+            W=TensorDescriptor(gate_up_proj, [E * 2 * I, H], [H, 1], [cfg.BLOCK_N, cfg.BLOCK_K]) if tma else w,
+            BIAS=bias,
+            H_OUT=h,
+            GU_OUT=gu,
+            ROW_PAIR=row_pair,
+            BLOCK_EXPERT=block_expert,
+            N=I,
+            K=H,
+            num_m=num_m,
+            TOP_K=k,
+            stride_x_m=x.stride(0),
+            stride_w_e=w.stride(0),
+            stride_w_k=w.stride(1),
+            stride_w_n=w.stride(2),
+            stride_bias_e=bias.stride(0) if has_bias else 0,
+            stride_bias_n=bias.stride(1) if has_bias else 0,
+            clamp=float(clamp if clamp is not None else 0.0),
+            INTERLEAVED=layout != "concatenated",
+            HAS_BIAS=has_bias,
+            STORE_GU=save,
+            ACT=activation,
+            TMA=tma,
+            BLOCK_M=cfg.BLOCK_M,
+            BLOCK_N=cfg.BLOCK_N,
+            BLOCK_K=cfg.BLOCK_K,
+            GROUP_M=cfg.GROUP_M,
+            **cfg.options,
+            traced=traced,
+        )
     y = torch.empty((R, H), dtype=x.dtype, device=device)
     _rows(
         h,
@@ -740,6 +750,15 @@ def moe_experts_forward(
     return out, saved
 
 
+def _backend_gemm(b, c, block_expert, traced, *, gate_up=False, gu=None):
+    """The backend's own grouped GEMM (``moe_experts_gemm``) as ``run(a_rows)``, or None for the portable
+    kernels. Not while traced: torch.library's Triton tracing takes ``tl`` kernels only."""
+    if traced:
+        return None
+    own = lookup("moe_experts_gemm", backend=backend_for_device(c.device))
+    return own(b, c, block_expert, gate_up=gate_up, gu=gu) if own is not None else None
+
+
 def _weights_descriptor(b, block_k: int, block_n: int):
     """``(descriptor, k_major)`` over the experts' weights ``b`` ((E, K, N) by strides) as the 2-D tensor their
     storage is, (E * N, K) with K contiguous or (E * K, N); None where TMA cannot read them (another layout,
@@ -756,6 +775,10 @@ def _weights_descriptor(b, block_k: int, block_n: int):
 
 def _rows(a, gather, row_pair, block_expert, scale, b, bias, c, top_k, block_m, problem, traced):
     """c = scale * (a_rows @ b_e) + bias_e; ``b`` is (E, K, N) by strides."""
+    own = _backend_gemm(b, c, block_expert, traced) if not gather and scale is None and bias is None else None
+    if own is not None:
+        own(a)
+        return
     cfg = launch_config(MoERows, c.device, lambda: _rows_default(problem["tokens_per_expert"]), **problem)
     dummy = _dummy(c.device)
     n = c.shape[1]

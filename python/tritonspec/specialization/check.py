@@ -30,7 +30,7 @@ from .providers import PROVIDERS
 from ..text_tables import WIDTH, section, wrap
 
 # Points in tritonspec's own code (consulted by its ops, not installed into Triton).
-OWN_POINTS = frozenset({"tritonspec.launch_config", "tritonspec.ops.attention"})
+OWN_POINTS = frozenset({"tritonspec.launch_config", "tritonspec.ops.attention", "tritonspec.ops.moe"})
 
 
 # -- sample kernels: plain functions, wrapped as compiled or interpreted kernels below -----------

@@ -80,7 +80,7 @@ def _none(x):
 def _runner_or_decline(x):
     # True reads as "ran" but leaves the op nothing to call: an error, not a decline
     if x is not None and x is not False and (isinstance(x, bool) or not callable(x)):
-        return f"False or None (decline) or a function run(dqa, delta), got {_got(x)}"
+        return f"False or None (decline) or a function to run, got {_got(x)}"
 
 
 # The calls function hooks receive, as annotated signatures (the bodies are never run).
@@ -93,6 +93,7 @@ def host_compiler_call() -> str | None: ...
 def launch_config_call(kernel: str, *, device, **problem) -> dict | None: ...
 def attention_forward_call(q, k, v, o, lse, causal: bool, scale: float, *, bounds) -> bool: ...
 def attention_backward_call(q, k, v, do, dk, dv, lse, causal: bool, scale: float, *, bounds) -> Callable | None: ...
+def moe_experts_gemm_call(b, c, block_expert, *, gate_up: bool, gu) -> Callable | None: ...
 def value_call(): ...  # a VALUE / PREDICATE hook given as a function computes its value on first use
 
 
@@ -294,6 +295,21 @@ HOOKS: dict[str, Hook] = _table(
         "Two phases, so that the op allocates and zeroes dqa only for a kernel that uses it; False or None keeps "
         "the portable kernels",
         signature=attention_backward_call,
+        check=_runner_or_decline,
+    ),
+    Hook(
+        "moe_experts_gemm",
+        F,
+        "tritonspec.ops.moe",
+        "the portable Triton GEMMs of the experts",
+        "(b, c, block_expert, *, gate_up: bool, gu) -> run | None: take one of the experts' grouped GEMMs by "
+        "returning run(a), which computes c = a_rows @ b_e for each row block of the sort (block_expert: int32, "
+        "each block's expert, -1 past the last expert's rows: zeros); a is the (R, K) sorted rows (padding rows "
+        "zeros), b the experts' weights (E, K, N) by strides. gate_up: b's columns are [gate | up] (E, K, 2N), c "
+        "gets h = silu(gate) * up (each rounded to c's dtype first, as Hugging Face's experts) and gu, when not "
+        "None, the (R, 2N) gate and up. Two phases, so that the op gathers the rows only for a kernel that takes "
+        "them; None or False keeps the portable kernels",
+        signature=moe_experts_gemm_call,
         check=_runner_or_decline,
     ),
 )

@@ -14,5 +14,4 @@ Modules:
     ``schedule``      host-side choices of how the work is cut up: tiles, warpgroups, registers, the
                       forward's per-CTA tile lists, and under key bounds each tile's blocks (tested offline);
     ``launchers``     the hooks: eligibility, TMA descriptors, launches and their plans;
-    ``gluon_compat``  Gluon's Hopper API under one set of names on Triton 3.6 to 3.9.
 """

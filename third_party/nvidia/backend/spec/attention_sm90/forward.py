@@ -25,7 +25,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_compat import thread_barrier, tma_load, tma_store
+from ..gluon_compat import thread_barrier, tma_load, tma_store
 
 
 @gluon.jit

@@ -12,7 +12,7 @@ import torch
 from tritonspec.ops._library import PlanCache, cdiv, derived, launch, tma_ok
 from tritonspec.ops.attention import LOG2E, query_block_table
 
-from .gluon_compat import GLUON
+from ..gluon_compat import GLUON
 from .schedule import (
     BLOCK_N,
     BWD_BLOCK_M,

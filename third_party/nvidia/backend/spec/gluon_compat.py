@@ -1,4 +1,5 @@
-"""Gluon's Hopper API under the names the sm90 attention kernels call, on every Triton we support (3.6 to 3.9).
+"""Gluon's Hopper API under the names the sm90 kernels (attention, the experts' GEMMs) call, on every Triton we
+support (3.6 to 3.9).
 
 Later Tritons renamed the TMA copies and the partition barrier, and Triton 3.6 has the TMA reduce-add IR op but
 no Gluon wrapper for it: the kernels call the names below, which are whichever this Triton has. ``GLUON`` is
