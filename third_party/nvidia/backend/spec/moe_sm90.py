@@ -4,9 +4,10 @@ Why a second kernel: the portable ``tl`` GEMMs issue each K step's gate and up p
 wgmmas a warpgroup with one MMA in flight, and reach ~540 TFLOP/s on Mixtral's gate/up projection on an
 H100 where cuBLAS does ~710 on a dense GEMM of that size. Here the gate rows and the up rows of the
 expert's weight land in one 2*BLOCK_N-row shared-memory tile, so each K step is one 64 x 256 wgmma a
-warpgroup, the TMA loads run two steps ahead of it and two wgmmas stay in flight: 609 TFLOP/s, bit for
-bit the ``tl`` kernel's result (the same products, summed in the same order). The rows come sorted (the op
-gathers them first, a 44 us copy at Mixtral's 4096 tokens), so the A tiles are TMA loads too.
+warpgroup, the TMA loads run two steps ahead of it and each wgmma is issued before the last one is waited
+for: 609 TFLOP/s, bit for bit the ``tl`` kernel's result (the same products, summed in the same order).
+The rows come sorted (the op gathers them first, a 44 us copy at Mixtral's 4096 tokens), so the A tiles are
+TMA loads too.
 
 It takes only what it was measured faster on: sm90, fp16/bf16, experts whose weight has at least
 ``MIN_EXPERT_ELEMENTS`` elements with 512 rows or more each on average (Mixtral-8x7B; Qwen3-30B-A3B's
