@@ -161,3 +161,36 @@ def test_kernelized_model_copies_pickles_and_collects_cleanly(spy):
     del model
     gc.collect()  # dropped without revert: nothing of it may stay patched
     assert modeling_llama.apply_rotary_pos_emb is stock
+
+
+def test_the_example_plugin_kernelizes_each_model_on_its_first_call(monkeypatch, spy):
+    """examples/transformers_tests' pytest plugin: a model's first call kernelizes it, our attention included
+    where it ran SDPA, and trains as the original does; a second call does not kernelize it again."""
+    import importlib.util
+    import pathlib
+
+    from transformers import PreTrainedModel
+
+    path = pathlib.Path(__file__).parents[1] / "examples" / "transformers_tests" / "kernelize_plugin.py"
+    spec = importlib.util.spec_from_file_location("kernelize_plugin", path)
+    plugin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plugin)
+    monkeypatch.setattr(PreTrainedModel, "__call__", PreTrainedModel.__call__)  # put back after the test
+    kernelized, real = [], tnn.kernelize
+
+    def kernelize(model, **kwargs):
+        kernelized.append(model)
+        return real(model, **kwargs)
+
+    monkeypatch.setattr(tnn, "kernelize", kernelize)
+    ids = token_ids(96)
+    ref = run_model(tiny_model("llama", torch.float64), ids)
+    base = run_model(tiny_model("llama", torch.float32), ids)
+    plugin.pytest_configure(None)
+    model = tiny_model("llama", torch.float32)
+    spy.clear()
+    got = run_model(model, ids)
+    got = run_model(model, ids)  # a model called again is not kernelized again
+    assert kernelized == [model] and model.config._attn_implementation == "tritonspec"
+    assert {"rms_norm", "add_rms_norm", "swiglu", "rope", "attention"} <= set(spy)
+    compare_to_original("llama", got, base, ref, torch.float32)
