@@ -423,7 +423,7 @@ def test_a_backward_hook_returning_neither_a_runner_nor_a_decline_is_an_error(re
         with pytest.raises(
             tritonspec.SpecContractError,
             match=r"backend 'bad-runner-test' hook 'attention_backward' returned the wrong thing: expected False "
-            r"or None \(decline\) or a function run\(dqa, delta\), got",
+            r"or None \(decline\) or a function to run, got",
         ):
             out.sum().backward()
 

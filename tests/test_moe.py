@@ -271,6 +271,23 @@ def test_a_backend_may_run_its_own_grouped_gemm(layout, kind, run, registry, dev
     assert [c for c in calls if c[0] == "ran"] == (ran if run else [])  # each runner is handed its rows
 
 
+@pytest.mark.parametrize("result", [True, 1, "run"])
+def test_a_grouped_gemm_hook_returning_neither_a_runner_nor_a_decline_is_an_error(result, registry, device, gen):
+    tritonspec.register_spec(
+        "bad-gemm-test", make_spec("bad_gemm_spec", moe_experts_gemm=lambda b, c, block_expert, **kw: result)
+    )
+    args, kw = _problem(40, 32, 24, 4, 2, "concatenated", "silu", _dtypes(device)[0], device, gen)  # sorted path
+    with (
+        tritonspec.use_backend("bad-gemm-test"),
+        pytest.raises(
+            tritonspec.SpecContractError,
+            match=r"backend 'bad-gemm-test' hook 'moe_experts_gemm' returned the wrong thing: expected False or None "
+            r"\(decline\) or a function to run, got",
+        ),
+    ):
+        moe_experts(*args, **kw)
+
+
 def test_no_tokens(device, gen):
     args, kw = _problem(0, 32, 16, 4, 2, "concatenated", "silu", _dtypes(device)[0], device, gen)
     out, grads = _run(moe_experts, args, kw, torch.zeros(0, 32, device=device))
