@@ -26,8 +26,8 @@
 * Where the backend's launch configs say ``TMA`` (sm90), the weights' tiles come through host tensor
   descriptors, and for large experts the weight gradients read rows sorted first (``_sorted_rows``).
 * A backend may run the grouped GEMMs over sorted rows with its own kernel (the ``moe_experts_gemm`` hook;
-  NVIDIA's on Hopper, for Mixtral-class experts): the forward's gate/up projection (x's rows gathered for
-  it first) and down projection, the backward's d h and dx. Declined problems run the kernels below.
+  NVIDIA's on Hopper, from 512 rows an expert): the forward's gate/up projection (x's rows gathered for it
+  first) and down projection, the backward's d h and dx. Declined problems run the kernels below.
 
 Weight layouts are strides, so one kernel serves both of Hugging Face's: ``"concatenated"``
 (``gate_up_proj (E, 2I, H)`` = [gate; up], ``down_proj (E, H, I)``: Qwen2/3-MoE, Mixtral, OLMoE,

@@ -4,7 +4,7 @@ No second CUDA backend and no language or compiler hooks: kernels that do not as
 compile exactly as with stock Triton. ``kernel_config`` (a table by kernel, ``configs.py``) returns
 None (the op's own default) where we have no better choice; ``attention_forward`` and ``attention_backward``
 run Hopper's warp-specialized Gluon kernels where they were measured faster and decline everywhere else,
-as ``moe_experts_gemm`` does with Hopper's grouped GEMM for large experts.
+as ``moe_experts_gemm`` does with Hopper's grouped GEMM of the experts.
 
 Cheap to import: it is loaded on a process's first CUDA compile, so the Gluon kernels (and the
 torch they need) are imported on the first attention call, not here.
@@ -42,7 +42,7 @@ def attention_backward(q, k, v, do, dk, dv, lse, causal, scale, *, bounds):
 
 
 def moe_experts_gemm(b, c, block_expert, *, gate_up, gu=None):
-    """Hopper's grouped GEMM for large experts as ``run(a)``, or None to keep the portable kernels (asked
+    """Hopper's grouped GEMM of the experts as ``run(a)``, or None to keep the portable kernels (asked
     before the op gathers the sorted rows that only a run reads)."""
     from .moe_sm90 import moe_experts_gemm as gemm
 

@@ -1,4 +1,4 @@
-"""Hopper's grouped GEMM for large experts (Mixtral-class): the ``moe_experts_gemm`` hook, in Gluon.
+"""Hopper's grouped GEMM of the experts: the ``moe_experts_gemm`` hook, in Gluon.
 
 Why a second kernel: the portable ``tl`` GEMMs issue each K step's gate and up products as two 64 x 128
 wgmmas a warpgroup with one MMA in flight, and reach ~540 TFLOP/s on Mixtral's gate/up projection on an
@@ -9,10 +9,11 @@ for: 609 TFLOP/s, bit for bit the ``tl`` kernel's result (the same products, sum
 The rows come sorted (the op gathers them first, a 44 us copy at Mixtral's 4096 tokens), so the A tiles are
 TMA loads too.
 
-It takes only what it was measured faster on: sm90, fp16/bf16, experts whose weight has at least
-``MIN_EXPERT_ELEMENTS`` elements with 512 rows or more each on average (Mixtral-8x7B; Qwen3-30B-A3B's
-small experts gained nothing once the gather is paid and DeepSeek-V3's lost), 128-row blocks, 16-byte
-aligned rows, no bias; anything else declines and the op runs its portable kernels.
+It takes only what it was measured faster on: sm90, fp16/bf16, 512 rows an expert or more on average
+(DeepSeek-V3's 128 were slower), 128-row blocks, 16-byte aligned rows, no bias; the gate/up projection, whose
+rows the op gathers for it, only for experts of ``MIN_EXPERT_ELEMENTS`` or more (Mixtral-8x7B: Qwen3-30B-A3B's
+small experts gained nothing once the gather is paid), the GEMMs over rows that are sorted already at any size
+(Qwen3-30B-A3B forward+backward 2-4 % faster). Anything else declines and the op runs its portable kernels.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ AHEAD = 2  # K steps the loads run ahead of the wgmma
 IN_FLIGHT = 1  # wgmmas left in flight when the next is issued
 GROUP_M = 8  # row blocks whose column tiles run together (each weight tile then serves them from L2)
 MIN_ROWS_PER_EXPERT = 512
-MIN_EXPERT_ELEMENTS = 1 << 25  # K * N of one expert's weight: Mixtral's 4096 x 14336 is 2^25.8
+MIN_EXPERT_ELEMENTS = 1 << 25  # gate/up: K * N of one expert's weight (Mixtral's 4096 x 14336 is 2^25.8)
 
 if GLUON:
     from triton.experimental import gluon
@@ -249,7 +250,7 @@ def moe_experts_gemm(b, c, block_expert, *, gate_up: bool, gu=None):
         or b.dtype != c.dtype
         or R != block_expert.numel() * BLOCK_M
         or R < MIN_ROWS_PER_EXPERT * E
-        or K * N < MIN_EXPERT_ELEMENTS
+        or (gate_up and K * N < MIN_EXPERT_ELEMENTS)
         or not c.is_contiguous()
         or (gu is not None and not gu.is_contiguous())
         or N * c.element_size() % 16
