@@ -702,6 +702,35 @@ def test_hopper_attention_kernels_decline_off_gpu():
     assert launchers_sm90.attention_backward(q, q, q, o, o, o, lse, True, 0.1) is False
 
 
+def test_hopper_experts_gemm_reads_weights_in_their_storage_order_and_declines_off_gpu():
+    """Hopper's grouped GEMM reads each weight as the 2-D tensor its storage is: K-major (the gate/up weight, the
+    forward's down projection) or N-major (the backward's), the latter only with whole K tiles an expert (a tile
+    must not run into the next expert's rows); gate/up only K-major; anything else, and any CPU tensor, declines."""
+    from tritonspec_backends.nvidia.backend.spec import moe_sm90
+
+    E, H, I = 4, 256, 192
+    gate_up = torch.empty(E, 2 * I, H, dtype=torch.bfloat16)  # Hugging Face's (E, 2I, H)
+    down = torch.empty(E, H, I, dtype=torch.bfloat16)
+    cases = [
+        (gate_up.transpose(1, 2), True, (True, [E * 2 * I, H], [moe_sm90.BLOCK_N, moe_sm90.BLOCK_K])),
+        (down.transpose(1, 2), False, (True, [E * H, I], [2 * moe_sm90.BLOCK_N, moe_sm90.BLOCK_K])),
+        (down, False, (False, [E * H, I], [moe_sm90.BLOCK_K, 2 * moe_sm90.BLOCK_N])),  # the backward's d h
+        (gate_up, False, (False, [E * 2 * I, H], [moe_sm90.BLOCK_K, 2 * moe_sm90.BLOCK_N])),  # dx
+        (gate_up, True, None),  # gate and up must be rows of K
+        (torch.empty(E, 96, I, dtype=torch.bfloat16), False, None),  # N-major, K = 96: half a K tile
+        (torch.empty(E, I, 2 * H, dtype=torch.bfloat16)[:, :, ::2], False, None),  # strided
+    ]
+    for b, gate_up_mode, expected in cases:
+        got = moe_sm90._weight_tiles(b, gate_up_mode)
+        if expected is None:
+            assert got is None, (b.shape, b.stride(), gate_up_mode)
+        else:
+            desc, k_major = got
+            assert (k_major, list(desc.shape), list(desc.block_shape)) == expected
+    c = torch.empty(8 * 128, I, dtype=torch.bfloat16)
+    assert moe_sm90.moe_experts_gemm(down, c, torch.zeros(8, dtype=torch.int32), gate_up=False) is None
+
+
 def test_hopper_backward_plans_take_the_problem_before_the_accumulator_exists(monkeypatch):
     """A planned problem is taken without eligible() (its key fixed all that reads but the addresses),
     and its runner relaunches the plan on the call's tensors, the op's dqa and delta included; an

@@ -163,18 +163,23 @@ def test_kernelized_model_copies_pickles_and_collects_cleanly(spy):
     assert modeling_llama.apply_rotary_pos_emb is stock
 
 
-def test_the_example_plugin_kernelizes_each_model_on_its_first_call(monkeypatch, spy):
-    """examples/transformers_tests' pytest plugin: a model's first call kernelizes it, our attention included
-    where it ran SDPA, and trains as the original does; a second call does not kernelize it again."""
+def _example_plugin():
     import importlib.util
     import pathlib
-
-    from transformers import PreTrainedModel
 
     path = pathlib.Path(__file__).parents[1] / "examples" / "transformers_tests" / "kernelize_plugin.py"
     spec = importlib.util.spec_from_file_location("kernelize_plugin", path)
     plugin = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plugin)
+    return plugin
+
+
+def test_the_example_plugin_kernelizes_each_model_on_its_first_call(monkeypatch, spy):
+    """examples/transformers_tests' pytest plugin: a model's first call kernelizes it, our attention included
+    where it ran SDPA, and trains as the original does; a second call does not kernelize it again."""
+    from transformers import PreTrainedModel
+
+    plugin = _example_plugin()
     monkeypatch.setattr(PreTrainedModel, "__call__", PreTrainedModel.__call__)  # put back after the test
     kernelized, real = [], tnn.kernelize
 
@@ -194,3 +199,26 @@ def test_the_example_plugin_kernelizes_each_model_on_its_first_call(monkeypatch,
     assert kernelized == [model] and model.config._attn_implementation == "tritonspec"
     assert {"rms_norm", "add_rms_norm", "swiglu", "rope", "attention"} <= set(spy)
     compare_to_original("llama", got, base, ref, torch.float32)
+
+
+def test_the_example_plugin_leaves_a_model_it_fails_on_as_it_was(monkeypatch):
+    """Our attention failing to go in after kernelize: the call raises, and the model is the one the test
+    built (nothing replaced, attention as it was, every weight bit-identical)."""
+    from transformers import PreTrainedModel
+
+    plugin = _example_plugin()
+    monkeypatch.setattr(PreTrainedModel, "__call__", PreTrainedModel.__call__)  # put back after the test
+
+    def broken(model, **kwargs):
+        raise RuntimeError("attention refused")
+
+    monkeypatch.setattr(tnn, "use_tritonspec_attention", broken)
+    plugin.pytest_configure(None)
+    model = tiny_model("llama", torch.float32)
+    weights = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match="attention refused"):
+        model(input_ids=token_ids(96))
+    assert tnn.report(model) == [] and model.config._attn_implementation == "sdpa"
+    assert all("forward" not in vars(m) for m in model.modules())
+    state = model.state_dict()
+    assert state.keys() == weights.keys() and all(torch.equal(state[n], w) for n, w in weights.items())

@@ -1,5 +1,6 @@
 """The spec layer over stock Triton: hook table, resolution, injectors, install points, cache keys."""
 
+import importlib
 import os
 import re
 import subprocess
@@ -85,6 +86,17 @@ def test_every_hook_is_declared_once_with_an_install_point():
     for hook in tritonspec.HOOKS.values():
         assert hook.point in points, hook
         assert hook.doc and hook.default
+
+
+def test_points_in_tritonspecs_own_code_name_what_consults_them():
+    """Own points come from the hook table: each must name a module of tritonspec or an attribute of one."""
+    assert {"tritonspec.launch_config", "tritonspec.ops.attention", "tritonspec.ops.moe"} <= check.OWN_POINTS
+    for point in check.OWN_POINTS:
+        try:
+            importlib.import_module(point)
+        except ImportError:
+            parent, name = point.rsplit(".", 1)
+            assert hasattr(importlib.import_module(parent), name), point
 
 
 def test_undeclared_hook_names_are_errors_with_suggestions(registry):

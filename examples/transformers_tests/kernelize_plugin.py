@@ -6,8 +6,8 @@ own model tests, or yours, against our kernels without changing a test.
 On the first call of a ``PreTrainedModel`` (the outermost one; the models inside it are marked too), outside
 torch.compile's tracing: ``kernelize(model, mode=Mode.TRAINING)``, and, where the model ran SDPA, our attention
 (``attn_implementation="tritonspec"``, as ``apply_available_kernels`` chooses it). An error of either fails the
-test that called the model. Switches the test makes afterwards (``set_experts_implementation``,
-``set_attn_implementation``) act as they do on any model.
+test that called the model, which is left as it was built. Switches the test makes afterwards
+(``set_experts_implementation``, ``set_attn_implementation``) act as they do on any model.
 """
 
 from __future__ import annotations
@@ -30,8 +30,12 @@ def kernelize_once(model) -> None:
             module.__dict__[KERNELIZED] = True
     sdpa = getattr(model.config, "_attn_implementation", None) == "sdpa"
     tnn.kernelize(model, mode=tnn.Mode.TRAINING)
-    if sdpa:
-        tnn.use_tritonspec_attention(model, source="kernelize_plugin")
+    try:
+        if sdpa:
+            tnn.use_tritonspec_attention(model, source="kernelize_plugin")
+    except BaseException:
+        tnn.revert(model)  # all or nothing: the model as the test built it
+        raise
 
 
 def pytest_configure(config):

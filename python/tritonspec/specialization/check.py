@@ -29,8 +29,8 @@ from ..launch import ConfigTable
 from .providers import PROVIDERS
 from ..text_tables import WIDTH, section, wrap
 
-# Points in tritonspec's own code (consulted by its ops, not installed into Triton).
-OWN_POINTS = frozenset({"tritonspec.launch_config", "tritonspec.ops.attention", "tritonspec.ops.moe"})
+# Points in tritonspec's own code (consulted by its ops, not installed into Triton): read off the hook table.
+OWN_POINTS = frozenset(h.point for h in HOOKS.values() if h.point.split(".")[0] == "tritonspec")
 
 
 # -- sample kernels: plain functions, wrapped as compiled or interpreted kernels below -----------

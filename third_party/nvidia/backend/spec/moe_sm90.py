@@ -264,16 +264,13 @@ def moe_experts_gemm(b, c, block_expert, *, gate_up: bool, gu=None):
         return None
     b_desc, k_major = tiles
     bn2 = 2 * BLOCK_N
-    if gate_up:
-        out = dict(
-            c_desc=_desc(gu, [R, N], [2 * N, 1], [BLOCK_M, BLOCK_N]) if gu is not None else None,
-            u_desc=_desc(gu[:, N:], [R, N], [2 * N, 1], [BLOCK_M, BLOCK_N]) if gu is not None else None,
-            h_desc=_desc(c, [R, N], [N, 1], [BLOCK_M, BLOCK_N]),
-        )
-        if gu is None:  # the kernel reads no gate/up descriptor then; h's stands in for them
-            out["c_desc"] = out["u_desc"] = out["h_desc"]
+    if gate_up:  # without gu the kernel reads no gate/up descriptor: h's stands in for them
+        h_desc = _desc(c, [R, N], [N, 1], [BLOCK_M, BLOCK_N])
+        gate = h_desc if gu is None else _desc(gu, [R, N], [2 * N, 1], [BLOCK_M, BLOCK_N])
+        up = h_desc if gu is None else _desc(gu[:, N:], [R, N], [2 * N, 1], [BLOCK_M, BLOCK_N])
+        out = dict(c_desc=gate, u_desc=up, h_desc=h_desc)
         tile_n = BLOCK_N
-    else:
+    else:  # one output: the other two descriptors are never read
         c_desc = _desc(c, [R, N], [N, 1], [BLOCK_M, bn2])
         out = dict(c_desc=c_desc, u_desc=c_desc, h_desc=c_desc)
         tile_n = bn2
