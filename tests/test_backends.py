@@ -94,6 +94,7 @@ def test_nvidia_spec_changes_nothing_but_launch_configs_and_hoppers_own_kernels(
         "backend_info",
         "kernel_config",
         "moe_experts_gemm",
+        "moe_weight_grad",
     ]
 
 
@@ -526,6 +527,85 @@ def check_hopper_experts_gemm_compile():
         assert f"wgmma.mma_async.sync.aligned.m64n256k16.f32.{ptx_type}.{ptx_type}" in ptx
         assert "wgmma.wait_group.sync.aligned 1" in ptx  # one wgmma left in flight
         assert ("cp.async.bulk.tensor.2d.global.shared::cta" in ptx) and kernel.asm["cubin"]  # TMA stores
+
+
+def test_hopper_weight_gradients_compile_for_sm90(compiled):
+    assert compiled["check_hopper_weight_grad_compile"] == "ok"
+
+
+@compile_check
+def check_hopper_weight_grad_compile():
+    """The experts' weight gradients with either operand gathered (d down_proj gathers dout's rows, d gate_up_proj
+    x's), with the descriptors the hook builds: one 64 x 256 wgmma a warpgroup and K step reading the sorted
+    operand transposed, the gathered rows as 16-byte cp.async copies, within 227 KB of shared memory."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from tritonspec_backends.nvidia.backend.spec import moe_sm90
+
+    m = moe_sm90
+    for dtype, gather in ((torch.bfloat16, 1), (torch.float16, 2)):
+        kind = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+        def desc(block):
+            return f"tensordesc<{kind}[{block[0]},{block[1]}],{m._layout(tuple(block), dtype)!r}>"
+
+        constexprs = dict(
+            GATHER=gather,
+            G_LAYOUT=m._gather_layout(),
+            GROUP=m.GROUP_M,
+            STAGES=m.STAGES,
+            AHEAD=m.AHEAD,
+            IN_FLIGHT=m.IN_FLIGHT,
+            num_warps=8,
+        )
+        signature = {
+            "l_desc": desc([m.BLOCK_K, m.WG_BLOCK_M]),
+            "r_desc": desc([m.BLOCK_K, m.WG_BLOCK_N]),
+            "dw_desc": desc([m.WG_BLOCK_M, m.WG_BLOCK_N]),
+            "SRC": f"*{kind}",
+            "stride_src": "i32",
+            "ROW_PAIR": "*i32",
+            "EXPERT_START": "*i32",
+            "EXPERT_ROWS": "*i32",
+            "M": "i32",
+            "N": "i32",
+            "TOP_K": "i32",
+            **dict.fromkeys(constexprs, "constexpr"),
+        }
+        aligned = {(i,): [["tt.divisibility", 16]] for i in (3, 4, 5)}  # as launches specialize them
+        kernel = triton.compile(
+            GluonASTSource(m._moe_weight_grad_sm90_kernel, signature, constexprs=constexprs, attrs=aligned),
+            target=CUDA,
+            options={"num_warps": 8},
+        )
+        ptx = kernel.asm["ptx"]
+        assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
+        ptx_type = {"bf16": "bf16", "fp16": "f16"}[kind]
+        wgmma = re.findall(
+            rf"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.{ptx_type}\.{ptx_type} .*, (\d), (\d);", ptx
+        )
+        assert wgmma and set(wgmma) == {("1", "1")}  # A read transposed (M-major), B N-major
+        assert "wgmma.wait_group.sync.aligned 1" in ptx  # one wgmma left in flight
+        assert re.search(r"cp\.async\.cg\.shared\.global \[.*\], \[.*\], 0x10", ptx)  # 16-byte gathers
+        assert ("cp.async.bulk.tensor.2d.global.shared::cta" in ptx) and kernel.asm["cubin"]  # the TMA store
+
+
+def test_hopper_weight_gradients_decline_what_they_were_not_measured_on():
+    """Only problems with exactly one operand gathered (both sorted: the portable TMA kernel is as fast), whole
+    tiles of dw, and a CUDA device."""
+    from tritonspec_backends.nvidia.backend.spec import moe_sm90
+
+    E, T, k, H, I = 4, 256, 2, 256, 128
+    R = E * 128 + T * k
+    row_pair, start, rows = torch.zeros(R, dtype=torch.int32), torch.zeros(E, dtype=torch.int32), torch.zeros(E)
+    dout, x = torch.empty(T, H, dtype=torch.bfloat16), torch.empty(T, H, dtype=torch.bfloat16)
+    g, dgu = torch.empty(R, I, dtype=torch.bfloat16), torch.empty(R, 2 * I, dtype=torch.bfloat16)
+    sort = (row_pair, start, rows, 128)
+    for lhs, rhs, dw, gather_l, gather_r in (
+        (dout, g, torch.empty(E, H, I, dtype=torch.bfloat16), True, False),  # on the CPU
+        (dgu, x, torch.empty(E, 2 * I, H, dtype=torch.bfloat16), False, True),
+        (g, g, torch.empty(E, I, I, dtype=torch.bfloat16), False, False),
+    ):
+        assert moe_sm90.moe_weight_grad(lhs, rhs, dw, *sort, gather_l=gather_l, gather_r=gather_r, top_k=k) is False
 
 
 def test_hopper_descriptors():

@@ -288,6 +288,65 @@ def test_a_grouped_gemm_hook_returning_neither_a_runner_nor_a_decline_is_an_erro
         moe_experts(*args, **kw)
 
 
+def _own_weight_grad_spec(calls, run):
+    """A spec whose ``moe_weight_grad`` records each question and, when ``run``, writes in float64 exactly what
+    the hook promises: each expert's sum over its sort rows of lhs_row^T rhs_row, a gathered operand's rows being
+    the rows' tokens' (zeros in padding rows)."""
+
+    def moe_weight_grad(lhs, rhs, dw, row_pair, expert_start, expert_rows, block_m, *, gather_l, gather_r, top_k):
+        calls.append((tuple(dw.shape), gather_l, gather_r, row_pair.numel() % block_m))
+        if not run:
+            return False
+        pairs = row_pair.long()
+        used = (pairs >= 0)[:, None]
+
+        def rows(t, gather):
+            return (
+                torch.where(used, t[torch.where(pairs >= 0, pairs // top_k, 0)], 0).double() if gather else t.double()
+            )
+
+        lhs, rhs = rows(lhs, gather_l), rows(rhs, gather_r)
+        for e, (start, count) in enumerate(zip(expert_start.tolist(), expert_rows.tolist())):
+            dw[e] = (lhs[start : start + count].T @ rhs[start : start + count]).to(dw.dtype)
+        return True
+
+    return make_spec("own_weight_grad_spec", moe_weight_grad=moe_weight_grad)
+
+
+@pytest.mark.parametrize("run", [True, False], ids=["runs", "declines"])
+@pytest.mark.parametrize("layout, kind", [("concatenated", "silu"), ("interleaved_transposed", "gpt_oss")])
+def test_a_backend_may_run_its_own_weight_gradients(layout, kind, run, registry, device, gen, monkeypatch):
+    """The op asks the backend for each weight gradient without a bias gradient (d down_proj over dout's gathered
+    rows, then d gate_up_proj over x's), in the weight's (E, M, N) orientation: what it writes is the
+    gradient and the portable kernel does not run; a decline runs the portable kernel."""
+    calls, launched = [], []
+    launch = moe_mod.launch
+    monkeypatch.setattr(moe_mod, "launch", lambda kernel, *a, **k: launched.append(kernel) or launch(kernel, *a, **k))
+    tritonspec.register_spec("own-weight-grad-test", _own_weight_grad_spec(calls, run))
+    T, H, I, E, k = 40, 32, 24, 4, 2
+    args, kw = _problem(T, H, I, E, k, layout, kind, _dtypes(device)[0], device, gen)
+    with tritonspec.use_backend("own-weight-grad-test"):
+        _check(args, kw, gen=gen)
+    expected = [((E, H, I), True, False, 0), ((E, 2 * I, H), False, True, 0)]
+    assert calls == (expected if kind == "silu" else [])  # GPT-OSS: its biases' gradients come with the weights'
+    portable = launched.count(moe_mod._moe_weight_grad_kernel)
+    assert portable == (0 if run and kind == "silu" else 2)
+
+
+@pytest.mark.parametrize("result", [None, 1, "ran"])
+def test_a_weight_gradient_hook_returning_no_bool_is_an_error(result, registry, device, gen):
+    tritonspec.register_spec("bad-wg-test", make_spec("bad_wg_spec", moe_weight_grad=lambda *a, **kw: result))
+    args, kw = _problem(40, 32, 24, 4, 2, "concatenated", "silu", _dtypes(device)[0], device, gen)
+    with (
+        tritonspec.use_backend("bad-wg-test"),
+        pytest.raises(
+            tritonspec.SpecContractError,
+            match=r"backend 'bad-wg-test' hook 'moe_weight_grad' returned the wrong thing: expected bool, got",
+        ),
+    ):
+        _run(moe_experts, args, kw, torch.randn(40, 32, generator=gen).to(device))
+
+
 def test_no_tokens(device, gen):
     args, kw = _problem(0, 32, 16, 4, 2, "concatenated", "silu", _dtypes(device)[0], device, gen)
     out, grads = _run(moe_experts, args, kw, torch.zeros(0, 32, device=device))

@@ -1,10 +1,9 @@
-"""The experts' grouped GEMM of Hopper's spec (``moe_experts_gemm``) at Mixtral-, Qwen3- and GPT-OSS-class shapes:
-it takes the GEMMs it should, every output element is written, and the op's output and all its gradients
-equal the portable kernels' bit for bit (the same products summed in the same order), so the float64 checks
-of those kernels hold for it too; the output is checked against float64 here as well.
+"""The experts' grouped GEMMs of Hopper's spec (``moe_experts_gemm``, ``moe_weight_grad``) at Mixtral-, Qwen3-
+and GPT-OSS-class shapes: they take the GEMMs they should, every output element is written, and the op's output
+and all its gradients equal the portable kernels' bit for bit (the same products summed in the same order), so
+the float64 checks of those kernels hold for them too; the output is checked against float64 here as well.
 
-Run with TRITONSPEC_TEST_DEVICE=cuda on an sm90 GPU; the CPU suite checks the op's side of the hook.
-"""
+Run with TRITONSPEC_TEST_DEVICE=cuda on an sm90 GPU; the CPU suite checks the op's side of the hooks."""
 
 import pytest
 import torch
@@ -46,6 +45,9 @@ TAKEN = {
     "qwen3": [False, True, False, True, True],
     "gpt_oss": [True],
 }
+# and of the weight gradients (d down_proj, then d gate_up_proj; asked only without biases): those gathering
+# the tokens' rows; Mixtral's read rows sorted first (d gate_up_proj in two blocks of x's columns): declined
+WEIGHT_GRADS_TAKEN = {"mixtral": [False] * 3, "qwen3": [True, True], "gpt_oss": []}
 
 
 @pytest.mark.skipif(not _sm90(), reason="Hopper's own kernel")
@@ -69,19 +71,26 @@ def test_hopper_grouped_gemm_equals_the_portable_kernels(case, dtype, monkeypatc
             clamp=7.0,
         )
     dout = torch.randn(T, H, generator=gen).to(DEV, dtype)
-    asked = []
-    backend_gemm = moe_mod._backend_gemm
+    asked, weight_grads = [], []
+    backend_gemm, backend_weight_grad = moe_mod._backend_gemm, moe_mod._backend_weight_grad
 
     def recording(*args, **kwargs):
         run = backend_gemm(*args, **kwargs)
         asked.append(run is not None)
         return run
 
+    def recording_weight_grad(*args):
+        weight_grads.append(backend_weight_grad(*args))
+        return weight_grads[-1]
+
     monkeypatch.setattr(moe_mod, "_backend_gemm", recording)
+    monkeypatch.setattr(moe_mod, "_backend_weight_grad", recording_weight_grad)
     with poisoned_allocations():
         hopper = _run(x, ids, w, gate_up, down, dout, kw)
     assert asked == TAKEN[case]
+    assert weight_grads == WEIGHT_GRADS_TAKEN[case]
     monkeypatch.setattr(moe_mod, "_backend_gemm", lambda *args, **kwargs: None)
+    monkeypatch.setattr(moe_mod, "_backend_weight_grad", lambda *args: False)
     portable = _run(x, ids, w, gate_up, down, dout, kw)
     for name, a, b in zip(("inference", "out", "dx", "dweights", "dgate_up", "ddown"), hopper, portable):
         assert torch.equal(a, b), name

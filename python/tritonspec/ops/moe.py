@@ -27,7 +27,8 @@
   descriptors, and for large experts the weight gradients read rows sorted first (``_sorted_rows``).
 * A backend may run the grouped GEMMs over sorted rows with its own kernel (the ``moe_experts_gemm`` hook;
   NVIDIA's on Hopper, from 512 rows an expert): the forward's gate/up projection (x's rows gathered for it
-  first) and down projection, the backward's d h and dx. Declined problems run the kernels below.
+  first) and down projection, the backward's d h and dx; and the weight gradients (``moe_weight_grad``),
+  gathering the tokens' rows itself. Declined problems run the kernels below.
 
 Weight layouts are strides, so one kernel serves both of Hugging Face's: ``"concatenated"``
 (``gate_up_proj (E, 2I, H)`` = [gate; up], ``down_proj (E, H, I)``: Qwen2/3-MoE, Mixtral, OLMoE,
@@ -886,6 +887,14 @@ def _x_columns(H: int, T: int, R: int) -> list[slice]:
     return [slice(c, min(c + width, H)) for c in range(0, H, width)]
 
 
+def _backend_weight_grad(lhs, gather_l, rhs, gather_r, row_pair, expert_start, expert_rows, dw, top_k, block_m):
+    """True where the backend's own weight-gradient kernel (``moe_weight_grad``) wrote ``dw``."""
+    own = lookup("moe_weight_grad", backend=backend_for_device(dw.device))
+    return own is not None and own(
+        lhs, rhs, dw, row_pair, expert_start, expert_rows, block_m, gather_l=gather_l, gather_r=gather_r, top_k=top_k
+    )
+
+
 def _weight_grad_config(problem: dict, device) -> MoEWeightGrad:
     return launch_config(MoEWeightGrad, device, lambda: _weight_grad_default(problem["tokens_per_expert"]), **problem)
 
@@ -902,12 +911,20 @@ def _weight_grad(
     dw,
     dbias,
     top_k,
+    block_m,
     problem,
     traced,
     tma=False,
 ):
     """dw: an (E, M, N) view of a weight's gradient; dbias: its (E, M) bias gradient or None. ``tma``: lhs and
-    rhs are sorted rows, (R, M) and (R, N), read through descriptors."""
+    rhs are sorted rows, (R, M) and (R, N), read through descriptors. The backend's own kernel first, where
+    there is no bias gradient and not while traced (as ``_backend_gemm``)."""
+    if (
+        dbias is None
+        and not traced
+        and _backend_weight_grad(lhs, gather_l, rhs, gather_r, row_pair, expert_start, expert_rows, dw, top_k, block_m)
+    ):
+        return
     cfg = _weight_grad_config(problem, dw.device)
     E, m, n = dw.shape
     dummy = _dummy(dw.device)
@@ -1058,6 +1075,7 @@ def moe_experts_backward(
         _down_view(ddown, layout).transpose(1, 2),
         ddb,
         top_k,
+        block_m,
         problem,
         traced,
         tma,
@@ -1089,6 +1107,7 @@ def moe_experts_backward(
             dgate_up_view[:, :, cols],
             dgb if cols.start == 0 else None,  # each block of columns would write the same bias gradient
             top_k,
+            block_m,
             problem,
             traced,
             tma,

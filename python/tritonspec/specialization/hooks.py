@@ -94,6 +94,9 @@ def launch_config_call(kernel: str, *, device, **problem) -> dict | None: ...
 def attention_forward_call(q, k, v, o, lse, causal: bool, scale: float, *, bounds) -> bool: ...
 def attention_backward_call(q, k, v, do, dk, dv, lse, causal: bool, scale: float, *, bounds) -> Callable | None: ...
 def moe_experts_gemm_call(b, c, block_expert, *, gate_up: bool, gu) -> Callable | None: ...
+def moe_weight_grad_call(
+    lhs, rhs, dw, row_pair, expert_start, expert_rows, block_m: int, *, gather_l: bool, gather_r: bool, top_k: int
+) -> bool: ...
 def value_call(): ...  # a VALUE / PREDICATE hook given as a function computes its value on first use
 
 
@@ -311,6 +314,20 @@ HOOKS: dict[str, Hook] = _table(
         "them; None or False keeps the portable kernels",
         signature=moe_experts_gemm_call,
         check=_runner_or_decline,
+    ),
+    Hook(
+        "moe_weight_grad",
+        F,
+        "tritonspec.ops.moe",
+        "the portable Triton weight-gradient kernel of the experts",
+        "(lhs, rhs, dw, row_pair, expert_start, expert_rows, block_m: int, *, gather_l: bool, gather_r: bool, "
+        "top_k: int) -> bool: write each expert's weight gradient dw[e] (E, M, N) = the sum over its rows of the "
+        "sort (expert_start[e], expert_rows[e] of them, padded to block_m) of lhs_row^T rhs_row. An operand is "
+        "either the sorted rows themselves ((R, M) or (R, N), zeros in padding rows) or, gather_*, the tokens' "
+        "rows (T, ...), row r's token being row_pair[r] // top_k (-1: a padding row, zeros); no bias gradient. "
+        "False keeps the portable kernel",
+        signature=moe_weight_grad_call,
+        check=_BOOL,
     ),
 )
 

@@ -4,7 +4,7 @@ No second CUDA backend and no language or compiler hooks: kernels that do not as
 compile exactly as with stock Triton. ``kernel_config`` (a table by kernel, ``configs.py``) returns
 None (the op's own default) where we have no better choice; ``attention_forward`` and ``attention_backward``
 run Hopper's warp-specialized Gluon kernels where they were measured faster and decline everywhere else,
-as ``moe_experts_gemm`` does with Hopper's grouped GEMM of the experts.
+as ``moe_experts_gemm`` and ``moe_weight_grad`` do with Hopper's grouped GEMMs of the experts.
 
 Cheap to import: it is loaded on a process's first CUDA compile, so the Gluon kernels (and the
 torch they need) are imported on the first attention call, not here.
@@ -49,4 +49,21 @@ def moe_experts_gemm(b, c, block_expert, *, gate_up, gu=None):
     return gemm(b, c, block_expert, gate_up=gate_up, gu=gu)
 
 
-__all__ = ["backend_info", "kernel_config", "attention_forward", "attention_backward", "moe_experts_gemm"]
+def moe_weight_grad(lhs, rhs, dw, row_pair, expert_start, expert_rows, block_m, *, gather_l, gather_r, top_k):
+    """Hopper's weight gradients of the experts (gathering the tokens' rows as it goes), or False to keep the
+    portable kernel."""
+    from .moe_sm90 import moe_weight_grad as weight_grad
+
+    return weight_grad(
+        lhs, rhs, dw, row_pair, expert_start, expert_rows, block_m, gather_l=gather_l, gather_r=gather_r, top_k=top_k
+    )
+
+
+__all__ = [
+    "backend_info",
+    "kernel_config",
+    "attention_forward",
+    "attention_backward",
+    "moe_experts_gemm",
+    "moe_weight_grad",
+]

@@ -1,15 +1,17 @@
 """Gluon's Hopper API under the names the sm90 kernels (attention, the experts' GEMMs) call, on every Triton we
 support (3.6 to 3.9).
 
-Later Tritons renamed the TMA copies and the partition barrier, and Triton 3.6 has the TMA reduce-add IR op but
-no Gluon wrapper for it: the kernels call the names below, which are whichever this Triton has. ``GLUON`` is
-False on a Triton without Gluon's Hopper API; nothing else is defined then, and the hooks always decline.
+Later Tritons renamed the TMA copies, cp.async's copy and the partition barrier, and Triton 3.6 has the TMA
+reduce-add IR op but no Gluon wrapper for it: the kernels call the names below, which are whichever this Triton
+has. ``GLUON`` is False on a Triton without Gluon's Hopper API; nothing else is defined then, and the hooks
+always decline.
 """
 
 from __future__ import annotations
 
 try:
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import tma
 
     GLUON = hasattr(gl, "warp_specialize")
@@ -19,6 +21,7 @@ except ImportError:  # a Triton without Gluon
 if GLUON:
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    cp_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     thread_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # a partition's own threads (named barrier)
     tma_reduce_add = getattr(tma, "async_atomic_add", None)
     if tma_reduce_add is None:  # Triton 3.6 has the IR op but no Gluon wrapper for it
@@ -34,4 +37,4 @@ if GLUON:
             )
 
 
-__all__ = ["GLUON", "tma_load", "tma_store", "thread_barrier", "tma_reduce_add"]
+__all__ = ["GLUON", "tma_load", "tma_store", "cp_async_load", "thread_barrier", "tma_reduce_add"]

@@ -1,4 +1,4 @@
-"""Hopper's grouped GEMM of the experts: the ``moe_experts_gemm`` hook, in Gluon.
+"""Hopper's grouped GEMMs of the experts, in Gluon: the ``moe_experts_gemm`` and ``moe_weight_grad`` hooks.
 
 Why a second kernel: the portable ``tl`` GEMMs issue each K step's gate and up products as two 64 x 128
 wgmmas a warpgroup with one MMA in flight, and reach ~540 TFLOP/s on Mixtral's gate/up projection on an
@@ -14,6 +14,13 @@ It takes only what it was measured faster on: sm90, fp16/bf16, 512 rows an exper
 rows the op gathers for it, only for experts of ``MIN_EXPERT_ELEMENTS`` or more (Mixtral-8x7B: Qwen3-30B-A3B's
 small experts gained nothing once the gather is paid), the GEMMs over rows that are sorted already at any size
 (Qwen3-30B-A3B forward+backward 2-4 % faster). Anything else declines and the op runs its portable kernels.
+
+The weight gradients of smaller experts (Qwen3-30B-A3B, DeepSeek-V3) sum over each expert's rows, one operand
+being the tokens' rows in the sort's order: sorting them first cost more than it saved, and the ``tl`` kernel,
+which gathers them in its K loop, reached ~350 TFLOP/s. Here the gathered rows come by cp.async, each thread
+copying 16-byte pieces of one row (one pair read and one address computed a step), the sorted operand by TMA,
+into the same 64 x 256 wgmma a warpgroup: 480-530 TFLOP/s at Qwen3's 32768 tokens, bit for bit the ``tl``
+kernel's result again. Where both operands are sorted rows (large experts) the ``tl`` TMA kernel is as fast.
 """
 
 from __future__ import annotations
@@ -34,11 +41,13 @@ AHEAD = 2  # K steps the loads run ahead of the wgmma
 IN_FLIGHT = 1  # wgmmas left in flight when the next is issued
 GROUP_M = 8  # row blocks whose column tiles run together (each weight tile then serves them from L2)
 MIN_ROWS_PER_EXPERT = 512
+WG_MIN_ROWS_PER_EXPERT = 128  # the weight gradients: faster at DeepSeek-V3's 128 rows an expert already
 MIN_EXPERT_ELEMENTS = 1 << 25  # gate/up: K * N of one expert's weight (Mixtral's 4096 x 14336 is 2^25.8)
 
 if GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -48,7 +57,7 @@ if GLUON:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .gluon_compat import tma_load, tma_store
+    from .gluon_compat import cp_async_load, thread_barrier, tma_load, tma_store
 
     @gluon.jit
     def _grouped_tile(pid, num_m, num_n, GROUP: gl.constexpr):
@@ -203,6 +212,122 @@ if GLUON:
             tma_store(c_desc, [off_m, off_n], c_smem)
         tma.store_wait(0)
 
+    @gluon.jit
+    def _step_pairs(ROW_PAIR, first, step, n_k, BK: gl.constexpr, layout: gl.constexpr):
+        """The pairs of K step ``step``'s sort rows (-1: a padding row, or past the expert's last step), in the
+        row layout of a gathered tile's registers."""
+        rows = first + step * BK + gl.arange(0, BK, layout=gl.SliceLayout(1, layout))
+        return gl.load(ROW_PAIR + rows, mask=rows < first + n_k * BK, other=-1)
+
+    @gluon.jit
+    def _wg_load_step(
+        i, first, l_desc, r_desc, src, stride, pairs, TOP_K, off_m, off_n, bar, l_smem, r_smem,
+        GATHER: gl.constexpr, G_LAYOUT: gl.constexpr,
+    ):  # fmt: skip
+        """K step i (sort rows first + i * BK ..) of both operands into one ring slot: the sorted rows by TMA
+        (``bar``), the gathered operand's tokens' rows (GATHER 1: L's, 2: R's; ``pairs``, the step's) by
+        cp.async, padding rows zero-filled."""
+        BK: gl.constexpr = l_smem.shape[0]
+        row0 = first + i * BK
+        if GATHER == 1:
+            smem = l_smem
+            off_c = off_m
+            mbarrier.expect(bar, r_desc.block_type.nbytes)
+            tma_load(r_desc, [row0, off_n], bar, r_smem)
+        else:
+            smem = r_smem
+            off_c = off_n
+            mbarrier.expect(bar, l_desc.block_type.nbytes)
+            tma_load(l_desc, [row0, off_m], bar, l_smem)
+        BC: gl.constexpr = smem.shape[1]
+        tokens = gl.where(pairs >= 0, pairs // TOP_K, 0).to(gl.int64)
+        cols = off_c + gl.arange(0, BC, layout=gl.SliceLayout(0, G_LAYOUT))
+        ptrs = src + gl.expand_dims(tokens * stride, 1) + gl.expand_dims(cols, 0)
+        cp_async_load(smem, ptrs, mask=gl.expand_dims(pairs >= 0, 1))
+
+    @gluon.jit
+    def _moe_weight_grad_sm90_kernel(
+        l_desc,  # (R, M) sorted rows, (BLOCK_K, BLOCK_M) tiles (GATHER 1: stands in for the block shape only)
+        r_desc,  # (R, N) sorted rows, (BLOCK_K, BLOCK_N) tiles (GATHER 2: likewise)
+        dw_desc,  # out: the gradients (E * M, N), (BLOCK_M, BLOCK_N) tiles
+        SRC,  # GATHER: the gathered operand's tokens' rows, (T, M) or (T, N) by row stride stride_src
+        stride_src,
+        ROW_PAIR,  # the sort (moe_sort.SortedPairs): each row's pair, -1 in padding rows
+        EXPERT_START,
+        EXPERT_ROWS,
+        M,
+        N,
+        TOP_K,
+        GATHER: gl.constexpr,  # 1: L gathered from the tokens' rows, R sorted rows; 2: the other way round
+        G_LAYOUT: gl.constexpr,  # the registers' layout of a gathered (BLOCK_K, BLOCK_M or BLOCK_N) tile
+        GROUP: gl.constexpr,
+        STAGES: gl.constexpr,
+        AHEAD: gl.constexpr,
+        IN_FLIGHT: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """dW_e tile (BLOCK_M, BLOCK_N) = the sum over expert e's rows of L_row^T R_row: one 64 x BLOCK_N wgmma a
+        warpgroup a K step of 64 rows, A being L's tile read transposed. An expert without rows gets zeros;
+        padding rows are zeros in the sorted operands and zero-filled in the gathered one."""
+        BK: gl.constexpr = l_desc.block_type.shape[0]
+        BM: gl.constexpr = l_desc.block_type.shape[1]
+        BN: gl.constexpr = r_desc.block_type.shape[1]
+        dtype: gl.constexpr = dw_desc.dtype
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16]
+        )
+        e = gl.program_id(1)
+        pid_m, pid_n = _grouped_tile(gl.program_id(0), M // BM, N // BN, GROUP)
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        first = gl.load(EXPERT_START + e)
+        n_k = gl.cdiv(gl.load(EXPERT_ROWS + e), BK)
+        l_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BM], l_desc.layout)
+        r_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BN], r_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for slot in gl.static_range(STAGES):
+            mbarrier.init(bars.index(slot), count=1)
+        acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
+        if n_k > 0:  # (a loop that may run no step makes ptxas serialize the wgmmas)
+            for p in gl.static_range(AHEAD):
+                if p < n_k:
+                    pairs = _step_pairs(ROW_PAIR, first, p, n_k, BK, G_LAYOUT)
+                    _wg_load_step(
+                        p, first, l_desc, r_desc, SRC, stride_src, pairs, TOP_K, off_m, off_n, bars.index(p),
+                        l_bufs.index(p), r_bufs.index(p), GATHER, G_LAYOUT,
+                    )  # fmt: skip
+                async_copy.commit_group()
+            # each step's pairs are loaded a step before its copies: their latency off the copies' issue (Qwen3's
+            # weight gradients at 32768 tokens 480-487 -> 519-529 TFLOP/s on an H100)
+            pairs = _step_pairs(ROW_PAIR, first, AHEAD, n_k, BK, G_LAYOUT)
+            for i in range(n_k):
+                s = i % STAGES
+                # step i's copies, from every thread, visible to the tensor cores' proxy
+                async_copy.wait_group(AHEAD - 1)
+                fence_async_shared()
+                thread_barrier()
+                mbarrier.wait(bars.index(s), (i // STAGES) & 1)
+                acc = warpgroup_mma(l_bufs.index(s).permute((1, 0)), r_bufs.index(s), acc, is_async=True)
+                # while it runs, the loads of step i + AHEAD, into the slot step i + AHEAD - STAGES's wgmmas read:
+                # both warpgroups waited for those before the barrier (AHEAD + IN_FLIGHT <= STAGES - 1)
+                if i + AHEAD < n_k:
+                    t = (i + AHEAD) % STAGES
+                    _wg_load_step(
+                        i + AHEAD, first, l_desc, r_desc, SRC, stride_src, pairs, TOP_K, off_m, off_n,
+                        bars.index(t), l_bufs.index(t), r_bufs.index(t), GATHER, G_LAYOUT,
+                    )  # fmt: skip
+                    pairs = _step_pairs(ROW_PAIR, first, i + AHEAD + 1, n_k, BK, G_LAYOUT)
+                async_copy.commit_group()
+                acc = warpgroup_mma_wait(IN_FLIGHT, deps=(acc,))
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+        for slot in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(slot))
+        c_smem = gl.allocate_shared_memory(dtype, [BM, BN], dw_desc.layout)
+        c_smem.store(acc.to(dtype))
+        fence_async_shared()
+        tma_store(dw_desc, [e * M + off_m, off_n], c_smem)
+        tma.store_wait(0)
+
 
 @functools.lru_cache(maxsize=None)
 def _is_sm90(index: int) -> bool:
@@ -302,3 +427,66 @@ def moe_experts_gemm(b, c, block_expert, *, gate_up: bool, gu=None):
         )
 
     return run
+
+
+WG_BLOCK_M = 128  # the weight gradient's tile: rows of dW (L's columns), one 64-row half a warpgroup
+WG_BLOCK_N = 256  # columns of dW (R's columns): the wgmma's N
+
+
+def _gather_layout():
+    """Registers of a gathered (BLOCK_K, columns) tile over 8 warps: each thread's 16-byte copies in one row (a
+    row's 4 threads 64 bytes apart), so that each thread reads one pair and computes one token's address a step."""
+    return gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0])
+
+
+def moe_weight_grad(lhs, rhs, dw, row_pair, expert_start, expert_rows, block_m, *, gather_l, gather_r, top_k):
+    """The ``moe_weight_grad`` hook: dw[e] = sum over expert e's sort rows of lhs_row^T rhs_row, or False."""
+    if not GLUON or not dw.is_cuda or getattr(torch.version, "hip", None):
+        return False
+    E, M, N = dw.shape
+    R = row_pair.numel()
+    dtype = dw.dtype
+    if (
+        dtype not in (torch.float16, torch.bfloat16)
+        or lhs.dtype != dtype
+        or rhs.dtype != dtype
+        or gather_l == gather_r  # sorted rows both (large experts): the portable TMA kernel was as fast
+        or not dw.is_contiguous()
+        or M % WG_BLOCK_M
+        or N % WG_BLOCK_N
+        or block_m % BLOCK_K
+        or R < WG_MIN_ROWS_PER_EXPERT * E
+        or lhs.shape[1] != M
+        or rhs.shape[1] != N
+        or lhs.stride(1) != 1
+        or rhs.stride(1) != 1
+        or any(t.stride(0) * t.element_size() % 16 for t in (lhs, rhs))
+        or (not gather_l and lhs.shape[0] != R)
+        or (not gather_r and rhs.shape[0] != R)
+        or not _aligned(lhs, rhs, dw)
+        or not _is_sm90(dw.device.index if dw.device.index is not None else torch.cuda.current_device())
+    ):
+        return False
+    launch(
+        _moe_weight_grad_sm90_kernel,
+        (M // WG_BLOCK_M * (N // WG_BLOCK_N), E),
+        l_desc=_desc(lhs, lhs.shape, lhs.stride(), [BLOCK_K, WG_BLOCK_M]),
+        r_desc=_desc(rhs, rhs.shape, rhs.stride(), [BLOCK_K, WG_BLOCK_N]),
+        dw_desc=_desc(dw, [E * M, N], [N, 1], [WG_BLOCK_M, WG_BLOCK_N]),
+        SRC=lhs if gather_l else rhs,
+        stride_src=(lhs if gather_l else rhs).stride(0),
+        ROW_PAIR=row_pair,
+        EXPERT_START=expert_start,
+        EXPERT_ROWS=expert_rows,
+        M=M,
+        N=N,
+        TOP_K=top_k,
+        GATHER=1 if gather_l else 2,
+        G_LAYOUT=_gather_layout(),
+        GROUP=GROUP_M,
+        STAGES=STAGES,
+        AHEAD=AHEAD,
+        IN_FLIGHT=IN_FLIGHT,
+        num_warps=8,
+    )
+    return True
