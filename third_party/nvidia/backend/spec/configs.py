@@ -155,7 +155,7 @@ def _hopper_moe(kernel: str, **problem):
     descriptors, 256 columns of gate and up a program. With large experts (I >= 4096, 512 rows or more each:
     Mixtral) the weight gradients read sorted rows through descriptors, 128 x 256 tiles on two warpgroups;
     for smaller ones (Qwen3, DeepSeek-V3: 2-5 % slower end to end) gathering the rows first costs more than
-    the descriptors save."""
+    the descriptors save (the spec's own weight-gradient kernel, ``moe_sm90``, takes those)."""
     cap = _capability(problem)
     if cap is None or cap // 10 != 9 or problem.get("dtype") not in ("torch.bfloat16", "torch.float16"):
         return None
