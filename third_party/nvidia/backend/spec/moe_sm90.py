@@ -433,9 +433,11 @@ WG_BLOCK_M = 128  # the weight gradient's tile: rows of dW (L's columns), one 64
 WG_BLOCK_N = 256  # columns of dW (R's columns): the wgmma's N
 
 
+@functools.lru_cache(maxsize=None)
 def _gather_layout():
-    """Registers of a gathered (BLOCK_K, columns) tile over 8 warps: each thread's 16-byte copies in one row (a
-    row's 4 threads 64 bytes apart), so that each thread reads one pair and computes one token's address a step."""
+    """Registers of a gathered (BLOCK_K, columns) tile over 8 warps: each thread's 16-byte copies in one row (4
+    threads a row, each thread's pieces 64 bytes apart), so that each thread reads one pair and computes one
+    token's address a step."""
     return gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0])
 
 
