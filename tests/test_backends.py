@@ -5,6 +5,7 @@ spec (``use_backend``); compiler-side behaviour is checked by compiling offline 
 target (``JITFunction`` wraps plain functions, since ``triton.jit`` interprets here).
 """
 
+import functools
 import os
 import pathlib
 import re
@@ -469,6 +470,19 @@ def test_hopper_experts_gemm_compiles_for_sm90(compiled):
     assert compiled["check_hopper_experts_gemm_compile"] == "ok"
 
 
+def _experts_gemm_tile(dtype, block) -> str:
+    """The signature entry of a host descriptor of ``block`` tiles, as Hopper's experts' GEMMs build them."""
+    from tritonspec_backends.nvidia.backend.spec import moe_sm90
+
+    kind = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    return f"tensordesc<{kind}[{block[0]},{block[1]}],{moe_sm90._layout(tuple(block), dtype)!r}>"
+
+
+def _experts_gemm_pipeline(m) -> dict:
+    """The K loop's constexprs both experts' GEMMs share: tile order, ring depth, loads ahead, wgmmas in flight."""
+    return dict(GROUP=m.GROUP_M, STAGES=m.STAGES, AHEAD=m.AHEAD, IN_FLIGHT=m.IN_FLIGHT, num_warps=8)
+
+
 @compile_check
 def check_hopper_experts_gemm_compile():
     """The experts' grouped GEMM in its four forms (gate/up with and without the saved pre-activations, plain
@@ -486,10 +500,7 @@ def check_hopper_experts_gemm_compile():
         (torch.float16, False, False, False),
     ):
         kind = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-
-        def desc(block):
-            return f"tensordesc<{kind}[{block[0]},{block[1]}],{m._layout(tuple(block), dtype)!r}>"
-
+        desc = functools.partial(_experts_gemm_tile, dtype)
         b_block = [m.BLOCK_N, m.BLOCK_K] if gate_up else ([bn2, m.BLOCK_K] if k_major else [m.BLOCK_K, bn2])
         c_block = [m.BLOCK_M, m.BLOCK_N if gate_up else bn2]
         constexprs = dict(
@@ -498,11 +509,7 @@ def check_hopper_experts_gemm_compile():
             K_MAJOR=k_major,
             B_LAYOUT=m._layout((bn2, m.BLOCK_K) if k_major else (m.BLOCK_K, bn2), dtype),
             C_LAYOUT=m._layout((m.BLOCK_M, bn2), dtype),
-            GROUP=m.GROUP_M,
-            STAGES=m.STAGES,
-            AHEAD=m.AHEAD,
-            IN_FLIGHT=m.IN_FLIGHT,
-            num_warps=8,
+            **_experts_gemm_pipeline(m),
         )
         signature = {
             "a_desc": desc([m.BLOCK_M, m.BLOCK_K]),
@@ -544,19 +551,8 @@ def check_hopper_weight_grad_compile():
     m = moe_sm90
     for dtype, gather in ((torch.bfloat16, 1), (torch.float16, 2)):
         kind = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-
-        def desc(block):
-            return f"tensordesc<{kind}[{block[0]},{block[1]}],{m._layout(tuple(block), dtype)!r}>"
-
-        constexprs = dict(
-            GATHER=gather,
-            G_LAYOUT=m._gather_layout(),
-            GROUP=m.GROUP_M,
-            STAGES=m.STAGES,
-            AHEAD=m.AHEAD,
-            IN_FLIGHT=m.IN_FLIGHT,
-            num_warps=8,
-        )
+        desc = functools.partial(_experts_gemm_tile, dtype)
+        constexprs = dict(GATHER=gather, G_LAYOUT=m._gather_layout(), **_experts_gemm_pipeline(m))
         signature = {
             "l_desc": desc([m.BLOCK_K, m.WG_BLOCK_M]),
             "r_desc": desc([m.BLOCK_K, m.WG_BLOCK_N]),
