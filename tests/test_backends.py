@@ -586,22 +586,32 @@ def check_hopper_weight_grad_compile():
 
 
 def test_hopper_weight_gradients_decline_what_they_were_not_measured_on():
-    """Only problems with exactly one operand gathered (both sorted: the portable TMA kernel is as fast), whole
-    tiles of dw, and a CUDA device."""
-    from tritonspec_backends.nvidia.backend.spec import moe_sm90
+    """Taken: exactly one operand gathered (both sorted: the portable TMA kernel is as fast), whole tiles of a
+    contiguous dw, K steps inside the sort's blocks, 128 rows an expert or more; and only on a CUDA device."""
+    from tritonspec_backends.nvidia.backend.spec import moe_sm90 as m
 
-    E, T, k, H, I = 4, 256, 2, 256, 128
-    R = E * 128 + T * k
-    row_pair, start, rows = torch.zeros(R, dtype=torch.int32), torch.zeros(E, dtype=torch.int32), torch.zeros(E)
-    dout, x = torch.empty(T, H, dtype=torch.bfloat16), torch.empty(T, H, dtype=torch.bfloat16)
-    g, dgu = torch.empty(R, I, dtype=torch.bfloat16), torch.empty(R, 2 * I, dtype=torch.bfloat16)
-    sort = (row_pair, start, rows, 128)
-    for lhs, rhs, dw, gather_l, gather_r in (
-        (dout, g, torch.empty(E, H, I, dtype=torch.bfloat16), True, False),  # on the CPU
-        (dgu, x, torch.empty(E, 2 * I, H, dtype=torch.bfloat16), False, True),
-        (g, g, torch.empty(E, I, I, dtype=torch.bfloat16), False, False),
-    ):
-        assert moe_sm90.moe_weight_grad(lhs, rhs, dw, *sort, gather_l=gather_l, gather_r=gather_r, top_k=k) is False
+    E, T, k, H, I = 4, 256, 2, 256, 256
+    R = E * 128 + T * k  # 1024 sort rows: 256 an expert
+    bf = dict(dtype=torch.bfloat16)
+    dout, g = torch.empty(T, H, **bf), torch.empty(R, I, **bf)
+    ddown = torch.empty(E, H, I, **bf)
+
+    def taken(lhs=dout, rhs=g, dw=ddown, rows=R, block_m=128, gather_l=True, gather_r=False):
+        return m._weight_grad_taken(lhs, rhs, dw, rows, block_m, gather_l, gather_r)
+
+    assert taken()  # d down_proj: dout's rows gathered, g sorted
+    assert taken(
+        torch.empty(R, 2 * I, **bf), torch.empty(T, H, **bf), torch.empty(E, 2 * I, H, **bf), R, 128, False, True
+    )
+    assert not taken(lhs=torch.empty(R, H, **bf), gather_l=False)  # both sorted
+    assert not taken(gather_r=True)  # both gathered
+    assert not taken(dw=torch.empty(E, I, H, **bf).transpose(1, 2))  # strided dw (GPT-OSS's layout)
+    assert not taken(rhs=torch.empty(R, 64, **bf), dw=torch.empty(E, H, 64, **bf))  # half a 256-column tile
+    assert not taken(block_m=32)  # a 64-row step would run into the next expert's rows
+    assert not taken(rows=E * 64)  # 64 rows an expert
+    assert not taken(lhs=dout.float(), rhs=g.float(), dw=ddown.float())
+    sort = (torch.zeros(R, dtype=torch.int32), torch.zeros(E, dtype=torch.int32), torch.zeros(E, dtype=torch.int32))
+    assert m.moe_weight_grad(dout, g, ddown, *sort, 128, gather_l=True, gather_r=False, top_k=k) is False  # CPU
 
 
 def test_hopper_descriptors():

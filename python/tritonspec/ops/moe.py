@@ -887,8 +887,11 @@ def _x_columns(H: int, T: int, R: int) -> list[slice]:
     return [slice(c, min(c + width, H)) for c in range(0, H, width)]
 
 
-def _backend_weight_grad(lhs, gather_l, rhs, gather_r, row_pair, expert_start, expert_rows, dw, top_k, block_m):
-    """True where the backend's own weight-gradient kernel (``moe_weight_grad``) wrote ``dw``."""
+def _backend_weight_grad(lhs, gather_l, rhs, gather_r, row_pair, expert_start, expert_rows, dw, top_k, block_m, traced):
+    """True where the backend's own weight-gradient kernel (``moe_weight_grad``) wrote ``dw``; never while traced
+    (as ``_backend_gemm``)."""
+    if traced:
+        return False
     own = lookup("moe_weight_grad", backend=backend_for_device(dw.device))
     return own is not None and own(
         lhs, rhs, dw, row_pair, expert_start, expert_rows, block_m, gather_l=gather_l, gather_r=gather_r, top_k=top_k
@@ -918,11 +921,9 @@ def _weight_grad(
 ):
     """dw: an (E, M, N) view of a weight's gradient; dbias: its (E, M) bias gradient or None. ``tma``: lhs and
     rhs are sorted rows, (R, M) and (R, N), read through descriptors. The backend's own kernel first, where
-    there is no bias gradient and not while traced (as ``_backend_gemm``)."""
-    if (
-        dbias is None
-        and not traced
-        and _backend_weight_grad(lhs, gather_l, rhs, gather_r, row_pair, expert_start, expert_rows, dw, top_k, block_m)
+    there is no bias gradient."""
+    if dbias is None and _backend_weight_grad(
+        lhs, gather_l, rhs, gather_r, row_pair, expert_start, expert_rows, dw, top_k, block_m, traced
     ):
         return
     cfg = _weight_grad_config(problem, dw.device)

@@ -441,34 +441,45 @@ def _gather_layout():
     return gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0])
 
 
-def moe_weight_grad(lhs, rhs, dw, row_pair, expert_start, expert_rows, block_m, *, gather_l, gather_r, top_k):
-    """The ``moe_weight_grad`` hook: dw[e] = sum over expert e's sort rows of lhs_row^T rhs_row, or False."""
-    if not GLUON or not dw.is_cuda or getattr(torch.version, "hip", None):
-        return False
+def _weight_grad_taken(lhs, rhs, dw, rows: int, block_m: int, gather_l: bool, gather_r: bool) -> bool:
+    """What the weight-gradient kernel was measured faster on and can tile, whatever the device: exactly one
+    operand gathered (both sorted, large experts: the portable TMA kernel was as fast), fp16/bf16, a contiguous
+    dw of whole (WG_BLOCK_M, WG_BLOCK_N) tiles, K steps that stay in an expert's padded rows, 128 rows an expert
+    or more on average, and rows TMA and 16-byte copies can read."""
     E, M, N = dw.shape
-    R = row_pair.numel()
     dtype = dw.dtype
-    if (
+    return not (
         dtype not in (torch.float16, torch.bfloat16)
         or lhs.dtype != dtype
         or rhs.dtype != dtype
-        or gather_l == gather_r  # sorted rows both (large experts): the portable TMA kernel was as fast
+        or gather_l == gather_r
         or not dw.is_contiguous()
         or M % WG_BLOCK_M
         or N % WG_BLOCK_N
         or block_m % BLOCK_K
-        or R < WG_MIN_ROWS_PER_EXPERT * E
+        or rows < WG_MIN_ROWS_PER_EXPERT * E
         or lhs.shape[1] != M
         or rhs.shape[1] != N
         or lhs.stride(1) != 1
         or rhs.stride(1) != 1
         or any(t.stride(0) * t.element_size() % 16 for t in (lhs, rhs))
-        or (not gather_l and lhs.shape[0] != R)
-        or (not gather_r and rhs.shape[0] != R)
+        or (not gather_l and lhs.shape[0] != rows)
+        or (not gather_r and rhs.shape[0] != rows)
         or not _aligned(lhs, rhs, dw)
+    )
+
+
+def moe_weight_grad(lhs, rhs, dw, row_pair, expert_start, expert_rows, block_m, *, gather_l, gather_r, top_k):
+    """The ``moe_weight_grad`` hook: dw[e] = sum over expert e's sort rows of lhs_row^T rhs_row, or False."""
+    if (
+        not GLUON
+        or not dw.is_cuda
+        or getattr(torch.version, "hip", None)
+        or not _weight_grad_taken(lhs, rhs, dw, row_pair.numel(), block_m, gather_l, gather_r)
         or not _is_sm90(dw.device.index if dw.device.index is not None else torch.cuda.current_device())
     ):
         return False
+    E, M, N = dw.shape
     launch(
         _moe_weight_grad_sm90_kernel,
         (M // WG_BLOCK_M * (N // WG_BLOCK_N), E),
