@@ -298,7 +298,7 @@ if GLUON:
                     )  # fmt: skip
                 async_copy.commit_group()
             # each step's pairs are loaded a step before its copies: their latency off the copies' issue (Qwen3's
-            # weight gradients at 32768 tokens 480-487 -> 519-529 TFLOP/s on an H100)
+            # weight gradients at 32768 tokens 480-487 -> 516-529 TFLOP/s on an H100)
             pairs = _step_pairs(ROW_PAIR, first, AHEAD, n_k, BK, G_LAYOUT)
             for i in range(n_k):
                 s = i % STAGES
