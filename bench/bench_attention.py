@@ -17,6 +17,15 @@ Modes:
   --gap        at two GQA shapes, per provider: do_bench ms vs GPU-only ms (host kept ahead) and host ms
                per call, so the host latency inside each timed interval shows; our host ms per call with
                the compiled-launch cache on and off; host profiles of our passes (files in --out)
+  --decode     decode steps (one query against a full KV cache, no mask, bf16, head_dim 128) at batch 1 and 8,
+               GQA 32/8 and 16/4, caches of 512 to 32768 keys: ops.attention_decode (split-K) against SDPA with
+               each backend (FLASH, EFFICIENT, cuDNN, MATH; enable_gqa=True, or k/v repeated beforehand where a
+               backend refuses it: the table says which), the best SDPA backend kept; our GB/s of K+V read
+               against 3.0 TB/s. Timed by do_bench_cudagraph (a graph of unrolled calls: no launch overhead;
+               K/V rotate over copies of 256 MB or more, so L2 holds none between calls); decode.json in --out.
+               ``--decode --smoke`` runs tiny shapes on the CPU interpreter, timed by the wall clock;
+               ``--decode-config '{"attention_decode": {"BLOCK_N": 128, "num_stages": 3}}'`` times our kernels with
+               those launch-config fields over what the backend chose (tuning data, not results)
 
 TFLOP/s: forward 4*b*h*s*s*d (halved when causal), backward 2.5x forward. Timings are do_bench
 medians (L2 flushed between runs); the backward is torch.autograd.grad on a saved graph, so it
@@ -28,6 +37,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import itertools
 import json
 import os
 import statistics
@@ -35,16 +45,22 @@ import sys
 import time
 import types
 
-import torch
-import torch.nn.functional as F
-import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
+SMOKE = "--smoke" in sys.argv  # CPU smoke run of --decode: the interpreter, chosen before triton is imported
+if SMOKE:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import tritonspec
-from tritonspec.ops.attention import attention, causal_key_bounds, key_bounds_from_mask
-from tritonspec_backends.nvidia.backend import spec as nvidia_spec
-from tritonspec_backends.nvidia.backend.spec.configs import TABLES, h100_attention_config
-from tritonspec_backends.nvidia.backend.spec.attention_sm90 import launchers as launchers_sm90
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+import tritonspec  # noqa: E402
+from tritonspec.ops._library import recording  # noqa: E402
+from tritonspec.ops.attention import attention, causal_key_bounds, key_bounds_from_mask  # noqa: E402
+from tritonspec.ops.attention_decode import attention_decode  # noqa: E402
+from tritonspec_backends.nvidia.backend import spec as nvidia_spec  # noqa: E402
+from tritonspec_backends.nvidia.backend.spec.configs import TABLES, h100_attention_config  # noqa: E402
+from tritonspec_backends.nvidia.backend.spec.attention_sm90 import launchers as launchers_sm90  # noqa: E402
 
 SHAPES = [(4, 32, 4096, 128), (2, 16, 8192, 128), (1, 16, 16384, 128), (8, 32, 2048, 64)]
 CASES = [(shape, causal) for shape in SHAPES for causal in (True, False)]
@@ -660,6 +676,152 @@ def masked(rounds: int = 3):
             )
 
 
+# --decode: (batch) x (heads_q, heads_kv) x cache lengths, head_dim 128, one query a step over the whole cache
+DECODE_BATCHES = (1, 8)
+DECODE_HEADS = ((32, 8), (16, 4))
+DECODE_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+DECODE_HEAD_DIM = 128
+HBM_TBS = 3.0  # the yardstick for our K+V bytes: an H100's measured copy bandwidth (NOTES.md)
+ROTATE_BYTES = 256 * 2**20  # K/V copies a timed graph cycles through: over 5x an H100's 50 MB of L2
+SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
+# --decode --smoke: the same code on the CPU interpreter at sizes it runs in seconds
+SMOKE_BATCHES, SMOKE_HEADS, SMOKE_LENGTHS, SMOKE_HEAD_DIM = (1, 2), ((4, 1), (8, 2)), (64, 1100), 32
+
+
+def _decode_ms(fn) -> float:
+    """GPU ms per call: median of do_bench_cudagraph's replays; --smoke: one wall-clock call after a warm one."""
+    if SMOKE:
+        fn()
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+
+
+def _rotating(make, copies):
+    """A call that runs ``make(i)``'s function on copy ``i`` round robin: each call of a captured graph reads
+    other K/V than the one before."""
+    calls = [make(i) for i in range(copies)]
+    turn = itertools.count()
+    return lambda: calls[next(turn) % copies]()
+
+
+def _sdpa_decode(backend: str, q, k, v):
+    """SDPA with one backend: ``(fn(q, k, v), how GQA is passed)``, or raises where the backend refuses. GQA goes
+    in as enable_gqa=True; a backend that refuses it gets k and v repeated to heads_q beforehand (untimed)."""
+    be = getattr(SDPBackend, backend)
+    group = q.shape[1] // k.shape[1]
+
+    def native(q, k, v):
+        with sdpa_kernel(be):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=group > 1)
+
+    try:
+        native(q, k, v)
+        return native, "enable_gqa" if group > 1 else "-"
+    except RuntimeError:
+        if group == 1:
+            raise
+
+    def repeated(q, k, v):
+        with sdpa_kernel(be):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    repeated(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
+    return repeated, "repeated k/v"
+
+
+def decode(out_dir: str, config: dict | None = None):
+    """--decode: see the module docstring; ``config`` ({kernel: fields}) overrides our launch configs."""
+    if config:
+        from harness import override  # bench/harness.py: this script's directory is on sys.path
+
+        with override(sys.modules["tritonspec.ops.attention_decode"], config):
+            return _decode(out_dir, config)
+    return _decode(out_dir, None)
+
+
+def _decode(out_dir: str, config: dict | None):
+    dev = "cpu" if SMOKE else "cuda"
+    dtype = torch.bfloat16
+    batches, heads, lengths, d = (
+        (SMOKE_BATCHES, SMOKE_HEADS, SMOKE_LENGTHS, SMOKE_HEAD_DIM)
+        if SMOKE
+        else (DECODE_BATCHES, DECODE_HEADS, DECODE_LENGTHS, DECODE_HEAD_DIM)
+    )
+    info = dict(device="cpu (smoke run: interpreter, wall clock)", torch=torch.__version__) if SMOKE else env()
+    info["decode_config"] = config
+    print(json.dumps(info), flush=True)
+    rows = []
+    g = torch.Generator(device=dev).manual_seed(0)
+    for b, (hq, hkv), s in itertools.product(batches, heads, lengths):
+        group = hq // hkv
+        kv_bytes = 2 * b * hkv * s * d * dtype.itemsize
+        copies = 1 if SMOKE else max(1, -(-ROTATE_BYTES // kv_bytes))
+        q = torch.randn(b, hq, 1, d, device=dev, dtype=dtype, generator=g)
+        ks = [torch.randn(b, hkv, s, d, device=dev, dtype=dtype, generator=g) for _ in range(copies)]
+        vs = [torch.randn(b, hkv, s, d, device=dev, dtype=dtype, generator=g) for _ in range(copies)]
+        row = dict(batch=b, heads_q=hq, heads_kv=hkv, cache=s, head_dim=d, kv_bytes=kv_bytes, copies=copies)
+        with torch.no_grad():
+            with recording() as launched:
+                attention_decode(q, ks[0], vs[0])
+            row["splits"] = next(x.grid[1] for x in launched if x.kernel.fn.__name__ == "_decode_partial_kernel")
+            ref = F.scaled_dot_product_attention(
+                q.float(), ks[0].float(), vs[0].float(), enable_gqa=group > 1
+            )  # fp32 math, the yardstick
+            row["ours_err"] = rel_err(attention_decode(q, ks[0], vs[0]), ref)
+            row["ours_us"] = 1e3 * _decode_ms(_rotating(lambda i: lambda: attention_decode(q, ks[i], vs[i]), copies))
+            row["sdpa"] = {}
+            for backend in SDPA_BACKENDS:
+                try:
+                    fn, how = _sdpa_decode(backend, q, ks[0], vs[0])
+                    if how == "repeated k/v":
+                        kr = [k.repeat_interleave(group, 1) for k in ks]
+                        vr = [v.repeat_interleave(group, 1) for v in vs]
+                    else:
+                        kr, vr = ks, vs
+                    us = 1e3 * _decode_ms(_rotating(lambda i: lambda: fn(q, kr[i], vr[i]), copies))  # noqa: B023
+                    row["sdpa"][backend] = dict(us=us, gqa=how, err=rel_err(fn(q, kr[0], vr[0]), ref))
+                    kr = vr = None
+                except Exception as e:  # a backend that refuses the shape (or CUDA graphs) is skipped, and said so
+                    row["sdpa"][backend] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+        timed = {n: r for n, r in row["sdpa"].items() if "us" in r}
+        if timed:
+            best = min(timed, key=lambda n: timed[n]["us"])
+            row["best_sdpa"], row["best_sdpa_us"] = best, timed[best]["us"]
+        row["ours_gbs"] = kv_bytes / (row["ours_us"] * 1e-6) / 1e9
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        q = ks = vs = None  # free this shape's tensors before the next
+        if not SMOKE:
+            torch.cuda.empty_cache()
+    with open(os.path.join(out_dir, "decode.json"), "w") as fh:
+        json.dump(dict(env=info, rows=rows), fh, indent=1)
+    print(decode_table(rows))
+
+
+def decode_table(rows) -> str:
+    short = {"FLASH_ATTENTION": "FLASH", "EFFICIENT_ATTENTION": "EFFICIENT", "CUDNN_ATTENTION": "cuDNN", "MATH": "MATH"}
+    lines = [
+        "| batch | heads q/kv | cache | splits | us ours | us best SDPA | best SDPA (GQA as) | SDPA / ours |"
+        f" ours GB/s (K+V) | of {HBM_TBS:.1f} TB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        best = r.get("best_sdpa")
+        sdpa = "n/a" if best is None else f"{r['best_sdpa_us']:.1f}"
+        which = "all failed" if best is None else f"{short[best]} ({r['sdpa'][best]['gqa']})"
+        ratio = "n/a" if best is None else f"{r['best_sdpa_us'] / r['ours_us']:.2f}x"
+        lines.append(
+            f"| {r['batch']} | {r['heads_q']}/{r['heads_kv']} | {r['cache']} | {r['splits']} | {r['ours_us']:.1f} | "
+            f"{sdpa} | {which} | {ratio} | {r['ours_gbs']:.0f} | {r['ours_gbs'] / (HBM_TBS * 1e3):.0%} |"
+        )
+    skipped = sorted({f"{short[n]}: {x['error']}" for r in rows for n, x in r["sdpa"].items() if "error" in x}, key=len)
+    if skipped:
+        lines += ["", "SDPA backends skipped (first error of each kind):"] + [f"- {e}" for e in skipped[:8]]
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--warm", metavar="I/N")
@@ -669,10 +831,15 @@ def main(argv=None):
     ap.add_argument("--probe", action="store_true")
     ap.add_argument("--gap", action="store_true")
     ap.add_argument("--masked", action="store_true")
+    ap.add_argument("--decode", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="with --decode: tiny shapes on the CPU interpreter")
+    ap.add_argument("--decode-config", type=json.loads, help="with --decode: {kernel: launch-config fields}, JSON")
     ap.add_argument("--table", help="table.json from --sweep to use instead of the nvidia spec's TABLES")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="of q, k, v and dO")
     args = ap.parse_args(argv)
+    if args.smoke and not args.decode:
+        ap.error("--smoke goes with --decode")
     global DTYPE
     DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     tables = None
@@ -692,6 +859,8 @@ def main(argv=None):
         gap(args.out)
     elif args.masked:
         masked()
+    elif args.decode:
+        decode(args.out, args.decode_config)
     else:
         ap.print_help()
         return 2

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark in one command, for a lent H100 (no network):
-#   bash bench/run_gpu.sh OUTDIR [kernels|attention|gqa|lce|moe|offload|models|steps ...]
+#   bash bench/run_gpu.sh OUTDIR [kernels|attention|gqa|lce|moe|offload|decode|models|steps ...]
 # GPU tests first, then the named benchmarks (default: kernels and models); logs and tables go to OUTDIR.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +34,9 @@ for b in "${@:-kernels models}"; do
       offload) for case in qwen3-30b-a3b mixtral-8x7b; do  # one model build each: a few minutes apiece
                  python3 bench/bench_offload.py --case $case --out "$out/results_offload.md" 2>&1 | tee "$out/bench_offload_$case.log" | tail -30
                done ;;
+      decode) python3 bench/bench_attention.py --decode --out "$out" 2>&1 | tee "$out/bench_attention_decode.log" | tail -32
+              python3 bench/bench_decode.py --batch 1 --prompt 64 --skip-guards --out "$out/results_decode.md" 2>&1 \
+                | tee "$out/bench_decode.log" | tail -12 ;;
       models) python3 bench/bench_training_step.py --out "$out/results_models.md" 2>&1 | tee "$out/bench_models.log" | tail -12 ;;
     esac
   done

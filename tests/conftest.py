@@ -92,6 +92,7 @@ def spy(monkeypatch):
     wrap("tritonspec.ops.swiglu", "swiglu", "tritonspec.nn.modules")
     wrap("tritonspec.ops.rope", "rope")
     wrap("tritonspec.ops.attention", "attention")
+    wrap("tritonspec.ops.attention_decode", "attention_decode")
     wrap("tritonspec.ops.moe", "moe_experts")
     wrap("tritonspec.ops.moe_routing", "moe_route")
     monkeypatch.setattr(hub_layers, "_IMPORTED", {})

@@ -88,11 +88,12 @@ def test_windows_and_packing_change_the_result(spy):
 
 
 def test_a_mask_that_is_not_intervals_takes_sdpa(spy):
-    """A 4-D mask with holes (a user's own) reaches the layers as it is: SDPA runs it, and the fallback is counted."""
+    """A 4-D mask with holes (a user's own) reaches the layers as it is: SDPA runs it, and the fallback is counted
+    (more queries than a decode step has: the decode kernel, which reads dense masks, is not asked)."""
     tnn.register_attention()
-    ids = token_ids(96, batch=1, seq=12)
-    keep = torch.ones(12, 12, dtype=torch.bool).tril()
-    keep[8:, 3] = False  # a hole in the middle of rows 8..11
+    ids = token_ids(96, batch=1, seq=20)
+    keep = torch.ones(20, 20, dtype=torch.bool).tril()
+    keep[8:, 3] = False  # a hole in the middle of rows 8..19
     mask = keep[None, None]
     ours, ref = _model("llama", "sdpa"), _model("llama", "sdpa")
     nn_attention.use_tritonspec_attention(ours)
@@ -107,6 +108,24 @@ def test_a_mask_that_is_not_intervals_takes_sdpa(spy):
     torch.testing.assert_close(got, want)
     (after,) = [c.detail for c in tnn.report(ours) if c.what == "attn_implementation"]  # the report says so
     assert "SDPA" not in before and after.endswith("2 call(s) for a mask whose rows are not key intervals")
+    tnn.revert(ours)
+
+
+def test_a_decode_step_reads_a_mask_with_holes_as_it_is(spy):
+    """A few queries without gradients: the decode kernel takes a dense mask exactly, holes included."""
+    tnn.register_attention()
+    ids = token_ids(96, batch=1, seq=12)
+    keep = torch.ones(12, 12, dtype=torch.bool).tril()
+    keep[8:, 3] = False
+    ours, ref = _model("llama", "sdpa"), _model("llama", "sdpa")
+    nn_attention.use_tritonspec_attention(ours)
+    nn_attention.fallbacks.clear()
+    spy.clear()
+    with torch.no_grad():
+        got = ours(input_ids=ids, attention_mask=keep[None, None]).logits
+        want = ref(input_ids=ids, attention_mask=keep[None, None]).logits
+    assert spy.get("attention_decode") == 2 and not nn_attention.fallbacks
+    torch.testing.assert_close(got, want)
     tnn.revert(ours)
 
 
@@ -142,5 +161,6 @@ def test_generation_with_a_padded_cache_and_a_window(spy):
     want = (
         _model("mistral", "sdpa").eval().generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     )
-    assert spy.get("attention", 0) >= 2 * 8 and not nn_attention.fallbacks, dict(nn_attention.fallbacks)
+    # the prompt (10 queries, no gradients) and every step: the decode kernel, reading transformers' dense masks
+    assert spy.get("attention_decode", 0) >= 2 * 8 and not nn_attention.fallbacks, dict(nn_attention.fallbacks)
     assert torch.equal(got, want)

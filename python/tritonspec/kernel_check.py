@@ -140,6 +140,26 @@ def _attention(m: ModelShape, t: int, dtype):
         _backward(attention(q, k, v, key_bounds=bounds, sinks=sinks))
 
 
+def _attention_decode(m: ModelShape, t: int, dtype):
+    """Forward only (inference): decode steps against CONTEXT keys of a static cache (full, by a dense mask, by
+    key bounds with GPT-OSS's sinks), and a short cache (one split: the partial kernel writes the output)."""
+    import torch
+
+    from .ops.attention_decode import MAX_QUERIES, attention_decode
+
+    if t > MAX_QUERIES:
+        return False
+    q = _meta(1, t, m.heads, m.head_dim, dtype=dtype, layout=(0, 2, 1, 3), grad=False)
+    k, v = (_meta(1, m.kv_heads, CONTEXT, m.head_dim, dtype=dtype, grad=False) for _ in range(2))
+    mask = torch.empty(1, 1, t, CONTEXT, device="meta", dtype=torch.bool)
+    bounds, sinks = torch.empty(2, 1, t, device="meta", dtype=torch.int32), _meta(m.heads, dtype=torch.float32)
+    with torch.no_grad():
+        attention_decode(q, k, v)
+        attention_decode(q, k, v, mask=mask)
+        attention_decode(q, k, v, key_bounds=bounds, sinks=sinks)
+        attention_decode(q, k[:, :, :256], v[:, :, :256])
+
+
 def _linear_cross_entropy(m: ModelShape, t: int, dtype):
     """Forward only: its kernel writes the gradients in the forward; the backward scales them on the host."""
     import torch
@@ -188,6 +208,7 @@ CASES: dict[str, Callable] = {
     "swiglu": _swiglu,
     "rope": _rope,
     "flash_attention": _attention,
+    "flash_decoding": _attention_decode,
     "linear_cross_entropy": _linear_cross_entropy,
     "moe": _moe,
     "moe_router": _moe_router,

@@ -176,6 +176,27 @@ class AttentionPreprocess(LaunchConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
+class AttentionDecode(LaunchConfig):
+    """Flash-decoding's partial kernel: a kv head's (q heads x queries) rows as a BLOCK_M tile (several tiles
+    when more), BLOCK_N keys a step; the keys split so the grid holds ``programs_per_unit`` programs per SM,
+    each split at least ``min_split_keys`` keys (both host-side only)."""
+
+    kernel: ClassVar[str] = "attention_decode"
+    BLOCK_M: int = field(metadata={"range": (16, 256)})
+    BLOCK_N: int = field(metadata={"range": (16, 256)})
+    min_split_keys: int = 256
+    programs_per_unit: int = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionDecodeCombine(LaunchConfig):
+    """Flash-decoding's combine: one output row per program, BLOCK_S splits' partials a step."""
+
+    kernel: ClassVar[str] = "attention_decode_combine"
+    BLOCK_S: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class LinearCrossEntropy(LaunchConfig):
     """The fused LM head's cross-entropy row kernel: one program per token, BLOCK_V logits a step."""
 
@@ -446,6 +467,20 @@ declare(
             function="apply_rotary_pos_emb",
         ),
         (RoPE,),
+    )
+)
+# Decode steps' attention (a few queries against a KV cache, forward only): no site of its own in a model, it
+# serves the attention implementation that flash_attention installs, so it takes the same "attention" site (its
+# registry kernel switches the same implementation). Declared first, so the registry applies flash_attention's
+# switch last and the model's report credits it, as before this kernel existed.
+declare(
+    Kernel(
+        "flash_decoding",
+        "tritonspec.ops.attention_decode",
+        ("attention_decode",),
+        "attention",
+        None,
+        (AttentionDecode, AttentionDecodeCombine),
     )
 )
 declare(

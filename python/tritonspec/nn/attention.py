@@ -7,21 +7,21 @@ dispatches on ``config._attn_implementation``, so one registration covers all mo
 The mask: transformers builds one per forward (per layer type) through the mask interface, under the same
 name. Ours, :func:`tritonspec_mask`, evaluates transformers' own mask function (padding, packed sequences
 from ``position_ids``, sliding windows, whatever the model composes) in row chunks and hands the layers
-:class:`KeyBounds`, each query's key interval, instead of a dense 4-D mask: the kernel takes those
+each query's key interval (:func:`bounds_mask`) instead of a dense 4-D mask: the kernel takes those
 directly, and a padding token's query sees no key (no compute; it outputs 0). It returns None for a plain
 causal batch (the kernel's fastest path) and transformers' dense SDPA mask when some query's keys are not
-one interval. The attention function runs transformers' SDPA path (eager for models without one, such as
-GPT-OSS's sinks) for a dense mask and for anything else the kernel does not cover (dropout while training,
-softcap, unsupported dtypes or head sizes); ``fallbacks`` counts each reason, and ``report()`` shows a model's
-beside its switch.
+one interval, under torch.compile, and for decode steps without gradients. Decode steps (at most
+``attention_decode.MAX_QUERIES`` queries, no gradient) run the split-K decode kernel, which also reads a dense
+mask as it is, so a compiled static-cache step stays one graph. The attention function runs transformers' SDPA
+path (eager for models without one, such as GPT-OSS's sinks) for any other dense mask and for anything else the
+kernels do not cover (dropout while training, softcap, unsupported dtypes or head sizes); ``fallbacks`` counts
+each reason, and ``report()`` shows a model's beside its switch.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
-import importlib
 import sys
 import weakref
 
@@ -43,6 +43,8 @@ _FALLBACKS_BY_CONFIG: dict[int, collections.Counter] = {}  # id(a model's config
 
 
 def _count_fallback(config, reason: str) -> None:
+    if torch.compiler.is_compiling():  # a traced count would be a guard on it: a recompile at every call
+        return
     fallbacks[reason] += 1
     if config is None:
         return
@@ -61,30 +63,35 @@ def fallback_note(config) -> str:
     return "transformers' attention ran " + ", ".join(f"{n} call(s) for {reason}" for reason, n in counts.items())
 
 
-def _ops():
-    return importlib.import_module("tritonspec.ops.attention")
+def bounds_mask(bounds: torch.Tensor) -> torch.Tensor:
+    """Key bounds ``(2, batch, q_length)`` as what :func:`tritonspec_mask` returns in place of a dense mask: an int32
+    ``(batch, 1, q_length, 2)`` tensor (first key, one past the last). Four dimensions, so transformers passes it on
+    as a prepared mask wherever one is handed back to the model (``generate`` builds a static cache's masks before
+    each forward); int32, which no mask of transformers' is."""
+    return bounds.to(torch.int32).permute(1, 2, 0).unsqueeze(1)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class KeyBounds:
-    """Each query's keys as one interval: ``bounds`` int32 ``(2, batch, q_length)`` (first key, one past the
-    last), over ``kv_length`` keys. What :func:`tritonspec_mask` gives the attention layers in place of a
-    4-D mask; :meth:`dense` is that mask, for a fallback."""
+def mask_bounds(mask) -> torch.Tensor | None:
+    """The key bounds ``(2, batch, q_length)`` a mask from :func:`bounds_mask` holds, or None for any other mask."""
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.int32 and mask.dim() == 4 and mask.shape[-1] == 2:
+        return mask[:, 0].permute(2, 0, 1)
+    return None
 
-    bounds: torch.Tensor
-    kv_length: int
 
-    def dense(self) -> torch.Tensor:
-        """The boolean ``(batch, 1, q_length, kv_length)`` mask (True: attend) these bounds describe."""
-        keys = torch.arange(self.kv_length, device=self.bounds.device)
-        lo, hi = self.bounds[0][..., None], self.bounds[1][..., None]
-        return ((keys >= lo) & (keys < hi))[:, None]
+def _dense(bounds: torch.Tensor, kv_length: int) -> torch.Tensor:
+    """The boolean ``(batch, 1, q_length, kv_length)`` mask (True: attend) the bounds describe."""
+    keys = torch.arange(kv_length, device=bounds.device)
+    lo, hi = bounds[0][..., None], bounds[1][..., None]
+    return ((keys >= lo) & (keys < hi))[:, None]
 
 
 def tritonspec_mask(*args, **kwargs):
-    """transformers' mask-interface signature (that of ``sdpa_mask``, called with keywords): None,
-    :class:`KeyBounds` or transformers' dense mask. Queries are given by ``q_length`` and ``q_offset``
-    (transformers 5.2x) or by ``cache_position`` (earlier 5.x); a chunk of rows is either."""
+    """transformers' mask-interface signature (that of ``sdpa_mask``, called with keywords): None, key bounds
+    (:func:`bounds_mask`) or transformers' dense mask. Queries are given by ``q_length`` and ``q_offset``
+    (transformers 5.2x) or by ``cache_position`` (earlier 5.x); a chunk of rows is either.
+
+    Decode steps without gradients keep transformers' dense mask: the decode kernel reads it as it is, exactly,
+    with no host synchronization (finding intervals would need one at every step)."""
     from transformers.masking_utils import sdpa_mask
 
     by_length, by_position = "q_length" in kwargs, "cache_position" in kwargs
@@ -92,10 +99,15 @@ def tritonspec_mask(*args, **kwargs):
         return sdpa_mask(*args, **kwargs)  # a call we cannot chunk; under compile, no data-dependent Python
     batch, kv_len = kwargs.get("batch_size", 1), kwargs["kv_length"]
     q_len = kwargs["q_length"] if by_length else kwargs["cache_position"].shape[0]
+    from ..ops.attention import key_bounds_from_mask
+    from ..ops.attention_decode import MAX_QUERIES
+
+    if q_len <= MAX_QUERIES and not torch.is_grad_enabled():
+        return sdpa_mask(*args, **kwargs)
     rows = max(1, _MASK_CHUNK // max(1, batch * kv_len))
     if q_len <= rows:  # one chunk: transformers' own call, its skips (a plain causal batch, a decode step) kept
         mask = sdpa_mask(*args, **kwargs)
-        parts = [None if mask is None else _ops().key_bounds_from_mask(mask)]
+        parts = [None if mask is None else key_bounds_from_mask(mask)]
         if parts[0] is None:
             return mask
     else:
@@ -107,7 +119,7 @@ def tritonspec_mask(*args, **kwargs):
             else:
                 chunk = dict(cache_position=kwargs["cache_position"][start : start + n])
             mask = sdpa_mask(**dict(kwargs, allow_is_causal_skip=False, allow_is_bidirectional_skip=False, **chunk))
-            bounds = _ops().key_bounds_from_mask(mask)
+            bounds = key_bounds_from_mask(mask)
             if bounds is None:  # not intervals: transformers' own mask, for SDPA
                 return sdpa_mask(*args, **kwargs)
             parts.append(bounds)
@@ -120,7 +132,7 @@ def tritonspec_mask(*args, **kwargs):
         # FlashAttention path leaves it, instead of a row no real token reads.
         if kwargs.get("q_offset", 0) == 0 and kwargs.get("kv_offset", 0) == 0:
             bounds = bounds * padding.to(torch.bool)[None]
-    return KeyBounds(bounds, kv_len)
+    return bounds_mask(bounds)
 
 
 def _is_plain_causal(bounds: torch.Tensor) -> bool:
@@ -130,10 +142,11 @@ def _is_plain_causal(bounds: torch.Tensor) -> bool:
 
 def _fallback(reason, module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs):
     """transformers' own path for this call: SDPA, or the model's eager function where it passes sinks (GPT-OSS
-    has no SDPA path); a :class:`KeyBounds` mask goes back to the mask that path expects."""
+    has no SDPA path); key bounds go back to the mask that path expects."""
     _count_fallback(getattr(module, "config", None), reason)
-    if isinstance(attention_mask, KeyBounds):
-        attention_mask = attention_mask.dense()
+    bounds = mask_bounds(attention_mask)
+    if bounds is not None:
+        attention_mask = _dense(bounds, key.shape[2])
     if kwargs.get("s_aux") is not None:
         eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
         if attention_mask is not None and attention_mask.dtype == torch.bool:
@@ -148,17 +161,28 @@ def _fallback(reason, module, query, key, value, attention_mask, dropout, scalin
     )
 
 
+def _decoding(query, key, value, sinks) -> bool:
+    """A decode step the split-K kernel serves: a few queries, no gradient wanted."""
+    from ..ops.attention_decode import MAX_QUERIES
+
+    if query.shape[2] > MAX_QUERIES:
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks)))
+
+
 def _unsupported(module, query, key, value, attention_mask, dropout, kwargs) -> str | None:
-    """Why the kernel cannot take this call, or None."""
+    """Why the kernels cannot take this call, or None."""
     q_len, kv_len = query.shape[2], key.shape[2]
     window = kwargs.get("sliding_window")
     sinks = kwargs.get("s_aux")
-    bounded = isinstance(attention_mask, KeyBounds)
+    bounded = mask_bounds(attention_mask) is not None
+    dense = attention_mask is not None and not bounded
+    decoding = _decoding(query, key, value, sinks)  # a dense mask: the decode kernel's
     checks = (
-        (attention_mask is not None and not bounded, "a mask whose rows are not key intervals"),
+        (dense and not (decoding and attention_mask.dtype == torch.bool), "a mask whose rows are not key intervals"),
         (dropout != 0.0 and module.training, "attention dropout while training"),
-        (not bounded and q_len != kv_len and q_len > 1, "queries against a longer cache without a mask"),
-        (not bounded and window is not None and kv_len > window, "a sliding window without its mask"),
+        (attention_mask is None and q_len != kv_len and q_len > 1, "queries against a longer cache without a mask"),
+        (attention_mask is None and window is not None and kv_len > window, "a sliding window without its mask"),
         (any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "cache")), "softcap or position bias"),
         (sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != query.shape[1]), "sinks not one per head"),
         (query.shape[-1] != value.shape[-1] or query.shape[-1] > _MAX_HEAD_DIM, "head_dim"),
@@ -184,13 +208,20 @@ def tritonspec_attention_forward(
     reason = _unsupported(module, query, key, value, attention_mask, dropout, kwargs)
     if reason is not None:
         return _fallback(reason, module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    from ..ops.attention import attention  # import statements, not importlib: Dynamo traces them
+    from ..ops.attention_decode import attention_decode
+
     sinks = kwargs.get("s_aux")
-    if isinstance(attention_mask, KeyBounds):
-        out = _ops().attention(query, key, value, scale=scaling, key_bounds=attention_mask.bounds, sinks=sinks)
+    bounds = mask_bounds(attention_mask)
+    if _decoding(query, key, value, sinks) and (attention_mask is not None or query.shape[2] == 1):
+        dense = attention_mask if bounds is None else None
+        out = attention_decode(query, key, value, scale=scaling, mask=dense, key_bounds=bounds, sinks=sinks)
+    elif bounds is not None:
+        out = attention(query, key, value, scale=scaling, key_bounds=bounds, sinks=sinks)
     else:
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         q_len = query.shape[2]
-        out = _ops().attention(query, key, value, causal=bool(causal) and q_len > 1, scale=scaling, sinks=sinks)
+        out = attention(query, key, value, causal=bool(causal) and q_len > 1, scale=scaling, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 
 

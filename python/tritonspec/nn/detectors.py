@@ -21,6 +21,7 @@ import types
 import weakref
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 # RMSNorm classes whose math differs from Llama's (1 + weight, gating, zero-centred weight).
@@ -137,6 +138,8 @@ class RouterKind:
 
 
 _ROUTER_PROBES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per class: {router state: kind or None}
+_VERIFIED_ROUTERS: dict[int, RouterKind | None] = {}  # id(router) -> its kind when it last ran eagerly, while it lives
+_MISSING = object()
 _PROBE_TOKENS = 8
 
 
@@ -271,16 +274,22 @@ def router_kind(module: nn.Module) -> RouterKind | None:
     The candidates read from the attributes are run against the class forward once per class and router
     state (:func:`_router_state`), cached weakly per class.
     """
+    if torch.compiler.is_compiling() and id(module) in _VERIFIED_ROUTERS:
+        # Traced: the kind this router was verified to have when it last ran eagerly (kernelize verifies every
+        # router it installs). Dynamo cannot read a module's __dict__ in every torch release (2.11 breaks the
+        # graph there), and a compiled step is replayed without Python anyway.
+        return _VERIFIED_ROUTERS[id(module)]
     weight = _router_weight(module)
     if weight is None:
         return None
     probes = _ROUTER_PROBES.setdefault(type(module), {})
     state = _router_state(module)
-    try:
-        return probes[state]
-    except KeyError:
-        pass
-    kind = probes[state] = _probe_router(module, weight, _router_candidates(module, weight))
+    kind = probes.get(state, _MISSING)
+    if kind is _MISSING:
+        kind = probes[state] = _probe_router(module, weight, _router_candidates(module, weight))
+    if id(module) not in _VERIFIED_ROUTERS:
+        weakref.finalize(module, _VERIFIED_ROUTERS.pop, id(module), None)
+    _VERIFIED_ROUTERS[id(module)] = kind
     return kind
 
 

@@ -70,9 +70,15 @@ def _optional(annotation) -> bool:
     return annotation == Optional[torch.Tensor]
 
 
-def library_op(name: str, impl: Callable, fake: Callable, signature: inspect.Signature, *, opaque: bool = False):
-    """``tritonspec::<name>`` with ``signature``: a triton_op (compiled Triton) or an opaque custom_op."""
+def library_op(
+    name: str, impl: Callable, fake: Callable, signature: inspect.Signature | None = None, *, opaque: bool = False
+):
+    """``tritonspec::<name>`` with ``signature`` (default: ``impl``'s annotated one): a triton_op (compiled Triton)
+    or an opaque custom_op."""
     qualname = f"{NAMESPACE}::{name}"
+    if signature is None:
+        signature = _schema_of(impl, f"op {name!r}")
+        _takes_same(fake, signature, f"op {name!r}: fake")
     impl.__signature__ = signature
     if USE_TRITON_OP and not opaque:
         op = torch.library.triton_op(qualname, impl, mutates_args=())

@@ -1242,53 +1242,43 @@ ATTENTION = Op(
 # ----------------------------------------------------------------------------------------------
 # public API
 # ----------------------------------------------------------------------------------------------
-def _check(q, k, v, causal, scale, key_bounds, sinks) -> float:
-    """Validate the arguments (errors name the argument); returns the resolved scale."""
-    op = "attention"
+def check_inputs(op: str, q, k, v, scale, key_bounds, sinks) -> float:
+    """What every attention op checks (errors name the op and the argument): q, k, v, key bounds, sinks and the
+    scale; returns the resolved scale."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(op, name, t, ndim=4)
     check_same_device(op, q=q, k=k, v=v)
     check_same_dtype(op, q=q, k=k, v=v)
     if q.dtype == torch.float32 and q.device.type != "cpu":
         raise TypeError(
-            f"attention: argument 'q' has dtype {q.dtype}, not supported on {q.device.type} (float32 "
+            f"{op}: argument 'q' has dtype {q.dtype}, not supported on {q.device.type} (float32 "
             "only on the CPU interpreter); use torch.float16 or torch.bfloat16"
         )
     if k.shape != v.shape:
         raise ValueError(
-            f"attention: arguments 'k' and 'v' must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+            f"{op}: arguments 'k' and 'v' must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
         )
     B, HQ, SQ, D = q.shape
     if k.shape[0] != B:
-        raise ValueError(f"attention: argument 'k' has batch {k.shape[0]} but 'q' has {B}")
+        raise ValueError(f"{op}: argument 'k' has batch {k.shape[0]} but 'q' has {B}")
     if k.shape[3] != D:
         raise ValueError(
-            f"attention: argument 'k' has head_dim {k.shape[3]} but 'q' has {D}; q, k and v must share head_dim"
+            f"{op}: argument 'k' has head_dim {k.shape[3]} but 'q' has {D}; q, k and v must share head_dim"
         )
     HKV = k.shape[1]
     if HKV == 0 or HQ % HKV:
         raise ValueError(
-            f"attention: argument 'q' has {HQ} heads, which is not a positive multiple of the "
-            f"{HKV} heads of 'k' and 'v'"
+            f"{op}: argument 'q' has {HQ} heads, which is not a positive multiple of the {HKV} heads of 'k' and 'v'"
         )
     if not 1 <= D <= MAX_HEAD_DIM:
-        raise ValueError(f"attention: argument 'q' has head_dim {D}; supported are 1..{MAX_HEAD_DIM}")
-    if k.shape[2] == 0 and q.shape[2] > 0 and key_bounds is None:
-        raise ValueError("attention: argument 'k' has seq_k = 0; every query needs at least one key")
-    if not isinstance(causal, bool):
-        raise TypeError(f"attention: argument 'causal' must be a bool, got {type(causal).__name__}")
+        raise ValueError(f"{op}: argument 'q' has head_dim {D}; supported are 1..{MAX_HEAD_DIM}")
     if key_bounds is not None:
-        if causal:
-            raise ValueError(
-                "attention: arguments 'causal' and 'key_bounds' exclude each other: key_bounds already says "
-                "which keys each query sees (build causal ones with causal_key_bounds)"
-            )
         if not isinstance(key_bounds, torch.Tensor):
-            raise TypeError(f"attention: argument 'key_bounds' must be a torch.Tensor, got {type(key_bounds).__name__}")
+            raise TypeError(f"{op}: argument 'key_bounds' must be a torch.Tensor, got {type(key_bounds).__name__}")
         check_same_device(op, q=q, key_bounds=key_bounds)
         if key_bounds.dtype not in (torch.int32, torch.int64) or tuple(key_bounds.shape) != (2, B, SQ):
             raise ValueError(
-                f"attention: argument 'key_bounds' must be an int32 or int64 tensor of shape (2, batch, seq_q) = "
+                f"{op}: argument 'key_bounds' must be an int32 or int64 tensor of shape (2, batch, seq_q) = "
                 f"{(2, B, SQ)}, got {key_bounds.dtype} {tuple(key_bounds.shape)}"
             )
     if sinks is not None:
@@ -1296,14 +1286,29 @@ def _check(q, k, v, causal, scale, key_bounds, sinks) -> float:
         check_same_device(op, q=q, sinks=sinks)
         if sinks.shape[0] != HQ or not sinks.dtype.is_floating_point:
             raise ValueError(
-                f"attention: argument 'sinks' must be a floating-point tensor of shape (heads_q,) = ({HQ},), "
+                f"{op}: argument 'sinks' must be a floating-point tensor of shape (heads_q,) = ({HQ},), "
                 f"got {sinks.dtype} {tuple(sinks.shape)}"
             )
     if scale is None:
         return 1.0 / math.sqrt(D)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale == 0:
-        raise ValueError(f"attention: argument 'scale' must be a finite non-zero number, got {scale!r}")
+        raise ValueError(f"{op}: argument 'scale' must be a finite non-zero number, got {scale!r}")
     return float(scale)
+
+
+def _check(q, k, v, causal, scale, key_bounds, sinks) -> float:
+    """Validate the arguments (errors name the argument); returns the resolved scale."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"attention: argument 'causal' must be a bool, got {type(causal).__name__}")
+    if causal and key_bounds is not None:
+        raise ValueError(
+            "attention: arguments 'causal' and 'key_bounds' exclude each other: key_bounds already says "
+            "which keys each query sees (build causal ones with causal_key_bounds)"
+        )
+    scale = check_inputs("attention", q, k, v, scale, key_bounds, sinks)
+    if k.shape[2] == 0 and q.shape[2] > 0 and key_bounds is None:
+        raise ValueError("attention: argument 'k' has seq_k = 0; every query needs at least one key")
+    return scale
 
 
 def attention(

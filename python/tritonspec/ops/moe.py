@@ -53,7 +53,17 @@ from ..kernel_table import MoECombine, MoERows, MoEUp, MoEWeightGrad
 from ..launch import launch_config
 from ..specialization.resolve import backend_for_device, lookup
 from ._checks import check_same_device, check_tensor
-from ._library import Op, PlanCache, TensorDescriptor, cdiv, launch, next_pow2, tma_ok, use_library_op
+from ._library import (
+    Op,
+    PlanCache,
+    TensorDescriptor,
+    cdiv,
+    launch,
+    library_op,
+    next_pow2,
+    tma_ok,
+    use_library_op,
+)
 from .moe_decode import MAX_TOKENS as DECODE_TOKENS, moe_decode
 from .moe_routing import moe_route
 from .moe_sort import padded_rows, sort_by_expert
@@ -1362,6 +1372,31 @@ def _inference(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias
     return moe_experts_forward(*args, save=False)[0]
 
 
+def _inference_op(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    gate_up_bias: Optional[torch.Tensor],
+    down_bias: Optional[torch.Tensor],
+    layout: str,
+    activation: str,
+    clamp: float,
+) -> torch.Tensor:
+    return _inference(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, layout, activation, clamp)
+
+
+def _inference_fake(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, layout, activation, clamp):
+    return x.new_empty(x.shape)
+
+
+# What torch.compile traces when no gradient is wanted: the eager inference path as one opaque op, so a compiled
+# decode step runs the sort-free decode kernels (and the backends' own GEMMs), and CUDA graphs capture them as
+# eager runs them. Forward only: autograd never reaches it.
+MOE_INFERENCE = library_op("moe_experts_inference", _inference_op, _inference_fake, opaque=True)
+
+
 def _contiguous_last(t):
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
@@ -1420,10 +1455,8 @@ def moe_experts(
         return x.new_zeros(x.shape) + 0 * top_k_weights.sum() + 0 * gate_up_proj.sum() + 0 * down_proj.sum()
     x, top_k_weights = x.contiguous(), top_k_weights.contiguous()
     params = (x, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
-    if not use_library_op() and not (
-        torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params)
-    ):
-        return _inference(
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params)):
+        return (MOE_INFERENCE if use_library_op() else _inference)(
             x,
             top_k_ids.contiguous(),
             top_k_weights,
@@ -1433,7 +1466,7 @@ def moe_experts(
             down_bias,
             layout,
             activation,
-            clamp,
+            float(clamp) if clamp is not None else 0.0,
         )
     return MOE_EXPERTS(
         x,

@@ -1,0 +1,116 @@
+"""Decode in CUDA graphs on the GPU: kernelized models (every MoE family and Llama, all three front ends) generate
+under transformers' static cache and compile path, with their steps captured as CUDA graphs, and give the
+original model's greedy tokens (teacher-forced: each generated token is the original's greedy choice within
+its own bf16 rounding), replaying the same tokens.
+
+bf16, random weights (the LM head drawn 10x wider than the rest: larger margins between candidate tokens).
+Free-running tokens of two correct bf16 implementations part at the first near-tie, hence the teacher-forced
+check. The compile path is transformers' default one (Inductor, ``mode="reduce-overhead"``: CUDA-graph trees)
+with ``fullgraph=True``. Every family through ``kernelize``; Llama and Qwen3-MoE through all three front ends.
+"""
+
+import copy
+
+import pytest
+from helpers import MOE_ARCHITECTURES, available_models, build_model
+import torch
+
+import tritonspec.nn as tnn
+from tritonspec.nn import attention as nn_attention
+
+pytestmark = pytest.mark.gpu
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = ["llama"] + available_models(MOE_ARCHITECTURES)
+SIZES = dict(
+    hidden_size=512,
+    intermediate_size=1024,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=4096,
+    max_position_embeddings=1024,
+    num_hidden_layers=2,
+)
+# the MoE families' own fields at these sizes (the rest of MOE_ARCHITECTURES' tiny settings stay)
+MOE = {
+    "qwen3_moe": dict(moe_intermediate_size=256, head_dim=64),
+    "qwen2_moe": dict(moe_intermediate_size=256, shared_expert_intermediate_size=512),
+    "gpt_oss": dict(head_dim=64, layer_types=["full_attention"] * SIZES["num_hidden_layers"]),
+    "deepseek_v3": dict(moe_intermediate_size=256, num_key_value_heads=SIZES["num_attention_heads"]),  # MLA
+}
+NEW = 24
+RULES = "".join(
+    f"- match: {{kernel: {k}}}\n  replace: {{kernel: {k}}}\n  optional: true\n"
+    for k in ("add_rmsnorm", "rmsnorm", "swiglu", "moe", "moe_router")
+)
+
+
+def _model(name):
+    attn = "eager" if name == "gpt_oss" else "sdpa"  # GPT-OSS's sinks have no SDPA path
+    model = build_model(name, torch.bfloat16, attn, seed=1234, device="cuda", moe=MOE.get(name), **SIZES).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(10.0)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _inputs(batch=2, prompt=40):
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(1, SIZES["vocab_size"], (batch, prompt), generator=g).cuda()
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0  # left padding
+    return ids, mask
+
+
+def _front_end(front, model):
+    if front == "kernelize":
+        tnn.kernelize(model, mode=tnn.Mode.INFERENCE)
+        tnn.use_tritonspec_attention(model, source="test")
+    elif front == "registry":
+        tnn.apply_available_kernels(model)
+    else:
+        tnn.apply_rules(model, RULES)
+
+
+CASES = [(name, "kernelize") for name in FAMILIES] + [
+    (name, front) for name in ("llama", "qwen3_moe") if name in FAMILIES for front in ("registry", "rules")
+]
+
+
+def _greedy_misses(model, tokens, mask, prompt):
+    """Generated positions whose token is not the original model's greedy choice within its own bf16 rounding.
+
+    Teacher-forced: the original model (bf16, and a float32 copy as the reference) reads the generated sequence
+    once; a choice counts as greedy if its float32 logit is within twice the bf16 model's own largest logit error
+    of the float32 maximum (free-running tokens of two correct bf16 implementations part at the first near-tie)."""
+    full = torch.cat([mask, mask.new_ones(mask.shape[0], tokens.shape[1] - mask.shape[1])], dim=1)
+    positions = (full.cumsum(-1) - 1).clamp(min=0)
+    logits16 = model(tokens, attention_mask=full, position_ids=positions).logits.float()
+    logits32 = copy.deepcopy(model).float()(tokens, attention_mask=full, position_ids=positions).logits
+    noise = (logits16 - logits32).abs().amax().item()
+    scores, chosen = logits32[:, prompt - 1 : -1], tokens[:, prompt:]
+    gap = scores.amax(-1) - scores.gather(-1, chosen[..., None])[..., 0]
+    return int((gap > 2 * noise + 1e-3).sum()), noise
+
+
+@pytest.mark.parametrize("name, front", CASES)
+def test_graph_decode_gives_the_original_greedy_tokens(name, front):
+    torch._dynamo.reset()
+    ids, mask = _inputs()
+    model = _model(name)
+    with torch.no_grad():
+        _front_end(front, model)
+        config = transformers.CompileConfig(fullgraph=True)  # Inductor, reduce-overhead
+        kw = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, cache_implementation="static")
+        nn_attention.fallbacks.clear()
+        first = model.generate(ids, compile_config=config, **kw)  # records the graphs
+        again = model.generate(ids, compile_config=config, **kw)  # replays them
+        tnn.revert(model)
+        misses, noise = _greedy_misses(model, first, mask, ids.shape[1])
+    assert torch.equal(again, first)
+    assert misses == 0, (
+        f"{name}/{front}: {misses} of {first[:, ids.shape[1] :].numel()} tokens not greedy (noise {noise})"
+    )
+    if front != "rules" and name != "deepseek_v3":  # MLA's value head differs from its query head: SDPA
+        assert not nn_attention.fallbacks, dict(nn_attention.fallbacks)  # our kernels took every attention call
