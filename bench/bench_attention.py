@@ -795,6 +795,7 @@ def _decode(out_dir: str, config: dict | None):
         q = ks = vs = None  # free this shape's tensors before the next
         if not SMOKE:
             torch.cuda.empty_cache()
+    os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "decode.json"), "w") as fh:
         json.dump(dict(env=info, rows=rows), fh, indent=1)
     print(decode_table(rows))

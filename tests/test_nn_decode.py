@@ -138,3 +138,35 @@ def test_a_compiled_decode_step_on_a_static_cache_is_one_graph(name):
     assert "tritonspec.attention_decode.default" in backend.ops and backend.graphs == 1
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     tnn.revert(model)
+
+
+def test_key_bounds_pass_through_transformers_as_a_prepared_mask():
+    """generate hands a static cache's masks back to the model: ours must look like a prepared 4-D mask there
+    and come back as the same bounds."""
+    from transformers.masking_utils import _preprocess_mask_arguments
+
+    from tritonspec.nn.attention import bounds_mask, mask_bounds
+
+    bounds = torch.tensor([[[0, 0, 2]], [[1, 2, 5]]], dtype=torch.int32).expand(2, 3, 3)  # (2, batch, q)
+    mask = bounds_mask(bounds)
+    model = _model("llama")
+    early_exit, passed, *_ = _preprocess_mask_arguments(model.config, torch.empty(3, 3, 32), mask, None, None, 0)
+    assert early_exit and passed is mask
+    assert torch.equal(mask_bounds(mask), bounds)
+    assert mask_bounds(torch.ones(3, 1, 3, 2, dtype=torch.bool)) is None  # transformers' own masks are not bounds
+
+
+def test_a_router_s_verified_kind_is_forgotten_with_it():
+    """Under compile the routers' kinds come from a record of their eager runs, kept only while they live."""
+    import gc
+
+    from tritonspec.nn import detectors
+
+    model = _model("qwen3_moe")
+    router = model.model.layers[0].mlp.gate
+    kind = detectors.router_kind(router)
+    assert kind is not None and detectors._VERIFIED_ROUTERS[id(router)] is kind
+    key = id(router)
+    del model, router
+    gc.collect()
+    assert key not in detectors._VERIFIED_ROUTERS
