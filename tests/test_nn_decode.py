@@ -153,6 +153,7 @@ def test_key_bounds_pass_through_transformers_as_a_prepared_mask():
     early_exit, passed, *_ = _preprocess_mask_arguments(model.config, torch.empty(3, 3, 32), mask, None, None, 0)
     assert early_exit and passed is mask
     assert torch.equal(mask_bounds(mask), bounds)
+    assert mask_bounds(mask) is mask_bounds(mask)  # every layer reads one view: what the kernels derive is kept
     assert mask_bounds(torch.ones(3, 1, 3, 2, dtype=torch.bool)) is None  # transformers' own masks are not bounds
 
 

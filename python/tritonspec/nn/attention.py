@@ -74,7 +74,10 @@ def bounds_mask(bounds: torch.Tensor) -> torch.Tensor:
 def mask_bounds(mask) -> torch.Tensor | None:
     """The key bounds ``(2, batch, q_length)`` a mask from :func:`bounds_mask` holds, or None for any other mask."""
     if isinstance(mask, torch.Tensor) and mask.dtype == torch.int32 and mask.dim() == 4 and mask.shape[-1] == 2:
-        return mask[:, 0].permute(2, 0, 1)
+        from ..ops._library import derived
+
+        # one view for every layer of the forward, so what the kernels derive from it is built once
+        return derived(mask, "key_bounds", lambda: mask[:, 0].permute(2, 0, 1))
     return None
 
 
