@@ -41,6 +41,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import transformers  # noqa: E402
 
+from harness import MODEL_SHAPES  # noqa: E402  bench/harness.py: this script's directory is on sys.path
 from tritonspec.nn import Mode, kernelize, revert  # noqa: E402
 from tritonspec.nn.attention import use_tritonspec_attention  # noqa: E402
 from tritonspec.nn.detectors import is_fused_experts, is_topk_router  # noqa: E402
@@ -49,38 +50,7 @@ DEV = torch.device("cpu" if SMOKE else "cuda")
 DT = torch.float32 if SMOKE else torch.bfloat16
 GiB = 2**30
 
-CASES = {
-    "qwen3-30b-a3b": (
-        "Qwen3MoeConfig",
-        dict(
-            hidden_size=2048,
-            num_hidden_layers=48,
-            num_attention_heads=32,
-            num_key_value_heads=4,
-            head_dim=128,
-            moe_intermediate_size=768,
-            num_experts=128,
-            num_experts_per_tok=8,
-            norm_topk_prob=True,
-            vocab_size=151936,
-            intermediate_size=6144,
-            mlp_only_layers=[],
-            decoder_sparse_step=1,
-        ),
-    ),
-    "llama-3-8b": (
-        "LlamaConfig",
-        dict(
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            vocab_size=128256,
-            rope_theta=500000.0,
-        ),
-    ),
-}
+CASES = {name: MODEL_SHAPES[name] for name in ("qwen3-30b-a3b", "llama-3-8b")}
 SMOKE_SIZES = dict(
     hidden_size=64,
     num_hidden_layers=2,

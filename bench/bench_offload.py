@@ -58,6 +58,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import transformers  # noqa: E402
 
+from harness import MODEL_SHAPES  # noqa: E402  bench/harness.py: this script's directory is on sys.path
 from tritonspec.nn.offload import offload_experts, parse_bytes  # noqa: E402
 from tritonspec.nn.offload.cache import belady, simulate  # noqa: E402
 from tritonspec.nn.offload.host_compute import run_experts, torch_threads  # noqa: E402
@@ -67,45 +68,16 @@ DEV = torch.device("cpu" if SMOKE else "cuda")
 DT = torch.float32 if SMOKE else torch.bfloat16
 GiB = 2**30
 
-# name: (config class, model class, config kwargs, GPU budget of our slots, default --new)
+
+def _case(name, model_class, budget, new):
+    """(config class, model class, config kwargs, GPU budget of our slots, default --new)."""
+    config_class, sizes = MODEL_SHAPES[name]
+    return config_class, model_class, sizes, budget, new
+
+
 CASES = {
-    "qwen3-30b-a3b": (
-        "Qwen3MoeConfig",
-        "Qwen3MoeForCausalLM",
-        dict(
-            hidden_size=2048,
-            num_hidden_layers=48,
-            num_attention_heads=32,
-            num_key_value_heads=4,
-            head_dim=128,
-            moe_intermediate_size=768,
-            num_experts=128,
-            num_experts_per_tok=8,
-            norm_topk_prob=True,
-            vocab_size=151936,
-            intermediate_size=6144,
-            mlp_only_layers=[],
-            decoder_sparse_step=1,
-        ),
-        "16GiB",
-        32,
-    ),
-    "mixtral-8x7b": (
-        "MixtralConfig",
-        "MixtralForCausalLM",
-        dict(
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            num_local_experts=8,
-            num_experts_per_tok=2,
-            vocab_size=32000,
-        ),
-        "60GiB",
-        8,
-    ),
+    "qwen3-30b-a3b": _case("qwen3-30b-a3b", "Qwen3MoeForCausalLM", "16GiB", 32),
+    "mixtral-8x7b": _case("mixtral-8x7b", "MixtralForCausalLM", "60GiB", 8),
 }
 SMOKE_SIZES = dict(
     hidden_size=64,

@@ -1,9 +1,56 @@
-"""What the kernel benchmarks share: the timer, and launch-config overrides for their sweeps."""
+"""What the benchmarks share: the timer, launch-config overrides for their sweeps, and the models' shapes."""
 
 from __future__ import annotations
 
 import contextlib
 import time
+
+# Whole models at their real shapes (Hugging Face config.json): transformers config class and its fields.
+MODEL_SHAPES = {
+    "qwen3-30b-a3b": (
+        "Qwen3MoeConfig",
+        dict(
+            hidden_size=2048,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            vocab_size=151936,
+            intermediate_size=6144,
+            mlp_only_layers=[],
+            decoder_sparse_step=1,
+        ),
+    ),
+    "mixtral-8x7b": (
+        "MixtralConfig",
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            vocab_size=32000,
+        ),
+    ),
+    "llama-3-8b": (
+        "LlamaConfig",
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            rope_theta=500000.0,
+        ),
+    ),
+}
 
 
 @contextlib.contextmanager

@@ -254,18 +254,28 @@ def tiny_model(name, dtype, attn="sdpa"):
     return build_model(name, dtype, attn, seed=1234, **dict(TINY, num_hidden_layers=2 if name == "llama" else 1))
 
 
-def apply_front_end(front, model, rules):
+def apply_front_end(front, model, rules, *, inference=False):
     """Apply one front end to ``model``: ``"registry"`` (apply_available_kernels), ``"kernelize"`` (training
-    mode) or else the YAML ``rules``; returns the model's report."""
+    mode; ``inference``: inference mode and our attention switched on) or else the YAML ``rules``; returns the
+    model's report."""
     import tritonspec.nn as tnn
 
     if front == "registry":
         tnn.apply_available_kernels(model)
     elif front == "kernelize":
-        tnn.kernelize(model, mode=tnn.Mode.TRAINING)
+        tnn.kernelize(model, mode=tnn.Mode.INFERENCE if inference else tnn.Mode.TRAINING)
+        if inference:
+            tnn.use_tritonspec_attention(model, source="test")
     else:
         tnn.apply_rules(model, rules)
     return tnn.report(model)
+
+
+# Rules that name kernels (KTransformers style), so one file serves dense and MoE models.
+KERNEL_RULES = "".join(
+    f"- match: {{kernel: {k}}}\n  replace: {{kernel: {k}}}\n  optional: true\n"
+    for k in ("add_rmsnorm", "rmsnorm", "swiglu", "moe", "moe_router")
+)
 
 
 def token_ids(vocab, batch=2, seq=8):

@@ -8,7 +8,7 @@ around a decode step on a ``StaticCache``, as users write it.
 """
 
 import pytest
-from helpers import MOE_ARCHITECTURES, available_models, build_model
+from helpers import KERNEL_RULES, MOE_ARCHITECTURES, apply_front_end, available_models, build_model
 import torch
 
 import tritonspec.nn as tnn
@@ -26,11 +26,6 @@ SIZES = dict(
     num_hidden_layers=2,
 )
 NEW = 4
-# The rules front end: KTransformers-style rules naming kernels, so one file serves dense and MoE models.
-RULES = "".join(
-    f"- match: {{kernel: {k}}}\n  replace: {{kernel: {k}}}\n  optional: true\n"
-    for k in ("add_rmsnorm", "rmsnorm", "moe", "moe_router")
-)
 
 
 def _model(name):
@@ -48,16 +43,6 @@ def _inputs():
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding: the step's mask is not all ones
     return ids, mask
-
-
-def _front_end(front, model):
-    if front == "kernelize":
-        tnn.kernelize(model, mode=tnn.Mode.INFERENCE)
-        tnn.use_tritonspec_attention(model, source="test")
-    elif front == "registry":
-        tnn.apply_available_kernels(model)
-    else:
-        tnn.apply_rules(model, RULES)
 
 
 class Recorder:
@@ -103,7 +88,7 @@ def test_static_cache_generate_compiles_to_one_graph_with_the_original_tokens(na
     backend = Recorder()
     with torch.no_grad():
         want = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
-        _front_end(front, model)
+        apply_front_end(front, model, KERNEL_RULES, inference=True)
         got = _compiled_generate(model, ids, mask, backend)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     # every decode step replays the first step's graph; transformers' sliding-window cache layers (Mistral) make

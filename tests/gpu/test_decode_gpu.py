@@ -12,7 +12,7 @@ with ``fullgraph=True``. Every family through ``kernelize``; Llama and Qwen3-MoE
 import copy
 
 import pytest
-from helpers import MOE_ARCHITECTURES, available_models, build_model
+from helpers import KERNEL_RULES, MOE_ARCHITECTURES, apply_front_end, available_models, build_model
 import torch
 
 import tritonspec.nn as tnn
@@ -39,10 +39,6 @@ MOE = {
     "deepseek_v3": dict(moe_intermediate_size=256, num_key_value_heads=SIZES["num_attention_heads"]),  # MLA
 }
 NEW = 24
-RULES = "".join(
-    f"- match: {{kernel: {k}}}\n  replace: {{kernel: {k}}}\n  optional: true\n"
-    for k in ("add_rmsnorm", "rmsnorm", "swiglu", "moe", "moe_router")
-)
 
 
 def _model(name):
@@ -61,16 +57,6 @@ def _inputs(batch=2, prompt=40):
     mask = torch.ones_like(ids)
     mask[1, :9] = 0  # left padding
     return ids, mask
-
-
-def _front_end(front, model):
-    if front == "kernelize":
-        tnn.kernelize(model, mode=tnn.Mode.INFERENCE)
-        tnn.use_tritonspec_attention(model, source="test")
-    elif front == "registry":
-        tnn.apply_available_kernels(model)
-    else:
-        tnn.apply_rules(model, RULES)
 
 
 CASES = [(name, "kernelize") for name in FAMILIES] + [
@@ -100,7 +86,7 @@ def test_graph_decode_gives_the_original_greedy_tokens(name, front):
     ids, mask = _inputs()
     model = _model(name)
     with torch.no_grad():
-        _front_end(front, model)
+        apply_front_end(front, model, KERNEL_RULES, inference=True)
         config = transformers.CompileConfig(fullgraph=True)  # Inductor, reduce-overhead
         kw = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, cache_implementation="static")
         nn_attention.fallbacks.clear()
