@@ -503,3 +503,49 @@ def test_torch_compile_fullgraph(config, device, gen, use_configs, monkeypatch):
 
 def test_max_queries_is_the_documented_bound():
     assert MAX_QUERIES == 16
+
+
+def compile_as_inductor_types_it():
+    """Subprocess (compiled, not interpreted): the decode kernels of a masked GQA step, bound as a launch binds
+    them, compiled for sm90 with every float argument typed fp64, as Inductor types Python floats in the Triton
+    kernels of a triton_op. The softmax must stay fp32 there (an fp64 scale once broke the kernel's tl.dot)."""
+    from offline import run_checks
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+
+    import triton
+    from tritonspec import devices
+    from tritonspec.kernel_check import _bind
+    from tritonspec.ops._library import recording
+
+    def check():
+        q = torch.empty(1, 32, 1, 128, device="meta", dtype=torch.bfloat16)
+        k = v = torch.empty(1, 8, 4096, 128, device="meta", dtype=torch.bfloat16)
+        mask = torch.empty(1, 1, 1, 4096, device="meta", dtype=torch.bool)
+        units, devices.META_COMPUTE_UNITS = devices.META_COMPUTE_UNITS, 132  # an H100's SMs: several splits
+        try:
+            with torch.no_grad(), recording() as launches:
+                attention_decode(q, k, v, mask=mask)
+        finally:
+            devices.META_COMPUTE_UNITS = units
+        target = GPUTarget("cuda", 90, 32)
+        compiler = make_backend(target)
+        assert {launch.kernel.fn.__name__ for launch in launches} == {
+            "_decode_partial_kernel",
+            "_decode_combine_kernel",
+        }
+        for launch in launches:
+            c = _bind(compiler, launch)
+            signature = {name: "fp64" if kind == "fp32" else kind for name, kind in c.signature.items()}
+            assert signature != c.signature or launch.kernel.fn.__name__ != "_decode_partial_kernel"
+            triton.compile(ASTSource(c.kernel, signature, c.constexprs, c.attrs), target=target, options=c.options)
+
+    run_checks({"fp64 scalars": check})
+
+
+@pytest.mark.skipif(not interpreting(), reason="runs the compile in a subprocess from the interpreted session")
+def test_the_kernels_compile_with_fp64_scalars_as_inductor_passes_them():
+    from offline import run_without_interpreter
+
+    results = run_without_interpreter("test_attention_decode", "compile_as_inductor_types_it", timeout=600)
+    assert results == {"fp64 scalars": "ok"}, results
