@@ -102,6 +102,14 @@ def test_moe_matches_reference(T, layout, kind, device, gen):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpt_oss_activation_without_a_clamp_clips_nothing(layout, device, gen):
+    """clamp=None: GPT-OSS's activation unclamped, forward and backward (the kernels' stand-in for "no clamp"
+    once was 0, which clipped every positive gate)."""
+    args, kw = _problem(17, 32, 24, 6, 2, layout, "gpt_oss", _dtypes(device)[0], device, gen)
+    _check(args, dict(kw, clamp=None), gen=gen)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_many_tokens_per_expert_fill_several_blocks(layout, device, gen):
     """160 tokens x top-4 over 4 experts: ~160 rows per expert, several of the large problems' 128-row blocks."""
     args, kw = _problem(160, 48, 40, 4, 4, layout, "silu", _dtypes(device)[0], device, gen)

@@ -40,6 +40,14 @@ def _check(args, kw):
     return out
 
 
+@pytest.mark.parametrize("layout", ["concatenated", "interleaved_transposed"])
+def test_gpt_oss_activation_without_a_clamp_clips_nothing(layout, device, gen):
+    """clamp=None in the decode kernels: unclamped (their stand-in for "no clamp" once was 0)."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    args, kw = _problem(5, 32, 24, 6, 3, layout, "gpt_oss", dtype, device, gen, bias=True)
+    _check(args, dict(kw, clamp=None))
+
+
 def _count_decode_launches(monkeypatch):
     calls = []
     real = moe_decode.moe_decode

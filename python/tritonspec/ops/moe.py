@@ -727,7 +727,7 @@ def moe_experts_forward(
             stride_w_n=w.stride(2),
             stride_bias_e=bias.stride(0) if has_bias else 0,
             stride_bias_n=bias.stride(1) if has_bias else 0,
-            clamp=float(clamp if clamp is not None else 0.0),
+            clamp=float(clamp),
             INTERLEAVED=layout != "concatenated",
             HAS_BIAS=has_bias,
             STORE_GU=save,
@@ -1060,7 +1060,7 @@ def moe_experts_backward(
         ALIGN=block_m,
         stride_dout_t=dout.stride(0),
         stride_down_bias_e=0 if down_bias is None else down_bias.stride(0),
-        clamp=float(clamp or 0.0),
+        clamp=float(clamp),
         ACT=activation,
         INTERLEAVED=layout != "concatenated",
         HAS_BIAS=down_bias is not None,
@@ -1397,6 +1397,10 @@ def _inference_fake(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down
 MOE_INFERENCE = library_op("moe_experts_inference", _inference_op, _inference_fake, opaque=True)
 
 
+# GPT-OSS's activation without a clamp: the kernels clamp to +-inf, which leaves every value as it is.
+_NO_CLAMP = float("inf")
+
+
 def _contiguous_last(t):
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
@@ -1418,8 +1422,8 @@ def moe_experts(
 
     Args:
         x: (T, H) tokens, float16 / bfloat16 (float32 on the CPU interpreter).
-        top_k_ids: (T, k) int32 or int64 expert ids; ids outside [0, E) (transformers' expert-parallel
-            sentinels) contribute nothing.
+        top_k_ids: (T, k) int32 or int64 expert ids, distinct within a token (as top-k routing gives them);
+            ids outside [0, E) (transformers' expert-parallel sentinels) contribute nothing.
         top_k_weights: (T, k) routing weights, any float dtype; differentiable (their gradient feeds
             the router).
         gate_up_proj, down_proj: Hugging Face's expert weights. ``layout="concatenated"``:
@@ -1466,7 +1470,7 @@ def moe_experts(
             down_bias,
             layout,
             activation,
-            float(clamp) if clamp is not None else 0.0,
+            _NO_CLAMP if clamp is None else float(clamp),
         )
     return MOE_EXPERTS(
         x,
@@ -1478,5 +1482,5 @@ def moe_experts(
         _contiguous_last(down_bias),
         layout,
         activation,
-        float(clamp) if clamp is not None else 0.0,
+        _NO_CLAMP if clamp is None else float(clamp),
     )

@@ -256,7 +256,7 @@ def _gemm(a, ids, w, bias, rows, weights, out, counts, num_counts, gated, interl
         stride_bias_e=bias_stride[0],
         stride_bias_n=bias_stride[1],
         stride_out=out.stride(0),
-        clamp=float(clamp or 0.0),
+        clamp=float(clamp),
         GATED=gated,
         INTERLEAVED=interleaved,
         HAS_BIAS=has_bias,
