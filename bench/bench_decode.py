@@ -1,7 +1,7 @@
 """Greedy decode of whole models at real shapes, random weights, bf16 on one GPU: transformers against ours.
 
     python bench/bench_decode.py [--case qwen3-30b-a3b|llama-3-8b|all] [--batch 1,8] [--prompt 64,2048]
-                                 [--new 256] [--variants hf-eager,hf-graphs,ts-eager,ts-graphs] [--out FILE.md]
+                                 [--new 256] [--variants hf-eager,hf-graphs,ts-eager,ts-graphs,...] [--out FILE.md]
 
 Variants:
 - ``hf-eager``: transformers' model as it is (SDPA, its experts implementation), dynamic cache.
@@ -9,6 +9,8 @@ Variants:
   Inductor, ``mode="reduce-overhead"``, so CUDA graphs), ``fullgraph=True``.
 - ``ts-eager``: ``kernelize(model, mode=Mode.INFERENCE)`` plus ``attn_implementation="tritonspec"``, dynamic cache.
 - ``ts-graphs``: the same model under the same static cache and compile path as ``hf-graphs``.
+- ``hf-decoder`` / ``ts-decoder``: transformers' model / ours, decoded by ``tritonspec.nn.GraphDecoder`` (one
+  Inductor-compiled step captured in one CUDA graph, replayed per token; no guard check or host sync per token).
 Each row's model is the same: ours is kernelized for its rows and reverted after (weights untouched).
 
 Weights: normal(0, 0.02), norms 1, the LM head 10x wider (greedy choices then have a margin above bf16 rounding,
@@ -42,7 +44,7 @@ import triton  # noqa: E402
 import transformers  # noqa: E402
 
 from harness import MODEL_SHAPES  # noqa: E402  bench/harness.py: this script's directory is on sys.path
-from tritonspec.nn import Mode, kernelize, revert  # noqa: E402
+from tritonspec.nn import GraphDecoder, Mode, kernelize, revert  # noqa: E402
 from tritonspec.nn.attention import use_tritonspec_attention  # noqa: E402
 from tritonspec.nn.detectors import is_fused_experts, is_topk_router  # noqa: E402
 
@@ -63,7 +65,7 @@ SMOKE_SIZES = dict(
     num_experts_per_tok=2,
     vocab_size=128,
 )
-VARIANTS = ("hf-eager", "hf-graphs", "ts-eager", "ts-graphs")
+VARIANTS = ("hf-eager", "hf-graphs", "ts-eager", "ts-graphs", "hf-decoder", "ts-decoder")
 
 
 def log(*a):
@@ -120,7 +122,9 @@ def step_bytes(model, batch, context):
     return dense + routed + kv
 
 
-def generate(model, ids, new, static):
+def generate(model, ids, new, static, decoder=None):
+    if decoder is not None:
+        return decoder.generate(ids, max_new_tokens=new, eos_token_id=[])
     kw = dict(do_sample=False, min_new_tokens=new, max_new_tokens=new, attention_mask=torch.ones_like(ids))
     if static:
         cc = transformers.CompileConfig(fullgraph=True)
@@ -140,18 +144,22 @@ def timed(fn):
 
 
 def measure(name, model, batch, prompt, new, static, reference, hbm, skip_guards=False):
+    decoder = None
+    if name.endswith("decoder"):  # captured by the warm-up, for this (batch, length)
+        backend = "aot_eager" if SMOKE else "inductor"
+        decoder = GraphDecoder(model, max_cache_len=prompt + new, batch_size=batch, compile_backend=backend)
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(prompt))
     ids = ids.to(DEV)
     with torch.no_grad():
         t_warm = time.perf_counter()
-        generate(model, ids, 1, static)
-        out = generate(model, ids, new, static)
+        generate(model, ids, 1, static, decoder)
+        out = generate(model, ids, new, static, decoder)
         log(f"{name} b={batch} p={prompt}: warm-up {time.perf_counter() - t_warm:.1f} s")
         if DEV.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip_guards and static):
-            t1, _ = timed(lambda: generate(model, ids, 1, static))
-            tn, out = timed(lambda: generate(model, ids, new, static))
+            t1, _ = timed(lambda: generate(model, ids, 1, static, decoder))
+            tn, out = timed(lambda: generate(model, ids, new, static, decoder))
     same = reference.get((batch, prompt))
     if same is None:
         reference[(batch, prompt)] = out

@@ -27,7 +27,7 @@ from tritonspec.ops.attention_decode import MAX_QUERIES, attention_decode
 decode_module = importlib.import_module("tritonspec.ops.attention_decode")  # the package binds the function's name
 
 CONFIGS = {
-    "direct": None,
+    "direct": {"attention_decode": dict(min_split_keys=1 << 16)},  # one split: the partial kernel writes the output
     "split": {"attention_decode": dict(BLOCK_M=16, BLOCK_N=16, min_split_keys=16, programs_per_unit=64)},
     "split_wide": {
         "attention_decode": dict(BLOCK_N=32, min_split_keys=32, programs_per_unit=64),
@@ -357,17 +357,17 @@ def test_launch_plans_relaunch_with_each_calls_tensors(config, device, gen, use_
 def test_split_heuristic():
     """Enough programs for two per SM, no split under min_split_keys, one split for short caches, no empty one."""
     cfg = decode_module._default(128, 4)
-    assert (cfg.BLOCK_M, cfg.BLOCK_N, cfg.min_split_keys, cfg.programs_per_unit) == (16, 64, 256, 2)
+    assert (cfg.BLOCK_M, cfg.BLOCK_N, cfg.min_split_keys, cfg.programs_per_unit) == (16, 64, 64, 2)
     for batch, heads_kv, seq_k in [(1, 8, 32768), (8, 8, 32768), (1, 8, 4096), (1, 4, 1000), (1, 8, 512)]:
         n, per = decode_module.splits(batch * heads_kv, seq_k, 132, cfg)
         blocks = -(-seq_k // cfg.BLOCK_N)
         assert (n - 1) * per < blocks <= n * per  # every split has keys
         assert n == 1 or per * cfg.BLOCK_N >= cfg.min_split_keys
-        # about two programs per SM, or as many as min_split_keys (4 blocks) allows; whole blocks per split round
-        assert n * batch * heads_kv >= 0.75 * min(2 * 132, batch * heads_kv * (blocks // 4))
+        # about two programs per SM, or as many as min_split_keys (one block) allows; whole blocks per split round
+        assert n * batch * heads_kv >= 0.75 * min(2 * 132, batch * heads_kv * blocks)
     assert decode_module.splits(8, 32768, 132, cfg) == (32, 16)  # Llama-3's 8 kv heads at 32k: 256 programs
     assert decode_module.splits(64, 32768, 132, cfg) == (5, 103)
-    assert decode_module.splits(8, 300, 132, cfg) == (1, 5)
+    assert decode_module.splits(8, 300, 132, cfg) == (5, 1)  # a short cache: a block per split
     assert decode_module.splits(256, 32768, 132, cfg) == (2, 256)
 
 

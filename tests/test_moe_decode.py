@@ -89,6 +89,35 @@ def test_experts_shared_by_tokens_and_dropped_pairs(device, gen):
     assert torch.all(out[6] != 0)  # expert 1 alone still contributes to token 6
 
 
+def _repeated_ids(pattern, T, k, E, device, gen):
+    """(T, k) ids with repeats within tokens: "one" (each token names one expert in two of its slots), "mixed"
+    (every other token does, the rest are distinct), "all" (each token names one expert in all k slots)."""
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    for t in range(T):
+        a, b = torch.randperm(k, generator=gen)[:2].tolist()
+        if pattern == "all":
+            ids[t] = ids[t, a]
+        elif pattern == "one" or t % 2 == 0:
+            ids[t, b] = ids[t, a]
+    return ids.to(device)
+
+
+@pytest.mark.parametrize("pattern", ["one", "mixed", "all"])
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("layout", ["concatenated", "interleaved_transposed"])
+@pytest.mark.parametrize("T", [1, 2, 7, 16])
+def test_decode_repeated_expert_within_a_token(T, layout, kind, pattern, device, gen, monkeypatch):
+    """A token that names an expert in several slots gets that expert's output once per slot, each with its
+    slot's weight (as the sorted path and the reference give it), every output element written."""
+    calls = _count_decode_launches(monkeypatch)
+    k = 3
+    args, kw = _problem(T, 32, 24, 6, k, layout, kind, _dtype(device), device, gen, bias=True)
+    ids = _repeated_ids(pattern, T, k, 6, device, gen)
+    assert any(len(set(row)) < k for row in ids.tolist())
+    _check((args[0], ids, *args[2:]), kw)
+    assert len(calls) == 1
+
+
 def test_decode_is_bitwise_deterministic(device, gen):
     args, kw = _problem(9, 32, 16, 8, 4, "interleaved_transposed", "gpt_oss", _dtype(device), device, gen)
     with torch.no_grad():

@@ -1,11 +1,13 @@
 """moe_route against the Hugging Face routers it stands for (built from tiny configs, random weights): the same
-experts in the same order, the same weights and the same gradients with respect to the router logits."""
+experts in the same order, the same weights and the same gradients with respect to the router logits. Then its
+fused path (no gradient, no group limit: one Triton kernel) against a float64 reference of the same math."""
 
 import pytest
 from helpers import leaf
 import torch
 import transformers
 
+from tritonspec.ops import moe_routing
 from tritonspec.ops.moe_routing import SCORINGS, moe_route
 
 HIDDEN = 32
@@ -262,10 +264,14 @@ def test_torch_compile_fullgraph(scoring, gen, device):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("scoring", SCORINGS)
-def test_cuda_graph_capture(scoring, gen):
-    """Captured once, replayed on new logits: the same result as eager (a host sync would fail the capture)."""
+def test_cuda_graph_capture(scoring, grouped, gen):
+    """Captured once, replayed on new logits: the same result as eager (a host sync would fail the capture).
+    Without groups (no gradient here) the fused kernel is what is captured."""
     kw = _grouped_kwargs(scoring, gen, "cuda")
+    if not grouped:
+        del kw["n_group"], kw["topk_group"]
     static = torch.randn(17, 16, generator=gen).cuda()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -321,3 +327,206 @@ LOGITS = torch.zeros(3, 8)
 def test_bad_arguments(args, kwargs, error, match):
     with pytest.raises(error, match="^moe_route: argument " + match):
         moe_route(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# the fused path: calls without gradient or group limit
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def fused(monkeypatch):
+    """The fused path's calls (their logits' shapes), counted; CPU tensors take it too (the interpreter)."""
+    monkeypatch.setattr(moe_routing, "FUSED_ON_CPU", True)
+    calls = []
+    route_fused = moe_routing._route_fused
+
+    def counted(*args, **kwargs):
+        calls.append(tuple(args[0].shape))
+        return route_fused(*args, **kwargs)
+
+    monkeypatch.setattr(moe_routing, "_route_fused", counted)
+    return calls
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """torch.empty filled with NaN (floats) or -1 (ints): an output element the kernel does not write shows."""
+    empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+
+
+def _reference(x, top_k, scoring, renormalize=True, bias=None, scaling_factor=1.0, ids=None):
+    """(weights, ids, choice) in float64 from the float32 logits (and bias); with ``ids``, the weights of those."""
+    x = x.float().double()
+    scores = torch.softmax(x, -1) if scoring == "softmax" else x.sigmoid() if scoring == "sigmoid" else x
+    choice = scores if bias is None else scores + bias.float().double()
+    if ids is None:
+        ids = choice.topk(top_k, dim=-1).indices  # descending, the fused kernel's order for every scoring
+    w = scores.gather(1, ids)
+    if scoring == "topk_softmax":
+        w = torch.softmax(w, -1)
+    elif renormalize:
+        w = w / (w.sum(-1, keepdim=True) + (moe_routing._SIGMOID_RENORM_EPS if scoring == "sigmoid" else 0.0))
+    return w * scaling_factor, ids, choice
+
+
+def _assert_same_choice(ids, want, choice):
+    """``ids`` are ``want`` (the float64 reference's), except in a row holding a near-tie (top-k+1 choice values
+    within float32 rounding), where each rank's choice value must still be the reference's; always distinct
+    experts in range."""
+    n_experts, k = choice.shape[1], ids.shape[1]
+    assert ids.dtype == torch.int64 and ids.shape == want.shape
+    assert bool(((ids >= 0) & (ids < n_experts)).all()), ids
+    assert all(len(set(row)) == k for row in ids.tolist()), ids
+    top = choice.topk(min(k + 1, n_experts), dim=-1).values
+    near = ((top[:, :-1] - top[:, 1:]) <= 1e-6 * top[:, :-1].abs() + 1e-9).any(-1)
+    assert torch.equal(ids[~near], want[~near]), (ids, want)
+    torch.testing.assert_close(choice.gather(1, ids), choice.gather(1, want), rtol=1e-6, atol=1e-9)
+
+
+# (correction bias, renormalize, scaling factor): each on and off, DeepSeek-V3's 2.5
+OPTIONS = [(False, True, 1.0), (False, False, 2.5), (True, True, 2.5), (True, False, 1.0)]
+
+
+@pytest.mark.parametrize("bias,renormalize,scaling", OPTIONS)
+@pytest.mark.parametrize("scoring", SCORINGS)
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+@pytest.mark.parametrize("n_experts", [8, 60, 128, 256])
+def test_fused_matches_float64_reference(
+    n_experts, top_k, scoring, bias, renormalize, scaling, fused, poisoned, gen, device
+):
+    """Fresh logits, 1, 5 and 33 tokens (rows past a program's block); every element written (torch.empty is
+    poisoned); ids in descending choice order, weights within float32 rounding of float64's."""
+    corr = (torch.randn(n_experts, generator=gen) * 0.3).to(device) if bias else None
+    for tokens in (1, 5, 33):
+        x = (torch.randn(tokens, n_experts, generator=gen) * 2).to(device)
+        kw = dict(scoring=scoring, renormalize=renormalize, correction_bias=corr, scaling_factor=scaling)
+        with torch.no_grad():
+            w, ids = moe_route(x, top_k, **kw)
+        assert fused and fused[-1] == (tokens, n_experts)
+        _, want_ids, choice = _reference(x.cpu(), top_k, scoring, renormalize, None if corr is None else corr.cpu())
+        _assert_same_choice(ids.cpu(), want_ids, choice)
+        want_w, _, _ = _reference(
+            x.cpu(), top_k, scoring, renormalize, None if corr is None else corr.cpu(), scaling, ids=ids.cpu()
+        )
+        assert w.dtype == torch.float32 and w.shape == (tokens, top_k)
+        torch.testing.assert_close(w.cpu().double(), want_w, rtol=4e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("scoring", SCORINGS)
+def test_fused_equals_torch_path_within_rounding(scoring, fused, gen, device):
+    """The torch path (what the gradient calls run) and the fused one choose the same experts: sigmoid's in
+    torch.topk(sorted=False)'s order there, descending here (a MoE layer's output does not depend on it)."""
+    x = (torch.randn(33, 128, generator=gen) * 2).to(device)
+    kw = dict(scoring=scoring, correction_bias=(torch.randn(128, generator=gen) * 0.3).to(device), scaling_factor=2.5)
+    w_t, ids_t = moe_route(leaf(x), 8, **kw)
+    assert not fused
+    with torch.no_grad():
+        w_f, ids_f = moe_route(x, 8, **kw)
+    assert len(fused) == 1
+    if scoring == "sigmoid":
+        order = ids_t.argsort(-1)
+        ids_t, w_t = ids_t.gather(1, order), w_t.gather(1, order)
+        order = ids_f.argsort(-1)
+        ids_f, w_f = ids_f.gather(1, order), w_f.gather(1, order)
+    assert torch.equal(ids_f, ids_t)
+    torch.testing.assert_close(w_f, w_t.detach(), rtol=4e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_fused_loads_any_dtype_as_float32(dtype, fused, gen, device):
+    """Logits and bias in another dtype: the float32 route of their float32 values (the torch path's
+    ``.float()``), strided logits (a column slice) too. The same experts; the weights up to the order of the
+    float32 sums, which on a GPU follows the loads' layout, so the input's dtype (H100: last-bit differences)."""
+    x = (torch.randn(5, 70, generator=gen) * 2).to(device=device, dtype=dtype)[:, 3:67]
+    corr = (torch.randn(64, generator=gen) * 0.3).to(device=device, dtype=dtype)
+    for scoring in SCORINGS:
+        with torch.no_grad():
+            w, ids = moe_route(x, 4, scoring=scoring, correction_bias=corr)
+            w32, ids32 = moe_route(x.float().contiguous(), 4, scoring=scoring, correction_bias=corr.float())
+        assert torch.equal(ids, ids32), scoring
+        torch.testing.assert_close(w, w32, rtol=1e-6, atol=1e-7, msg=scoring)
+    assert len(fused) == 6
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the -inf row: NaN weights
+def test_fused_ties_go_to_the_lowest_index(fused, device):
+    """Exact ties: the lowest expert index first (the kernel's documented order). A row of -inf logits and a
+    NaN logit still give distinct experts below the count (the experts' kernels index by them): NaN first,
+    as torch.topk ranks it."""
+    x = torch.tensor(
+        [
+            [0.5, 1.0, 1.0, 0.5, 1.0, 0.0, 0.5, 1.0],
+            [0.0] * 8,
+            [float("-inf")] * 8,
+            [0.0, 1.0, float("nan"), 2.0, 0.0, 0.0, 0.0, 0.0],
+        ],
+        device=device,
+    )
+    with torch.no_grad():
+        _, ids = moe_route(x, 5, scoring="topk_softmax")
+        _, ids_softmax = moe_route(x[:2], 5, scoring="softmax")
+    assert ids[:3].tolist() == [[1, 2, 4, 7, 0], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]
+    assert ids[3].tolist() == [2, 3, 1, 0, 4]
+    assert torch.equal(ids_softmax, ids[:2])
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0], device=device)
+    with torch.no_grad():
+        _, ids_biased = moe_route(x[1:2], 3, scoring="sigmoid", correction_bias=bias)
+    assert ids_biased.tolist() == [[7, 0, 1]]
+
+
+def test_fused_only_without_gradient_and_groups(fused, gen, device):
+    """The fused path takes calls whose weights need no gradient (grad off, or logits that do not require it)
+    and no group limit (topk_group == n_group limits nothing); the rest, the CPU by default and more experts
+    than the kernel holds run torch's ops."""
+    x = torch.randn(5, 16, generator=gen).to(device)
+    corr = torch.randn(16, generator=gen).to(device)
+    grouped = dict(scoring="sigmoid", correction_bias=corr, n_group=4, topk_group=2)
+    moe_route(leaf(x), 4)
+    with torch.no_grad():
+        moe_route(x, 4, **grouped)
+        moe_route(torch.randn(2, moe_routing.MAX_FUSED_EXPERTS + 1, generator=gen).to(device), 4)
+    assert fused == []
+    moe_route(x, 4)  # grad on, logits not requiring it
+    with torch.no_grad():
+        moe_route(leaf(x), 4)
+        w_all, ids_all = moe_route(x, 4, **dict(grouped, topk_group=4))
+        w_none, ids_none = moe_route(x, 4, scoring="sigmoid", correction_bias=corr)
+    with torch.inference_mode():
+        w0, ids0 = moe_route(x[:0], 4, scoring="topk_softmax")
+    assert len(fused) == 5 and w0.shape == ids0.shape == (0, 4)
+    assert torch.equal(ids_all, ids_none) and torch.equal(w_all, w_none)
+    if device == "cpu":
+        moe_routing.FUSED_ON_CPU = False  # restored by the fixture's monkeypatch
+        with torch.no_grad():
+            moe_route(x, 4)
+        assert len(fused) == 5
+
+
+@pytest.mark.parametrize("scoring", SCORINGS)
+def test_fused_torch_compile_fullgraph(scoring, fused, gen, device):
+    """Traced, the fused path is one tritonspec::moe_route op in the graph (no graph break, no host sync); its
+    fake gives the shapes and dtypes, and the compiled call returns what the eager one does."""
+    x = torch.randn(17, 60, generator=gen).to(device)
+    kw = dict(scoring=scoring, correction_bias=(torch.randn(60, generator=gen) * 0.3).to(device), scaling_factor=2.5)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        w, ids = moe_route(x, 4, **kw)
+        wc, idsc = torch.compile(lambda t: moe_route(t, 4, **kw), fullgraph=True, backend=backend)(x)
+    targets = [n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert torch.ops.tritonspec.moe_route.default in targets, targets
+    # the eager call took the fused path; tracing calls it again (a triton_op's body is traced on a GPU)
+    assert fused and fused[0] == tuple(x.shape)
+    assert wc.dtype == torch.float32 and idsc.dtype == torch.int64
+    assert torch.equal(idsc, ids)
+    torch.testing.assert_close(wc, w, rtol=1e-6, atol=1e-7)  # traced launches may specialize the kernel anew

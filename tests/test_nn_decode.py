@@ -156,3 +156,89 @@ def test_a_router_s_verified_kind_is_forgotten_with_it():
     del model, router
     gc.collect()
     assert key not in detectors._VERIFIED_ROUTERS
+
+
+# GraphDecoder: our greedy loop over one compiled step (captured in a CUDA graph on a GPU; here it runs as traced)
+DECODER_FAMILIES = [n for n in ("llama", "qwen3_moe", "mistral", "gpt_oss") if n in FAMILIES]
+
+
+@pytest.mark.parametrize("name", DECODER_FAMILIES)
+def test_graph_decoder_gives_generate_s_greedy_tokens_from_one_compiled_step(name):
+    torch._dynamo.reset()
+    ids, mask = _inputs()
+    model = _model(name)
+    backend = Recorder()
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=NEW + 2, do_sample=False)
+        tnn.kernelize(model, mode=tnn.Mode.INFERENCE)
+        if name != "gpt_oss":
+            tnn.use_tritonspec_attention(model, source="test")
+        decoder = tnn.GraphDecoder(model, max_cache_len=16, batch_size=2, compile_backend=backend)
+        got = decoder.generate(ids, mask, max_new_tokens=NEW + 2)
+        again = decoder.generate(ids[:, 2:], mask[:, 2:], max_new_tokens=3)  # a shorter prompt, the same step
+        want_again = model.generate(ids[:, 2:], attention_mask=mask[:, 2:], max_new_tokens=3, do_sample=False)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(again, want_again, rtol=0, atol=0)
+    types = getattr(model.config, "layer_types", None)
+    sliding = "sliding_attention" in types if types else getattr(model.config, "sliding_window", None) is not None
+    assert backend.graphs == (2 if sliding else 1)
+    if name in MOE_ARCHITECTURES:
+        assert "tritonspec.moe_experts_inference.default" in backend.ops
+    if name != "gpt_oss":
+        assert "tritonspec.attention_decode.default" in backend.ops
+    tnn.revert(model)
+
+
+def test_graph_decoder_stops_and_pads_as_generate_does():
+    ids, mask = _inputs()
+    model = _model("llama")
+    with torch.no_grad():
+        free = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+        eos = int(free[0, ids.shape[1] + 1])  # the first row's second new token: it ends there
+        kwargs = dict(max_new_tokens=8, eos_token_id=eos, pad_token_id=3)
+        want = model.generate(ids, attention_mask=mask, do_sample=False, **kwargs)
+        decoder = tnn.GraphDecoder(model, max_cache_len=16, batch_size=2, compile_backend=None, check_every=2)
+        got = decoder.generate(ids, mask, **kwargs)
+        never = decoder.generate(ids, mask, max_new_tokens=8, eos_token_id=[])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert (got[0, ids.shape[1] + 2 :] == 3).all()
+    torch.testing.assert_close(never, free, rtol=0, atol=0)
+
+
+def test_graph_decoder_follows_a_reverted_model():
+    """A decoder made for the kernelized model decodes the original one after revert (on a GPU its captured
+    graph would run the replaced forwards: it captures again)."""
+    ids, mask = _inputs()
+    model = _model("qwen3_moe") if "qwen3_moe" in FAMILIES else _model("llama")
+    tnn.kernelize(model, mode=tnn.Mode.INFERENCE)
+    decoder = tnn.GraphDecoder(model, max_cache_len=16, batch_size=2, compile_backend=None)
+    with torch.no_grad():
+        decoder.generate(ids, mask, max_new_tokens=3)
+        before = decoder._model_state
+        tnn.revert(model)
+        got = decoder.generate(ids, mask, max_new_tokens=3)
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert decoder._model_state != before
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_graph_decoder_rejects_bad_input():
+    ids, mask = _inputs()
+    model = _model("llama")
+    decoder = tnn.GraphDecoder(model, max_cache_len=12, batch_size=2, compile_backend=None)
+    bad = [
+        (dict(input_ids=ids[:1], max_new_tokens=2), "input_ids: expected batch 2"),
+        (dict(input_ids=ids.int(), max_new_tokens=2), "input_ids: expected a 2-D int64"),
+        (dict(input_ids=ids, max_new_tokens=6), "exceed the decoder's max_cache_len=12"),
+        (dict(input_ids=ids, max_new_tokens=0), "max_new_tokens: expected a positive int"),
+        (dict(input_ids=ids, attention_mask=mask.flip(1), max_new_tokens=2), "padding on the left"),
+        (dict(input_ids=ids, attention_mask=mask[:, 1:], max_new_tokens=2), "attention_mask: expected the shape"),
+        (dict(input_ids=ids, max_new_tokens=2, eos_token_id=list(range(9))), "eos_token_id: expected at most 8"),
+    ]
+    for kwargs, message in bad:
+        with pytest.raises(ValueError, match=message):
+            decoder.generate(**kwargs)
+    with pytest.raises(ValueError, match="max_cache_len: expected a positive int"):
+        tnn.GraphDecoder(model, max_cache_len=0)
+    with pytest.raises(TypeError, match="model: expected a transformers causal LM"):
+        tnn.GraphDecoder(torch.nn.Linear(2, 2), max_cache_len=8)

@@ -59,6 +59,8 @@ def _check(q, k, cos, sin, in_place_backward=False):
         (1, 3, 3, 7, 24, 1),  # head_dim/2 = 12 is not a power of two
         (3, 2, 1, 9, 8, 3),  # MQA, per-batch positions
         (1, 1, 1, 1, 2, 1),  # the smallest shape
+        (1, 5, 3, 1, 128, 1),  # decode: the heads spread over programs (two at a time), k's over fewer
+        (2, 7, 1, 2, 128, 2),  # decode, batch 2, MQA
     ],
 )
 def test_rope_matches_reference(b, hq, hk, s, d, cos_batch, dtype, device):

@@ -193,12 +193,23 @@ def _moe(m: ModelShape, t: int, dtype):
 
 
 def _moe_router(m: ModelShape, t: int, dtype):
+    """Training runs torch's ops (nothing to record); inference the fused kernel where no group limit applies:
+    each scoring at the model's experts, sigmoid with a correction bias and no groups (Kimi-K2's n_group=1)."""
+    import torch
+
     from .ops.moe_routing import moe_route
 
     if not m.experts:
         return False
-    weights, _ = moe_route(_meta(t, m.experts, dtype=dtype), m.top_k, **m.router)
+    logits = _meta(t, m.experts, dtype=dtype)
+    weights, _ = moe_route(logits, m.top_k, **m.router)
     _backward(weights)
+    bias = _meta(m.experts, dtype=torch.float32, grad=False)
+    with torch.no_grad():
+        moe_route(logits, m.top_k, **m.router)  # the model's router (DeepSeek-V3's groups: torch's ops)
+        moe_route(logits, m.top_k, scoring="softmax", renormalize=False)
+        moe_route(logits, m.top_k, scoring="topk_softmax")
+        moe_route(logits, m.top_k, scoring="sigmoid", correction_bias=bias, scaling_factor=2.5)
 
 
 # kernel table name -> fn(model, tokens, dtype): run the kernel's ops (False: the model has no such layer)

@@ -184,7 +184,7 @@ class AttentionDecode(LaunchConfig):
     kernel: ClassVar[str] = "attention_decode"
     BLOCK_M: int = field(metadata={"range": (16, 256)})
     BLOCK_N: int = field(metadata={"range": (16, 256)})
-    min_split_keys: int = 256
+    min_split_keys: int = 64
     programs_per_unit: int = 2
 
 
@@ -262,6 +262,15 @@ class MoECombine(LaunchConfig):
     kernel: ClassVar[str] = "moe_combine"
     BLOCK_T: int
     BLOCK_H: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoERoute(LaunchConfig):
+    """The router's fused top-k (calls without gradient or group limit): BLOCK_T tokens a program, each row's
+    experts in one block."""
+
+    kernel: ClassVar[str] = "moe_route"
+    BLOCK_T: int
 
 
 # -- kernels ------------------------------------------------------------------------------------------
@@ -531,5 +540,6 @@ declare(
         ("moe_route",),
         "module",
         Layer("MoERouter", f"{_HUB}:MoERouter", detect=f"{_DETECTORS}:is_topk_router"),
+        (MoERoute,),
     )
 )

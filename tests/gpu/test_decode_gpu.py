@@ -101,3 +101,43 @@ def test_graph_decode_gives_the_original_greedy_tokens(name, front):
     if front != "rules" and name != "deepseek_v3":  # MLA's value head differs from its query head: SDPA
         # no eager call (the prompt's) fell back; tests/test_nn_decode.py reads the compiled step's ops
         assert not nn_attention.fallbacks, dict(nn_attention.fallbacks)
+
+
+@pytest.mark.parametrize("name", [n for n in ("llama", "qwen3_moe", "mixtral", "gpt_oss") if n in FAMILIES])
+def test_graph_decoder_replays_one_captured_step_with_the_original_greedy_tokens(name):
+    """tritonspec.nn.GraphDecoder: Inductor-compiled step captured in one CUDA graph, replayed for every token;
+    greedy tokens teacher-forced against the original model; a second prompt replays the same graph."""
+    torch._dynamo.reset()
+    ids, mask = _inputs()
+    model = _model(name)
+    with torch.no_grad():
+        apply_front_end("kernelize", model, KERNEL_RULES, inference=True)
+        decoder = tnn.GraphDecoder(model, max_cache_len=ids.shape[1] + NEW, batch_size=2)
+        first = decoder.generate(ids, mask, max_new_tokens=NEW)
+        graph = decoder._graph
+        shorter = decoder.generate(ids[:, 5:], mask[:, 5:], max_new_tokens=NEW)
+        again = decoder.generate(ids, mask, max_new_tokens=NEW)
+        tnn.revert(model)
+        misses, noise = _greedy_misses(model, first, mask, ids.shape[1])
+        misses_shorter, _ = _greedy_misses(model, shorter, mask[:, 5:], ids.shape[1] - 5)
+    assert graph is not None and decoder._graph is graph  # captured once, replayed by the later prompts
+    assert torch.equal(again, first)
+    assert misses == 0 and misses_shorter == 0, f"{name}: {misses} + {misses_shorter} tokens not greedy ({noise})"
+
+
+def test_graph_decoder_captures_again_after_the_model_changed():
+    """Replaying a graph captured before revert would run the replaced kernels: the decoder captures again, and
+    its tokens are the reverted model's greedy ones."""
+    torch._dynamo.reset()
+    ids, mask = _inputs()
+    model = _model("qwen3_moe")
+    with torch.no_grad():
+        tnn.kernelize(model, mode=tnn.Mode.INFERENCE)
+        decoder = tnn.GraphDecoder(model, max_cache_len=ids.shape[1] + NEW, batch_size=2)
+        decoder.generate(ids, mask, max_new_tokens=NEW)
+        kernelized_graph = decoder._graph
+        tnn.revert(model)
+        got = decoder.generate(ids, mask, max_new_tokens=NEW)
+        misses, noise = _greedy_misses(model, got, mask, ids.shape[1])
+    assert kernelized_graph is not None and decoder._graph is not None and decoder._graph is not kernelized_graph
+    assert misses == 0, f"{misses} tokens not greedy ({noise})"

@@ -14,6 +14,7 @@ chose, so ``set_experts_implementation`` / ``set_attn_implementation`` keep swit
 
 ``RMSNorm`` and ``SwiGLUMLP`` (stateful modules, :mod:`tritonspec.nn.modules`) are loaded on first use. MoE models
 larger than the GPU: :func:`offload_experts` (experts in host memory or on disk, a GPU cache; :mod:`.offload`).
+Greedy decode whose steps are CUDA-graph replays: :class:`GraphDecoder` (:mod:`.graph_decode`).
 """
 
 from .attention import ATTENTION_NAME, register_attention, tritonspec_attention_forward, use_tritonspec_attention
@@ -84,9 +85,11 @@ __all__ = [
     "RMSNorm",
     "SwiGLUMLP",
     "offload_experts",
+    # greedy decode in CUDA graphs (tritonspec.nn.graph_decode), loaded on first use
+    "GraphDecoder",
 ]
 
-_LAZY = {"RMSNorm": "modules", "SwiGLUMLP": "modules", "offload_experts": "offload"}
+_LAZY = {"RMSNorm": "modules", "SwiGLUMLP": "modules", "offload_experts": "offload", "GraphDecoder": "graph_decode"}
 
 
 def __getattr__(name):

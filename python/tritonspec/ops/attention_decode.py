@@ -22,11 +22,10 @@ start-up (a microsecond or more even replayed from a CUDA graph; reasoned, not m
 512-key Llama-3 layer's K and V takes at 3 TB/s (2 MB, 0.7 us).
 
 Keys a tile's rows cannot see are not read: with ``key_bounds`` a program walks only the key blocks between its
-rows' lowest start and highest end (within its split); with a boolean ``mask`` it loads each block's mask and
-skips the block's K/V loads and math when no row of the tile attends to any of its keys, so a 32k-slot static
-cache holding 300 tokens reads 300 tokens of K/V plus the mask. (Loads under that branch are not software-
-pipelined by Triton: the mask path trades latency hiding within a program for the skip; the unmasked and
-key-bounds paths stream K/V through cp.async stages.)
+rows' lowest start and highest end (within its split); with a boolean ``mask`` it first reads its split's mask
+to find the first and last key some row of the tile sees, then walks only those blocks, the mask applied
+(holes inside cost their reads), so a 32k-slot static cache holding 300 tokens reads 300 tokens of K/V plus
+the mask. Every path's key loop is branch-free, so Triton pipelines its K/V loads.
 """
 
 from __future__ import annotations
@@ -188,6 +187,19 @@ def _decode_partial_kernel(
     v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
     m_base = MASK + b.to(tl.int64) * stride_mb + qi.to(tl.int64)[:, None] * stride_mq
     offs_n = tl.arange(0, BLOCK_N)
+    if HAS_MASK:  # narrow [lo, hi) to the keys some row of the tile sees (mask loads only: they pipeline)
+        first = hi
+        last = lo
+        for start in range(lo, hi, BLOCK_N):
+            cols = start + offs_n
+            seen_here = tl.load(
+                m_base + cols.to(tl.int64)[None, :] * stride_mk, mask=row_ok[:, None] & (cols < hi)[None, :], other=0
+            )
+            col_seen = tl.max((seen_here != 0).to(tl.int32), 0) > 0
+            first = tl.minimum(first, tl.min(tl.where(col_seen, cols, hi), 0))
+            last = tl.maximum(last, tl.max(tl.where(col_seen, cols + 1, lo), 0))
+        lo = first // BLOCK_N * BLOCK_N
+        hi = last
     for start in range(lo, hi, BLOCK_N):
         cols = start + offs_n
         col_ok = cols < SEQ_K
@@ -196,20 +208,14 @@ def _decode_partial_kernel(
                 m_base + cols.to(tl.int64)[None, :] * stride_mk, mask=row_ok[:, None] & col_ok[None, :], other=0
             )
             valid = seen_here != 0
-            if tl.max(tl.max(valid.to(tl.int32), 1), 0) > 0:  # else: no row attends to this block, skip its K/V
-                acc, l_i, m_i = _decode_block(
-                    acc, l_i, m_i, q, k_base, v_base, cols, col_ok, valid, dims, stride_ks, stride_vs, qk_scale,
-                    D, DP, True,
-                )  # fmt: skip
+        elif HAS_BOUNDS:
+            valid = (cols[None, :] >= row_lo[:, None]) & (cols[None, :] < row_hi[:, None])
         else:
-            if HAS_BOUNDS:
-                valid = (cols[None, :] >= row_lo[:, None]) & (cols[None, :] < row_hi[:, None])
-            else:
-                valid = col_ok[None, :]
-            acc, l_i, m_i = _decode_block(
-                acc, l_i, m_i, q, k_base, v_base, cols, col_ok, valid, dims, stride_ks, stride_vs, qk_scale,
-                D, DP, HAS_BOUNDS,
-            )  # fmt: skip
+            valid = col_ok[None, :]
+        acc, l_i, m_i = _decode_block(
+            acc, l_i, m_i, q, k_base, v_base, cols, col_ok, valid, dims, stride_ks, stride_vs, qk_scale,
+            D, DP, HAS_BOUNDS or HAS_MASK,
+        )  # fmt: skip
 
     if DIRECT:
         if HAS_SINKS:

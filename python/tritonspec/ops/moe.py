@@ -1422,8 +1422,8 @@ def moe_experts(
 
     Args:
         x: (T, H) tokens, float16 / bfloat16 (float32 on the CPU interpreter).
-        top_k_ids: (T, k) int32 or int64 expert ids, distinct within a token (as top-k routing gives them);
-            ids outside [0, E) (transformers' expert-parallel sentinels) contribute nothing.
+        top_k_ids: (T, k) int32 or int64 expert ids; a token may name an expert in several slots (each slot
+            adds its term); ids outside [0, E) (transformers' expert-parallel sentinels) contribute nothing.
         top_k_weights: (T, k) routing weights, any float dtype; differentiable (their gradient feeds
             the router).
         gate_up_proj, down_proj: Hugging Face's expert weights. ``layout="concatenated"``:

@@ -9,15 +9,17 @@ of ``_moe_decode_kernel`` (two in all), a program per (pair, column block):
   exit at once), so each chosen expert's weights are read once, whatever the number of tokens sharing it;
 * it gathers every token that chose the expert (a 16-row tile masked by the ids, no sort) and writes the
   rows of those pairs (pair order, ``T*k`` rows): ``act(gate, up)`` for the up GEMM, the expert's output
-  for the down GEMM;
+  for the down GEMM. A token that names the expert in several of its slots is one row, its first such
+  slot's; its later ones stay unwritten;
 * the GEMM is swapped (``W_e @ x^T``): the weight's columns fill the MMA's M side, the tokens its narrow N.
 
 The down GEMM's programs then count themselves done, per column block, on an int32 counter (which the up
 GEMM zeroes); the last to finish sums each token's ``k`` rows there in slot order, so the result does not
-depend on which program is last. On sm90 the backend's table launches both with programmatic dependent
-launch: each starts while the kernel before it ends, prefetches its weights' first tiles into L2, and waits
-for that kernel's writes before touching anything it may write; each lets the next start once its own
-main loop is done.
+depend on which program is last (a slot that repeats an earlier slot's expert adds the earlier slot's row
+again, with its own weight). On sm90 the backend's table launches both with programmatic dependent launch:
+each starts while the kernel before it ends, prefetches its weights' first tiles into L2, and waits for that
+kernel's writes before touching anything it may write; each lets the next start once its own main loop is
+done.
 Forward only (inference): training keeps the sorted path, whose saved pre-activations the backward reads.
 """
 
@@ -117,16 +119,15 @@ def _moe_decode_kernel(
     # the tokens that chose e, and in which of their k slots
     tokens = tl.arange(0, BLOCK_T)
     js = tl.arange(0, BLOCK_J)
-    hit = (
-        tl.load(
-            IDS + tokens[:, None] * TOP_K + js[None, :],
-            mask=(tokens < T)[:, None] & (js < TOP_K)[None, :],
-            other=-1,
-        )
-        == e
+    token_ids = tl.load(
+        IDS + tokens[:, None] * TOP_K + js[None, :],
+        mask=(tokens < T)[:, None] & (js < TOP_K)[None, :],
+        other=-1,
     )
+    hit = token_ids == e
     chose = tl.max(hit.to(tl.int32), axis=1) * works > 0
-    pairs = tokens * TOP_K + tl.sum(tl.where(hit, js[None, :], 0), axis=1)  # an expert at most once per token
+    # each token's first slot naming e (a token may name it in several): its row, the one the sum reads
+    pairs = tokens * TOP_K + tl.min(tl.where(hit, js[None, :], BLOCK_J), axis=1)
     a_cols = A + (tokens if GATED else pairs).to(tl.int64)[None, :] * stride_a  # A^T: (K, tokens)
     w_e = W + e.to(tl.int64) * stride_w_e
     b_e = BIAS + e.to(tl.int64) * stride_bias_e
@@ -208,8 +209,10 @@ def _moe_decode_kernel(
                 pair = tokens * TOP_K + j
                 e_j = tl.load(IDS + pair, mask=t_ok, other=-1)
                 ok = (e_j >= 0) & (e_j < E)
+                # the row of the token's first slot naming e_j (j itself unless a slot before it repeats)
+                row = tokens * TOP_K + tl.min(tl.where(token_ids == e_j[:, None], js[None, :], BLOCK_J), axis=1)
                 y = tl.load(
-                    ROWS + pair.to(tl.int64)[:, None] * N + cols[None, :],
+                    ROWS + row.to(tl.int64)[:, None] * N + cols[None, :],
                     mask=ok[:, None] & col_ok[None, :],
                     other=0.0,
                     cache_modifier=".cg",

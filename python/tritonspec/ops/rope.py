@@ -59,11 +59,14 @@ def _rope_heads(
     s2,
     H,
     HALF,
+    first,
+    step,
     BLOCK_H: tl.constexpr,
     BACKWARD: tl.constexpr,
 ):
-    """Rotate heads [0, H) of one (batch, seq block) tile, BLOCK_H heads at a time."""
-    for h0 in range(0, H, BLOCK_H):
+    """Rotate this program's heads of one (batch, seq block) tile: BLOCK_H heads from head ``first``, then
+    every ``step`` heads."""
+    for h0 in range(first, H, step):
         h = h0 + tl.arange(0, BLOCK_H)
         mask = (h < H)[:, None, None] & s_ok[None, :, None] & d_ok[None, None, :]
         h = h.to(tl.int64)[:, None, None]
@@ -119,8 +122,10 @@ def _rope_kernel(
     BLOCK_D: tl.constexpr,
     BACKWARD: tl.constexpr,
 ):
-    """One program per (seq block, batch): its cos/sin tile is read once and rotates every head of q, then of k."""
+    """One program per (seq block, batch, head group): its cos/sin tile is read once and rotates the group's heads
+    of q, then of k. Head groups (the third grid axis; usually 1) give short sequences (decode) programs enough."""
     s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    group, groups = tl.program_id(2), tl.num_programs(2)
     b = tl.program_id(1).to(tl.int64)
     s_ok = s < S
     s = s.to(tl.int64)
@@ -153,6 +158,8 @@ def _rope_kernel(
         s2,
         HQ,
         HALF,
+        group * BLOCK_HQ,
+        groups * BLOCK_HQ,
         BLOCK_HQ,
         BACKWARD,
     )
@@ -176,6 +183,8 @@ def _rope_kernel(
         s2,
         HK,
         HALF,
+        group * BLOCK_HK,
+        groups * BLOCK_HK,
         BLOCK_HK,
         BACKWARD,
     )
@@ -192,6 +201,8 @@ def _default(hq: int, hk: int, half: int) -> RoPE:
         BLOCK_S=block_s, BLOCK_HQ=min(next_pow2(hq), tile_heads), BLOCK_HK=min(next_pow2(hk), tile_heads), num_warps=8
     )
 
+
+_FEW_TILES = 64
 
 # Eager LaunchPlans (see _launch_cache), keyed by every shape and stride the launch passes. The launch
 # passes its arguments by name, which costs the cached launcher a reordering: on a plan miss only.
@@ -229,7 +240,10 @@ def _launch(q, k, qo, ko, cos, sin, backward: bool, traced: bool):
     )
     cb = 0 if cos.shape[0] == 1 else cos.stride(0)  # (1, seq, dim) broadcasts over the batch
     sb = 0 if sin.shape[0] == 1 else sin.stride(0)
-    grid = (cdiv(s, cfg.BLOCK_S), b)
+    tiles = cdiv(s, cfg.BLOCK_S) * b
+    # few (seq block, batch) tiles (decode): their heads spread over up to _FEW_TILES programs
+    groups = 1 if tiles >= _FEW_TILES else min(cdiv(max(hq, hk), cfg.BLOCK_HQ), _FEW_TILES // tiles)
+    grid = (cdiv(s, cfg.BLOCK_S), b, groups)
     plan = launch(
         _rope_kernel,
         grid,
