@@ -43,7 +43,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import transformers  # noqa: E402
 
-from harness import MODEL_SHAPES  # noqa: E402  bench/harness.py: this script's directory is on sys.path
+from harness import log, model_config, timed  # noqa: E402  bench/harness.py: this script's directory is on sys.path
 from tritonspec.nn import GraphDecoder, Mode, kernelize, revert  # noqa: E402
 from tritonspec.nn.attention import use_tritonspec_attention  # noqa: E402
 from tritonspec.nn.detectors import is_fused_experts, is_topk_router  # noqa: E402
@@ -52,38 +52,12 @@ DEV = torch.device("cpu" if SMOKE else "cuda")
 DT = torch.float32 if SMOKE else torch.bfloat16
 GiB = 2**30
 
-CASES = {name: MODEL_SHAPES[name] for name in ("qwen3-30b-a3b", "llama-3-8b")}
-SMOKE_SIZES = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    moe_intermediate_size=32,
-    intermediate_size=64,
-    num_experts=8,
-    num_experts_per_tok=2,
-    vocab_size=128,
-)
+CASES = ("qwen3-30b-a3b", "llama-3-8b")  # of harness.MODEL_SHAPES
 VARIANTS = ("hf-eager", "hf-graphs", "ts-eager", "ts-graphs", "hf-decoder", "ts-decoder")
 
 
-def log(*a):
-    print("#", *a, flush=True)
-
-
-def sync():
-    if DEV.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def build(case, layers):
-    config_cls, sizes = CASES[case]
-    if SMOKE:
-        sizes = {k: SMOKE_SIZES.get(k, v) for k, v in sizes.items()}
-    if layers:
-        sizes = dict(sizes, num_hidden_layers=layers)
-    cfg = getattr(transformers, config_cls)(**sizes)
+    cfg = model_config(case, layers=layers, smoke=SMOKE)
     with torch.device(DEV):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=DT)
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -135,14 +109,6 @@ def generate(model, ids, new, static, decoder=None):
     return model.generate(ids, **kw)
 
 
-def timed(fn):
-    sync()
-    t0 = time.perf_counter()
-    out = fn()
-    sync()
-    return time.perf_counter() - t0, out
-
-
 def measure(name, model, batch, prompt, new, static, reference, hbm, skip_guards=False):
     decoder = None
     if name.endswith("decoder"):  # captured by the warm-up, for this (batch, length)
@@ -158,8 +124,8 @@ def measure(name, model, batch, prompt, new, static, reference, hbm, skip_guards
         if DEV.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip_guards and static):
-            t1, _ = timed(lambda: generate(model, ids, 1, static, decoder))
-            tn, out = timed(lambda: generate(model, ids, new, static, decoder))
+            t1, _ = timed(lambda: generate(model, ids, 1, static, decoder), DEV)
+            tn, out = timed(lambda: generate(model, ids, new, static, decoder), DEV)
     same = reference.get((batch, prompt))
     if same is None:
         reference[(batch, prompt)] = out

@@ -58,7 +58,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import transformers  # noqa: E402
 
-from harness import MODEL_SHAPES  # noqa: E402  bench/harness.py: this script's directory is on sys.path
+from harness import log, model_config, sync, timed  # noqa: E402  bench/harness.py: on sys.path
 from tritonspec.nn.offload import offload_experts, parse_bytes  # noqa: E402
 from tritonspec.nn.offload.cache import belady, simulate  # noqa: E402
 from tritonspec.nn.offload.host_compute import run_experts, torch_threads  # noqa: E402
@@ -69,60 +69,19 @@ DT = torch.float32 if SMOKE else torch.bfloat16
 GiB = 2**30
 
 
-def _case(name, model_class, budget, new):
-    """(config class, model class, config kwargs, GPU budget of our slots, default --new)."""
-    config_class, sizes = MODEL_SHAPES[name]
-    return config_class, model_class, sizes, budget, new
-
-
+# the model (its shapes: harness.MODEL_SHAPES) -> (model class, GPU budget of our slots, default --new)
 CASES = {
-    "qwen3-30b-a3b": _case("qwen3-30b-a3b", "Qwen3MoeForCausalLM", "16GiB", 32),
-    "mixtral-8x7b": _case("mixtral-8x7b", "MixtralForCausalLM", "60GiB", 8),
+    "qwen3-30b-a3b": ("Qwen3MoeForCausalLM", "16GiB", 32),
+    "mixtral-8x7b": ("MixtralForCausalLM", "60GiB", 8),
 }
-SMOKE_SIZES = dict(
-    hidden_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    moe_intermediate_size=32,
-    intermediate_size=64,
-    num_experts=8,
-    num_local_experts=8,
-    num_experts_per_tok=2,
-    vocab_size=128,
-)
 SMOKE_SLOTS = 4  # slots per layer in --smoke (of 8 experts)
-
-
-def log(*a):
-    print("#", *a, flush=True)
-
-
-def sync():
-    if DEV.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn):
-    """(seconds, result) of ``fn()``, synchronized."""
-    sync()
-    t0 = time.perf_counter()
-    out = fn()
-    sync()
-    return time.perf_counter() - t0, out
 
 
 # ------------------------------------------------------------------------------------------------------------
 # the model
 # ------------------------------------------------------------------------------------------------------------
 def config(case, layers):
-    config_cls, model_cls, sizes, _, _ = CASES[case]
-    if SMOKE:
-        sizes = {k: SMOKE_SIZES.get(k, v) for k, v in sizes.items()}
-    if layers:
-        sizes = dict(sizes, num_hidden_layers=layers)
-    return getattr(transformers, config_cls)(**sizes), getattr(transformers, model_cls)
+    return model_config(case, layers=layers, smoke=SMOKE), getattr(transformers, CASES[case][0])
 
 
 def build(case, layers):
@@ -214,16 +173,16 @@ def measure_row(name, model, args, new, handle=None, warmup_hook=None):
             h.remove()
         if DEV.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        t_prompt, _ = timed(lambda: model(ids, logits_to_keep=1))
+        t_prompt, _ = timed(lambda: model(ids, logits_to_keep=1), DEV)
         counters = DecodeStats(model, handle) if handle else None
-        t_gen, out = timed(lambda: generate(model, ids, new))
+        t_gen, out = timed(lambda: generate(model, ids, new), DEV)
         if counters:
             counters.hook.remove()
             decoded = counters.decode()  # before the prefill below adds its copies
         assert out.shape[1] == ids.shape[1] + new, out.shape
         log(f"{name}: generate {new} tokens {t_gen:.2f} s, prompt forward {t_prompt:.3f} s; prefill {args.prefill}")
         model(long, logits_to_keep=1)  # the first long batch compiles kernels for its shapes
-        t_prefill, _ = timed(lambda: model(long, logits_to_keep=1))
+        t_prefill, _ = timed(lambda: model(long, logits_to_keep=1), DEV)
     steps = new - 1
     row = dict(
         name=name,
@@ -325,7 +284,7 @@ def link(nbytes, pinned, reps=10):
     dst = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
     times = []
     for _ in range(reps + 1):
-        t, _ = timed(lambda: dst.copy_(src, non_blocking=pinned))
+        t, _ = timed(lambda: dst.copy_(src, non_blocking=pinned), DEV)
         times.append(t)
     return nbytes / statistics.median(times[1:]) / 1e9
 
@@ -336,11 +295,11 @@ def load_bandwidth(layer, rows):
     S, E = layer.cache.num_slots, layer.num_experts
     saved = layer.stats.bytes_to_device
     layer._load(0, 0)  # warm
-    t, _ = timed(lambda: [layer._load(i % E, i % S) for i in range(rows)])
+    t, _ = timed(lambda: [layer._load(i % E, i % S) for i in range(rows)], DEV)
     for s, e in enumerate(layer.cache.expert_in):
         if e >= 0:
             layer._load(e, s)
-    sync()
+    sync(DEV)
     layer.stats.bytes_to_device = saved
     return rows * layer.layout.nbytes / t / 1e9
 
@@ -351,7 +310,7 @@ def compute_step(model, layers):
     with torch.no_grad():
         model(tok)
         before = sum(m.stats.hits for m in layers), sum(m.stats.misses + m.stats.cpu_experts for m in layers)
-        t, _ = timed(lambda: model(tok))
+        t, _ = timed(lambda: model(tok), DEV)
     hits = sum(m.stats.hits for m in layers) - before[0]
     missed = sum(m.stats.misses + m.stats.cpu_experts for m in layers) - before[1]
     return t, hits / max(hits + missed, 1)
@@ -361,7 +320,7 @@ def dram_bandwidth():
     """Host DRAM read GB/s: sum of a 4 GB float32 tensor with all threads, best of 3."""
     x = torch.ones((2**30) if not SMOKE else 2**24, dtype=torch.float32)
     x.sum()
-    best = min(timed(x.sum)[0] for _ in range(3))
+    best = min(timed(x.sum, DEV)[0] for _ in range(3))
     return x.numel() * 4 / best / 1e9
 
 
@@ -384,12 +343,12 @@ def cpu_expert_rate(layer, threads=None):
 # the case
 # ------------------------------------------------------------------------------------------------------------
 def run_case(case, args):
-    _, _, _, default_budget, default_new = CASES[case]
+    _, default_budget, default_new = CASES[case]
     new = args.new or default_new
     if SMOKE:
         new = 4
     log(f"{case}: building")
-    t, model = timed(lambda: build(case, args.layers))
+    t, model = timed(lambda: build(case, args.layers), DEV)
     cfg = model.config
     probe = expert_modules(model)
     per_expert = probe[0].gate_up_proj[0].numel() * DT.itemsize + probe[0].down_proj[0].numel() * DT.itemsize
@@ -406,7 +365,7 @@ def run_case(case, args):
         rows.append(acc)
 
     log("offloading")
-    t, handle = timed(lambda: offload_experts(model, gpu_budget=budget, device=DEV))
+    t, handle = timed(lambda: offload_experts(model, gpu_budget=budget, device=DEV), DEV)
     layers = [m for _, m in handle.layers]
     slots = layers[0].cache.num_slots
     log(f"offloaded in {t:.0f} s: {slots} slots per layer of {E}")

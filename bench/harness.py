@@ -1,4 +1,5 @@
-"""What the benchmarks share: the timer, launch-config overrides for their sweeps, and the models' shapes."""
+"""What the benchmarks share: the timers, launch-config overrides for their sweeps, and the models' shapes (real,
+and tiny for ``--smoke`` runs on the CPU interpreter)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,55 @@ MODEL_SHAPES = {
         ),
     ),
 }
+
+
+# What --smoke puts in place of MODEL_SHAPES' sizes, per field a model has (each model keeps its other fields)
+SMOKE_SIZES = dict(
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    moe_intermediate_size=32,
+    intermediate_size=64,
+    num_experts=8,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    vocab_size=128,
+)
+
+
+def model_config(name: str, *, layers: int | None = None, smoke: bool = False):
+    """transformers' config of ``MODEL_SHAPES[name]``: SMOKE_SIZES where ``smoke``, ``layers`` decoder layers where
+    given."""
+    import transformers
+
+    config_class, sizes = MODEL_SHAPES[name]
+    if smoke:
+        sizes = {k: SMOKE_SIZES.get(k, v) for k, v in sizes.items()}
+    if layers:
+        sizes = dict(sizes, num_hidden_layers=layers)
+    return getattr(transformers, config_class)(**sizes)
+
+
+def log(*a):
+    print("#", *a, flush=True)
+
+
+def sync(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device):
+    """(seconds, result) of ``fn()``, ``device`` synchronized before and after."""
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - t0, out
 
 
 @contextlib.contextmanager

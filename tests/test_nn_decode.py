@@ -8,7 +8,7 @@ around a decode step on a ``StaticCache``, as users write it.
 """
 
 import pytest
-from helpers import KERNEL_RULES, MOE_ARCHITECTURES, apply_front_end, available_models, build_model
+from helpers import KERNEL_RULES, MOE_ARCHITECTURES, TINY, apply_front_end, available_models, build_model
 import torch
 
 import tritonspec.nn as tnn
@@ -16,15 +16,7 @@ import tritonspec.nn as tnn
 transformers = pytest.importorskip("transformers")
 
 FAMILIES = available_models() + available_models(MOE_ARCHITECTURES)
-SIZES = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=96,
-    max_position_embeddings=64,
-    num_hidden_layers=2,
-)
+SIZES = dict(TINY, num_hidden_layers=2)
 NEW = 4
 
 

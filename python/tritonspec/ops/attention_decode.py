@@ -41,7 +41,7 @@ from ..kernel_table import AttentionDecode, AttentionDecodeCombine
 from ..launch import launch_config
 from ._checks import check_same_device
 from ._library import PlanCache, _schema_of, cdiv, launch, library_op, next_pow2, use_library_op
-from .attention import LOG2E, check_inputs
+from .attention import LOG2E, _head_dim_pad, check_inputs
 
 __all__ = ["MAX_QUERIES", "attention_decode"]
 
@@ -296,10 +296,6 @@ def _decode_combine_kernel(
 # ----------------------------------------------------------------------------------------------
 # launch parameters
 # ----------------------------------------------------------------------------------------------
-def _head_dim_pad(d: int) -> int:
-    return max(16, next_pow2(d))
-
-
 def _default(dp: int, rows: int) -> AttentionDecode:
     """Portable: a 16-row tile (one MMA's height) for the usual step, at most 64 rows (more rows take more row
     blocks: 128 x 128 on 8 warps spilled on sm80), 8 warps past 32 rows x 128 dims (64 x 128 on 4 warps took

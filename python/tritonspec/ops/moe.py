@@ -1361,18 +1361,7 @@ def _check(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, la
         )
 
 
-def _inference(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, layout, activation, clamp):
-    """No gradient wanted: nothing saved for a backward, and decode-sized batches skip the sort."""
-    gate_up_bias, down_bias = _contiguous_last(gate_up_bias), _contiguous_last(down_bias)
-    if x.shape[0] <= DECODE_TOKENS:
-        gate_up, down = _gate_up_view(gate_up_proj, layout), _down_view(down_proj, layout)
-        interleaved = layout != "concatenated"
-        return moe_decode(x, ids, weights, gate_up, down, gate_up_bias, down_bias, interleaved, activation, clamp)
-    args = (x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, layout, activation, clamp)
-    return moe_experts_forward(*args, save=False)[0]
-
-
-def _inference_op(
+def _inference(
     x: torch.Tensor,
     ids: torch.Tensor,
     weights: torch.Tensor,
@@ -1384,7 +1373,14 @@ def _inference_op(
     activation: str,
     clamp: float,
 ) -> torch.Tensor:
-    return _inference(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, layout, activation, clamp)
+    """No gradient wanted: nothing saved for a backward, and decode-sized batches skip the sort."""
+    gate_up_bias, down_bias = _contiguous_last(gate_up_bias), _contiguous_last(down_bias)
+    if x.shape[0] <= DECODE_TOKENS:
+        gate_up, down = _gate_up_view(gate_up_proj, layout), _down_view(down_proj, layout)
+        interleaved = layout != "concatenated"
+        return moe_decode(x, ids, weights, gate_up, down, gate_up_bias, down_bias, interleaved, activation, clamp)
+    args = (x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, layout, activation, clamp)
+    return moe_experts_forward(*args, save=False)[0]
 
 
 def _inference_fake(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, layout, activation, clamp):
@@ -1394,7 +1390,7 @@ def _inference_fake(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down
 # What torch.compile traces when no gradient is wanted: the eager inference path as one opaque op, so a compiled
 # decode step runs the sort-free decode kernels (and the backends' own GEMMs), and CUDA graphs capture them as
 # eager runs them. Forward only: autograd never reaches it.
-MOE_INFERENCE = library_op("moe_experts_inference", _inference_op, _inference_fake, opaque=True)
+MOE_INFERENCE = library_op("moe_experts_inference", _inference, _inference_fake, opaque=True)
 
 
 # GPT-OSS's activation without a clamp: the kernels clamp to +-inf, which leaves every value as it is.
