@@ -2,6 +2,7 @@
 
     python bench/bench_decode.py [--case qwen3-30b-a3b|llama-3-8b|all] [--batch 1,8] [--prompt 64,2048]
                                  [--new 256] [--variants hf-eager,hf-graphs,ts-eager,ts-graphs,...] [--out FILE.md]
+                                 [--gpu-budget 16GiB] [--link 54e9] [--routing model|zipf] [--zipf-s 1.0]
 
 Variants:
 - ``hf-eager``: transformers' model as it is (SDPA, its experts implementation), dynamic cache.
@@ -11,17 +12,33 @@ Variants:
 - ``ts-graphs``: the same model under the same static cache and compile path as ``hf-graphs``.
 - ``hf-decoder`` / ``ts-decoder``: transformers' model / ours, decoded by ``tritonspec.nn.GraphDecoder`` (one
   Inductor-compiled step captured in one CUDA graph, replayed per token; no guard check or host sync per token).
-Each row's model is the same: ours is kernelized for its rows and reverted after (weights untouched).
+- ``ts-offload``: ``ts-decoder`` with the experts in host memory: ``offload_experts(model, gpu_budget=...)``
+  (``--gpu-budget``: GPU expert slots of all layers together; ``--smoke``: 2 slots per layer), then
+  ``GraphDecoder``. MoE models only. Its rows add the hit rate (routed experts served from a slot, of all served:
+  slots, copies, CPU, read in place from host memory) and the bytes per token over the host link (copied plus
+  read in place): the counters of generate(new) less those of generate(1), as tok/s is taken. The link bound is
+  ``--link`` (H100: 54 GB/s pinned) over those bytes.
+Each row's model is the same: ours is kernelized (and offloaded) for its rows and reverted after (weights
+untouched).
 
 Weights: normal(0, 0.02), norms 1, the LM head 10x wider (greedy choices then have a margin above bf16 rounding,
 so the tokens of different implementations can be compared: the last column); each router's rows are rescaled
-to norm 4 (logits of std ~4 after the norm layer) so the top-k is decided by the token, not by ties of
-near-equal logits: routing is not degenerate.
+to norm 4 (logits of std ~4 after the norm layer).
+Routing (``--routing``): ``model`` is the random router's own, which at real shapes is nearly degenerate (the
+residual streams of a random model's tokens barely differ: H100, Qwen3-30B-A3B, 99 % of a 2048-token prefill's
+picks fall on each layer's top quarter of experts), so an offloaded model finds almost every expert resident.
+``zipf`` routes by a known law instead, as a benchmark of offloading needs: each token draws its ``k`` experts
+without replacement from Zipf(``--zipf-s``) over an expert order shuffled per layer (Gumbel top-k: ``-s log rank``
+plus Gumbel noise hashed from the token's hidden state, so the draw is deterministic, traceable and the same in
+every variant; s = 0 is uniform). A forward hook on each router replaces its ids (its weights: its own softmax
+at those ids, renormalized where ``norm_topk_prob``), so eager, kernelized, compiled, captured and offloaded
+variants all route alike. The header gives the share of a prefill's picks on each layer's top quarter.
 Timing, per (batch, prompt), after a warm-up generate of both lengths below (compiles, CUDA-graph recordings):
 time to first token = ``generate(max_new_tokens=1)``; decode tok/s = batch * (new - 1) / (t(new) - t(1)).
 Bytes per step: every weight a step reads (the LM head; for MoE layers only the experts the batch routes to,
-expected distinct experts under uniform routing), plus the KV cache read at the step's mean context; the bound
-is HBM bandwidth (``--hbm``, H100: 3.0 TB/s) over those bytes. Peak GiB: ``max_memory_allocated`` during the rows.
+expected distinct experts under uniform routing), plus the KV cache read at the step's mean
+context; the bound is HBM bandwidth (``--hbm``, H100: 3.0 TB/s) over those bytes. Peak GiB:
+``max_memory_allocated`` during the rows.
 
 ``--smoke`` runs tiny models on the CPU interpreter (no graphs there: the static rows run eagerly).
 """
@@ -30,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import os
 import sys
@@ -53,10 +71,14 @@ DT = torch.float32 if SMOKE else torch.bfloat16
 GiB = 2**30
 
 CASES = ("qwen3-30b-a3b", "llama-3-8b")  # of harness.MODEL_SHAPES
-VARIANTS = ("hf-eager", "hf-graphs", "ts-eager", "ts-graphs", "hf-decoder", "ts-decoder")
+VARIANTS = ("hf-eager", "hf-graphs", "ts-eager", "ts-graphs", "hf-decoder", "ts-decoder", "ts-offload")
+SMOKE_SLOTS = 2  # ts-offload's slots per layer in --smoke (of 8 experts, top-2), in place of --gpu-budget
+SKEW_TOKENS = 256 if SMOKE else 2048  # the prefill whose routing the header describes
+COUNTERS = ("hits", "misses", "cpu_experts", "mapped", "bytes_to_device", "bytes_mapped")  # of the offload's stats
 
 
-def build(case, layers):
+def build(case, layers, routing="model", zipf_s=1.0):
+    """The model, and the hooks of ``routing`` on it (to remove after the case)."""
     cfg = model_config(case, layers=layers, smoke=SMOKE)
     with torch.device(DEV):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=DT)
@@ -73,12 +95,65 @@ def build(case, layers):
                 m.weight.mul_(4.0 / m.weight.float().norm(dim=1, keepdim=True).to(DT))
     model.eval()
     model.generation_config.pad_token_id = 0
-    return model
+    return model, zipf_routing(model, zipf_s) if routing == "zipf" else []
 
 
-def step_bytes(model, batch, context):
-    """HBM bytes one decode step reads: weights (routed experts only: expected distinct under uniform routing)
-    and the KV cache at ``context`` keys."""
+def zipf_routing(model, s):
+    """A forward hook on every top-k router whose ids are a Zipf(s) draw without replacement (see the module
+    docstring). A hook, not a new forward: kernelize replaces the router's forward and keeps hooks, and Dynamo
+    traces hooks into compiled and captured steps."""
+    g = torch.Generator().manual_seed(1)
+    hooks = []
+    for m in model.modules():
+        if is_topk_router(m):
+            n, hidden = m.weight.shape
+            prefer = torch.empty(n, dtype=torch.float64)
+            prefer[torch.randperm(n, generator=g)] = -s * torch.arange(1, n + 1, dtype=torch.float64).log()
+            probe = torch.randn(hidden, n, generator=g, dtype=torch.float32)
+            route = functools.partial(
+                _zipf_route, prefer.float().to(DEV), probe.to(DEV), m.top_k, getattr(m, "norm_topk_prob", True)
+            )
+            hooks.append(m.register_forward_hook(route, with_kwargs=True))
+    return hooks
+
+
+def _zipf_route(prefer, probe, top_k, renormalize, router, args, kwargs, out):
+    """The router's ``(logits, weights, ids)`` with ids drawn by Gumbel top-k over ``prefer`` (``-s log rank``):
+    the Gumbel noise's uniforms are the fractional parts of the token's hidden state projected on ``probe``,
+    scaled up (tokens whose states differ in the last bits draw independently)."""
+    x = args[0] if args else kwargs["hidden_states"]
+    x = x.reshape(-1, probe.shape[0]).float()
+    u = torch.frac((x @ probe).abs() * 4096.0).clamp(1e-6, 1 - 1e-6)
+    ids = torch.topk(prefer - torch.log(-torch.log(u)), top_k, dim=-1).indices
+    weights = torch.softmax(out[0].float(), dim=-1).gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return out[0], weights.to(out[1].dtype), ids.to(out[2].dtype)
+
+
+def routing_skew(model, tokens):
+    """Share of a ``tokens``-token prefill's routed picks on each MoE layer's most-picked quarter of experts,
+    averaged over layers (None without routers): what ``--routing`` does to the model's routing."""
+    picks = []
+    record = lambda m, a, out: picks.append((m.weight.shape[0], out[2].reshape(-1)))  # noqa: E731
+    hooks = [m.register_forward_hook(record) for m in model.modules() if is_topk_router(m)]
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(2))
+    try:
+        with torch.no_grad():
+            model(ids.to(DEV), use_cache=False, logits_to_keep=1)
+    finally:
+        for h in hooks:
+            h.remove()
+    shares = []
+    for n, chosen in picks:
+        counts = torch.bincount(chosen.cpu(), minlength=n).sort(descending=True).values
+        shares.append(counts[: max(1, n // 4)].sum().item() / counts.sum().item())
+    return sum(shares) / len(shares) if shares else None
+
+
+def step_bytes(model, batch, context, handle=None):
+    """HBM bytes one decode step reads: weights (routed experts only: expected distinct under uniform routing;
+    offloaded ones counted too, though slots or the host link serve them) and the KV cache at ``context`` keys."""
     cfg = model.config
     experts = [m for m in model.modules() if is_fused_experts(m)]
     expert_ids = {id(p) for m in experts for p in m.parameters()}
@@ -88,8 +163,9 @@ def step_bytes(model, batch, context):
     if model.get_output_embeddings().weight is embed:  # tied: the head reads it all
         dense += embed.numel() * embed.element_size()
     routed = 0
-    for m in experts:
-        e = sum(p.numel() * p.element_size() for p in m.parameters())
+    sizes = [sum(p.numel() * p.element_size() for p in m.parameters()) for m in experts]
+    sizes += [m.layout.nbytes * m.num_experts for _, m in (handle.layers if handle else ())]
+    for e in sizes:
         n, k = cfg.num_experts, cfg.num_experts_per_tok
         routed += e / n * n * (1 - (1 - k / n) ** batch)
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * DT.itemsize * context * batch
@@ -109,9 +185,27 @@ def generate(model, ids, new, static, decoder=None):
     return model.generate(ids, **kw)
 
 
-def measure(name, model, batch, prompt, new, static, reference, hbm, skip_guards=False):
+def counters(handle):
+    """The offload's counters now (none without one); ``mapped`` and ``bytes_mapped`` read as 0 where the
+    offload does not count them."""
+    if handle is None:
+        return {}
+    stats = handle.stats()
+    get = stats.get if isinstance(stats, dict) else functools.partial(getattr, stats)
+    return {k: get(k, 0) for k in COUNTERS}
+
+
+def link_traffic(before, after_1, after_n, tokens):
+    """(hit rate, link bytes per token) of the decode steps: generate(new)'s counters less generate(1)'s, as
+    tok/s is taken, so the prompt's prefill drops out."""
+    d = {k: (after_n[k] - after_1[k]) - (after_1[k] - before[k]) for k in COUNTERS}
+    served = d["hits"] + d["misses"] + d["cpu_experts"] + d["mapped"]
+    return d["hits"] / served if served > 0 else float("nan"), (d["bytes_to_device"] + d["bytes_mapped"]) / tokens
+
+
+def measure(name, model, batch, prompt, new, static, reference, hbm, skip_guards=False, handle=None, link=None):
     decoder = None
-    if name.endswith("decoder"):  # captured by the warm-up, for this (batch, length)
+    if name.endswith("decoder") or name == "ts-offload":  # captured by the warm-up, for this (batch, length)
         backend = "aot_eager" if SMOKE else "inductor"
         decoder = GraphDecoder(model, max_cache_len=prompt + new, batch_size=batch, compile_backend=backend)
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(prompt))
@@ -124,8 +218,11 @@ def measure(name, model, batch, prompt, new, static, reference, hbm, skip_guards
         if DEV.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip_guards and static):
+            snaps = [counters(handle)]
             t1, _ = timed(lambda: generate(model, ids, 1, static, decoder), DEV)
+            snaps.append(counters(handle))
             tn, out = timed(lambda: generate(model, ids, new, static, decoder), DEV)
+            snaps.append(counters(handle))
     same = reference.get((batch, prompt))
     if same is None:
         reference[(batch, prompt)] = out
@@ -133,13 +230,16 @@ def measure(name, model, batch, prompt, new, static, reference, hbm, skip_guards
     else:
         same = "yes" if torch.equal(same, out) else f"{(same != out).sum().item()} differ"
     tok_s = batch * (new - 1) / max(tn - t1, 1e-9)
-    nbytes = step_bytes(model, batch, prompt + new // 2)
+    nbytes = step_bytes(model, batch, prompt + new // 2, handle)
     bound = batch * hbm / nbytes
     peak = torch.cuda.max_memory_allocated() / GiB if DEV.type == "cuda" else float("nan")
     row = dict(
         name=name, batch=batch, prompt=prompt, tok_s=tok_s, ttft_ms=t1 * 1e3, peak=peak, gb=nbytes / 1e9,
         of_bound=tok_s / bound, same=same,
     )  # fmt: skip
+    if handle is not None:
+        hit, link_tok = link_traffic(*snaps, batch * (new - 1))
+        row.update(hit=hit, link_gb=link_tok / 1e9, of_link=tok_s * link_tok / link)  # tok/s over link / bytes
     log(row)
     return row
 
@@ -149,48 +249,92 @@ def use_ours(model):
     use_tritonspec_attention(model, source="bench")
 
 
+def offload(model, args):
+    """``offload_experts`` of ``model`` (kernelized): ``--gpu-budget`` of slots, ``SMOKE_SLOTS`` per layer in
+    --smoke (the CPU's budget would be the whole model's experts)."""
+    from tritonspec.nn.offload import offload_experts
+
+    if SMOKE:
+        handle = offload_experts(model, experts_per_layer=SMOKE_SLOTS)
+    else:
+        handle = offload_experts(model, gpu_budget=args.gpu_budget)
+    stats = handle.stats()
+    log(f"offloaded {stats['layers']} layers: {stats['slots_per_layer']} slots per layer of {model.config.num_experts}")
+    return handle
+
+
 def run_case(case, args):
-    model = build(case, args.layers)
+    model, hooks = build(case, args.layers, args.routing, args.zipf_s)
     log(f"{case}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters on {DEV}")
+    skew = routing_skew(model, SKEW_TOKENS)
+    if skew is not None:
+        log(f"{case}: routing {args.routing}: {skew:.0%} of {SKEW_TOKENS} tokens' picks on each layer's top 25 %")
     rows, reference = [], {}
-    for variant in args.variants:
-        ours, static = variant.startswith("ts-"), variant.endswith("graphs")
-        if ours:
-            use_ours(model)
-        torch._dynamo.reset()
-        skip = args.skip_guards
-        try:
-            for batch in args.batch:
-                for prompt in args.prompt:
-                    row = measure(variant, model, batch, prompt, args.new, static, reference, args.hbm, skip)
-                    rows.append((case, row))
-        finally:
-            if ours:
-                revert(model)
-            gc.collect()
+    try:
+        for variant in args.variants:
+            ours, static = variant.startswith("ts-"), variant.endswith("graphs")
+            offloads = variant == "ts-offload"
+            if offloads and not any(is_fused_experts(m) for m in model.modules()):
+                log(f"{case}: {variant} skipped: no MoE experts to offload")
+                continue
+            handle = None
+            try:
+                if ours:
+                    use_ours(model)
+                if offloads:
+                    handle = offload(model, args)
+                torch._dynamo.reset()
+                skip = args.skip_guards
+                for batch in args.batch:
+                    for prompt in args.prompt:
+                        row = measure(
+                            variant, model, batch, prompt, args.new, static, reference, args.hbm, skip, handle,
+                            args.link,
+                        )  # fmt: skip
+                        rows.append((case, row))
+            finally:
+                if handle is not None:
+                    gc.collect()  # the decoders' graphs and caches, before the experts come back
+                    handle.revert()
+                if ours:
+                    revert(model)
+                gc.collect()
+    finally:
+        for h in hooks:
+            h.remove()
     del model
     gc.collect()
-    return rows
+    return rows, skew
 
 
-def table(rows, args):
+def table(rows, args, skews):
     env = f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}"
     dev = torch.cuda.get_device_name() if DEV.type == "cuda" else "CPU interpreter (--smoke)"
+    bounds = f"bound = {args.hbm / 1e12:.1f} TB/s over the bytes a step reads"
+    if "ts-offload" in args.variants:
+        slots = f"{SMOKE_SLOTS} slots per layer" if SMOKE else f"--gpu-budget {args.gpu_budget}"
+        bounds += f"; link bound = {args.link / 1e9:.0f} GB/s over the link bytes a token moves (ts-offload: {slots})"
+    routing = f"routing {args.routing}" + (f", s = {args.zipf_s:g}" if args.routing == "zipf" else "")
+    shares = [f"{case} {share:.0%}" for case, share in skews.items() if share is not None]
+    if shares:
+        routing += f" (a {SKEW_TOKENS}-token prefill's routed picks on each MoE layer's top 25 % experts: "
+        routing += f"{', '.join(shares)})"
     lines = [
         f"## Decode, {dev}, {env}, {datetime.date.today()}",
         "",
-        f"bf16, greedy, {args.new} new tokens; bound = {args.hbm / 1e12:.1f} TB/s over the bytes a step reads",
+        f"bf16, greedy, {args.new} new tokens; {bounds}; {routing}",
         "",
-        "| model | variant | batch | prompt | tok/s | x hf-graphs | of HBM bound | TTFT ms | GB/step | peak GiB | "
-        "tokens = hf-eager |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | variant | batch | prompt | tok/s | x hf-graphs | of HBM bound | of link bound | hit % | "
+        "link GB/tok | TTFT ms | GB/step | peak GiB | tokens = hf-eager |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = {(c, r["batch"], r["prompt"]): r["tok_s"] for c, r in rows if r["name"] == "hf-graphs"}
     for case, r in rows:
         b = base.get((case, r["batch"], r["prompt"]))
+        link = f"{r['of_link']:.0%} | {r['hit'] * 100:.1f} | {r['link_gb']:.3f}" if "hit" in r else "- | - | -"
         lines.append(
             f"| {case} | {r['name']} | {r['batch']} | {r['prompt']} | {r['tok_s']:.1f} | "
-            f"{r['tok_s'] / b if b else float('nan'):.2f} | {r['of_bound']:.0%} | {r['ttft_ms']:.1f} | "
+            f"{r['tok_s'] / b if b else float('nan'):.2f} | {r['of_bound']:.0%} | {link} | {r['ttft_ms']:.1f} | "
             f"{r['gb']:.2f} | {r['peak']:.1f} | {r['same']} |"
         )
     return "\n".join(lines) + "\n"
@@ -205,6 +349,10 @@ def main(argv=None):
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--hbm", type=float, default=3.0e12, help="HBM bytes/s of the bound (H100 SXM: 3.0e12)")
+    ap.add_argument("--gpu-budget", default="16GiB", help="ts-offload: GPU bytes of expert slots, all layers together")
+    ap.add_argument("--link", type=float, default=54e9, help="host->GPU bytes/s, ts-offload's link bound (H100: 54e9)")
+    ap.add_argument("--routing", choices=("model", "zipf"), default="model", help="MoE routing (see above)")
+    ap.add_argument("--zipf-s", type=float, default=1.0, help="--routing zipf: the exponent s")
     ap.add_argument(
         "--skip-guards",
         action="store_true",
@@ -223,9 +371,19 @@ def main(argv=None):
     if SMOKE:
         args.new = min(args.new, 4)
         args.batch, args.prompt = sorted({min(b, 2) for b in args.batch}), sorted({min(p, 8) for p in args.prompt})
+    if "ts-offload" in args.variants:
+        from tritonspec.nn.offload import parse_bytes
+
+        try:
+            parse_bytes(args.gpu_budget)
+        except ValueError as e:
+            ap.error(f"--gpu-budget: {e}")
     cases = list(CASES) if args.case == "all" else [args.case]
-    rows = [row for case in cases for row in run_case(case, args)]
-    text = table(rows, args)
+    rows, skews = [], {}
+    for case in cases:
+        case_rows, skews[case] = run_case(case, args)
+        rows += case_rows
+    text = table(rows, args, skews)
     print(text)
     if args.out:
         with open(args.out, "a") as f:

@@ -25,9 +25,11 @@ def _problem(T, H, I, E, k, layout, kind, dtype, device, gen, bias=False):
     return (r(T, H), ids, weights, r(*shape_gu) * H**-0.5, r(*shape_d) * I**-0.5), kw
 
 
-def _check(args, kw):
-    with torch.no_grad(), poisoned_allocations():
-        out = moe_experts(*args, **kw)
+def _check(args, kw, out=None):
+    """``out`` (default: moe_experts' own) against the float64 reference."""
+    if out is None:
+        with torch.no_grad(), poisoned_allocations():
+            out = moe_experts(*args, **kw)
 
     def f64(t, f=torch.Tensor.double):
         return f(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
@@ -189,3 +191,60 @@ def test_direct_call_refuses_too_many_tokens(device, gen):
     x, ids, w, gu, dn = args
     with pytest.raises(ValueError, match="at most 16 tokens"):
         moe_decode.moe_decode(x, ids, w, gu.transpose(1, 2), dn.transpose(1, 2), None, None, False, "silu", 0.0)
+
+
+# Experts in two stores (offloaded experts in a graph step: GPU slots near, host memory far)
+def _split(args, kw, near_ids, gen):
+    """(near, far, ids) for moe_experts_tiered: ``near_ids`` copied into a near store in that order, every expert
+    in the far store; each routed id renumbered to its near slot or E_near + its far index."""
+    x, ids, weights, gate_up, down = args
+    pick = torch.tensor(near_ids, device=ids.device)
+    names = ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias")
+    full = dict(zip(names, (gate_up, down, kw.get("gate_up_bias"), kw.get("down_bias"))))
+    far = {n: t for n, t in full.items() if t is not None}
+    near = {n: t[pick].clone() for n, t in far.items()}
+    table = torch.arange(gate_up.shape[0], device=ids.device) + len(near_ids)
+    table[pick] = torch.arange(len(near_ids), device=ids.device)
+    valid = (ids >= 0) & (ids < gate_up.shape[0])
+    sentinel = torch.where(ids < 0, ids, ids + len(near_ids))  # -1 stays, E becomes E_near + E
+    tiered = torch.where(valid, table[ids.clamp(0, gate_up.shape[0] - 1)], sentinel)
+    return near, far, tiered
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("layout", ["concatenated", "interleaved_transposed"])
+@pytest.mark.parametrize("T", [1, 7, moe_decode.MAX_TOKENS + 3])
+def test_two_stores_give_one_store_s_result(T, layout, kind, device, gen):
+    """Up to 16 tokens each expert is read from its store by the decode kernels: the one-store result bit for bit;
+    beyond, each store's sum, added in float32. Sentinel ids (-1, E) contribute nothing; against float64 too."""
+    from tritonspec.ops.moe import moe_experts_tiered
+
+    args, kw = _problem(T, 32, 24, 6, 3, layout, kind, _dtype(device), device, gen, bias=kind == "gpt_oss")
+    args[1][0, 0] = -1
+    args[1][-1, -1] = 6
+    near, far, tiered = _split(args, kw, torch.randperm(6, generator=gen)[:3].tolist(), gen)
+    one = _check(args, kw)
+    opts = {n: kw[n] for n in ("layout", "activation", "clamp") if n in kw}
+    with torch.no_grad(), poisoned_allocations():
+        two = moe_experts_tiered(args[0], tiered, args[2], near, far, **opts)
+    _check(args, kw, two)
+    if T <= moe_decode.MAX_TOKENS:
+        assert torch.equal(two, one)
+
+
+def test_two_stores_refuse_bad_input(device, gen):
+    from tritonspec.ops.moe import moe_experts_tiered
+
+    args, kw = _problem(2, 32, 24, 6, 2, "concatenated", "silu", _dtype(device), device, gen)
+    near, far, tiered = _split(args, kw, [4, 1], gen)
+    x, _, w = args[:3]
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="argument 'far' must be a dict of gate_up_proj, down_proj"):
+            moe_experts_tiered(x, tiered, w, near, {"gate_up_proj": far["gate_up_proj"]})
+        with pytest.raises(ValueError, match="argument 'near' must be a dict"):
+            moe_experts_tiered(x, tiered, w, [near], far)
+        bad = dict(far, down_proj=far["down_proj"].transpose(1, 2).contiguous().transpose(1, 2))
+        with pytest.raises(ValueError, match="far down has shape .* strides"):
+            moe_experts_tiered(x, tiered, w, near, bad)
+    with pytest.raises(ValueError, match="inference only"):
+        moe_experts_tiered(x.requires_grad_(), tiered, w, near, far)

@@ -362,3 +362,95 @@ def test_parse_bytes():
     for bad in (0, -5, True, "5 parsecs", None):
         with pytest.raises(ValueError, match="gpu_budget"):
             parse_bytes(bad)
+
+
+# --------------------------------------------------------------------------------------------------
+# graph-captured steps: the table on the device, experts read in place, promotions between steps
+# --------------------------------------------------------------------------------------------------
+def _graph_decode(model, ids, new, **decoder):
+    """The model's greedy tokens from GraphDecoder (its compiled step: one fullgraph trace, no host decision)."""
+    model.generation_config.pad_token_id = 0
+    dec = tnn.GraphDecoder(model, max_cache_len=ids.shape[1] + new, batch_size=ids.shape[0], **decoder)
+    with torch.no_grad():
+        return dec, dec.generate(ids, max_new_tokens=new, eos_token_id=[])
+
+
+def _table_agrees(layer):
+    """The device table maps every expert as the host says it does, and only to a slot that holds it."""
+    S = layer.cache.num_slots
+    table = layer._tier.tolist()
+    assert table[-1] == S + layer.num_experts
+    for e, shown in enumerate(layer._shown):
+        assert table[e] == (shown if shown >= 0 else S + e), (e, table, layer._shown)
+        assert shown < 0 or layer.cache.expert_in[shown] == e
+
+
+@pytest.mark.parametrize("name,batch", [("qwen3_moe", 1), ("gpt_oss", 2)])
+def test_graph_decode_of_an_offloaded_model_gives_the_original_tokens(name, batch):
+    """Steps compiled whole (fullgraph) serve resident experts from slots and the others in place from host
+    memory; between steps the most used are promoted. Tokens: the original model's, through two prompts."""
+    ids = token_ids(96, batch=batch, seq=5)
+    model = _model(name)
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        want = model.generate(ids, do_sample=False, max_new_tokens=10, min_new_tokens=10)
+        want_short = model.generate(ids[:, 2:], do_sample=False, max_new_tokens=10, min_new_tokens=10)
+    tnn.kernelize(model, mode=tnn.Mode.INFERENCE)
+    handle = offload_experts(model, experts_per_layer=3, cpu_compute=False)
+    dec, got = _graph_decode(model, ids, 10, compile_backend="eager", check_every=2)
+    with torch.no_grad():
+        short = dec.generate(ids[:, 2:], max_new_tokens=10, eos_token_id=[])
+    assert torch.equal(got, want) and torch.equal(short, want_short)
+    stats = handle.stats()
+    assert stats["mapped"] > 0 and stats["hits"] > 0 and stats["promoted"] > 0
+    assert stats["bytes_mapped"] == stats["mapped"] * handle.layers[0][1].layout.nbytes
+    assert stats["tokens"] >= 3 * batch * (9 + 9)  # every graph step of every layer counted
+    for _, layer in handle.layers:
+        _table_agrees(layer)
+    handle.revert()
+    tnn.revert(model)
+
+
+def test_promotions_evict_and_refill_slots_between_steps_and_the_step_stays_right():
+    """A step run again after its slots were evicted and refilled (the promotions between steps) reads each expert
+    where the table says: bit for bit the decode kernel over all experts in one store."""
+    from tritonspec.ops.moe import moe_experts
+
+    model = _model("qwen3_moe")
+    handle = offload_experts(model, experts_per_layer=2, cpu_compute=False, prefetch=False)
+    layer = handle.layers[0][1]
+    gen = torch.Generator().manual_seed(py_random().randrange(2**31))
+    x = torch.randn(1, 32, generator=gen)
+    parts, kw = layer.store.parts, dict(zip(("layout", "activation", "clamp"), layer.kind))
+    with torch.no_grad():
+        layer(x, torch.tensor([[0, 1]]), torch.rand(1, 2, generator=gen))  # eager: binds, 0 and 1 resident
+        step = torch.compile(layer._forward_in_graph, backend="eager", fullgraph=True)
+        history = []
+        for i in range(8):  # 5 and 6 are hot, then 2 and 3: read in place, then promoted over the others
+            ids = torch.tensor([[5, 6]]) if i < 4 else torch.tensor([[2, 3]])
+            w = torch.rand(1, 2, generator=gen)
+            want = moe_experts(x, ids, w, parts["gate_up_proj"], parts["down_proj"], **kw)
+            assert torch.equal(step(x, ids, w), want), i
+            layer.between_steps()
+            _table_agrees(layer)
+            history.append(sorted(layer._shown[e] >= 0 for e in ids[0].tolist()))
+    # one promotion a call (an eighth of 2 slots, at least one), each over a colder expert: the first hot pair
+    # over the never-used 0 and 1, the second over the first once its uses have aged
+    assert history[:2] == [[False, True], [True, True]] and history[4:6] == [[False, True], [True, True]]
+    assert layer.stats.promoted == 4 and layer.stats.mapped == 6 and layer.stats.hits == 10
+
+
+def test_a_compiled_step_refuses_what_it_cannot_serve(tmp_path):
+    """The disk tier keeps no expert where a step could read it in place; an unbound layer has no slots yet."""
+    ids = token_ids(96, batch=1, seq=4)
+    model = _model("mixtral")
+    model.save_pretrained(tmp_path)
+    offload_experts(model, experts_per_layer=2, storage="disk", checkpoint=tmp_path)
+    with pytest.raises(RuntimeError, match="storage='disk' keeps no expert where the GPU can read it"):
+        _graph_decode(model, ids, 3, compile_backend="eager")
+    offload_handle(model).revert()
+    handle = offload_experts(model, experts_per_layer=2)
+    layer = handle.layers[0][1]
+    with pytest.raises(RuntimeError, match="run eagerly once on cpu .* before a compiled or graph-captured step"):
+        layer._forward_in_graph(torch.randn(1, 32), torch.tensor([[0, 1]]), torch.rand(1, 2))
+    handle.revert()

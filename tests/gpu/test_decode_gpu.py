@@ -141,3 +141,34 @@ def test_graph_decoder_captures_again_after_the_model_changed():
         misses, noise = _greedy_misses(model, got, mask, ids.shape[1])
     assert kernelized_graph is not None and decoder._graph is not None and decoder._graph is not kernelized_graph
     assert misses == 0, f"{misses} tokens not greedy ({noise})"
+
+
+@pytest.mark.parametrize("name", [n for n in ("qwen3_moe", "mixtral", "gpt_oss") if n in FAMILIES])
+def test_offloaded_graph_decode_gives_the_original_greedy_tokens(name):
+    """Offloaded experts in the captured step: resident experts from their slots, the others read in place from
+    page-locked host memory, and promotions between steps (evicting and refilling slots under the captured
+    graph, every 4 tokens). Greedy tokens teacher-forced against the original model, as above (the step's kernels
+    give one store's bits exactly, tests/test_moe_decode.py; the eager prompt's waves of slots add in float32);
+    the graph is captured once and replayed across the promotions; revert gives the weights back."""
+    from tritonspec.nn.offload import offload_experts
+
+    torch._dynamo.reset()
+    ids, mask = _inputs()
+    model = _model(name)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        tnn.kernelize(model, mode=tnn.Mode.INFERENCE)
+        handle = offload_experts(model, experts_per_layer=3, cpu_compute=False)
+        decoder = tnn.GraphDecoder(model, max_cache_len=ids.shape[1] + NEW, batch_size=2, check_every=4)
+        first = decoder.generate(ids, mask, max_new_tokens=NEW)
+        graph = decoder._graph
+        again = decoder.generate(ids, mask, max_new_tokens=NEW)
+        stats = handle.stats()
+        handle.revert()
+        tnn.revert(model)
+        misses = [_greedy_misses(model, tokens, mask, ids.shape[1]) for tokens in (first, again)]
+    assert graph is not None and decoder._graph is graph
+    assert stats["mapped"] > 0 and stats["promoted"] > 0 and stats["hits"] > 0, stats
+    assert [m for m, _ in misses] == [0, 0], f"{name}: tokens not greedy {misses}"
+    for n, p in model.named_parameters():
+        assert p.device == before[n].device and torch.equal(p, before[n]), n

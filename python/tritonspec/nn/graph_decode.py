@@ -35,6 +35,9 @@ class GraphDecoder:
     (model, batch size, length) and call :meth:`generate` as often as needed. It never changes the model.
     ``compile_backend``: the ``torch.compile`` backend of the step (None: eager; on CUDA a step is then captured
     only if it never synchronizes with the host, as our kernels and transformers' compiled paths do not).
+    Modules with host work between steps (offloaded experts: their ``between_steps`` promotes the experts the
+    steps read from host memory into GPU slots) get it after the prompt, every ``check_every`` tokens and at the
+    end; the graph reads their tables, so it stays valid across their changes.
     """
 
     def __init__(
@@ -99,14 +102,24 @@ class GraphDecoder:
 
     def _captured_model(self) -> tuple:
         """What a captured graph depends on: every parameter's and buffer's storage, every module's forward
-        (kernelize and revert rebind them) and transformers' attention and experts switches."""
+        (kernelize and revert rebind them), transformers' attention and experts switches, and the device state of
+        modules that keep some outside their parameters (offloaded experts' slots and tables)."""
         model = self.model
         return (
             tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers())),
             tuple((m, m.__dict__.get("forward")) for m in model.modules()),
             getattr(model.config, "_attn_implementation", None),
             getattr(model.config, "_experts_implementation", None),
+            tuple(m.graph_key() for m in self._hosted()),
         )
+
+    def _hosted(self) -> list:
+        """Modules with host work between graph-captured steps (offloaded experts: ``between_steps``)."""
+        return [m for m in self.model.modules() if callable(getattr(m, "between_steps", None))]
+
+    def _between_steps(self) -> None:
+        for m in self._hosted():
+            m.between_steps()
 
     def _run_step(self) -> None:
         if self._graph is not None:
@@ -179,17 +192,21 @@ class GraphDecoder:
         self._stop.fill_(-1)
         self._stop[: len(stop)] = torch.tensor(stop, dtype=torch.long)
         self._pad.fill_(pad)
-        state = self._captured_model()
-        if state != self._model_state:  # the model changed since the capture: the graph would run the old one
-            self._graph, self._warm, self._model_state = None, 0, state
         self._done.zero_()
         self._at.zero_()
         self._position.copy_(positions[:, -1:] + 1)
         self._record(self._forward(input_ids, self._mask if attention_mask is not None else None, positions))
+        state = self._captured_model()  # after the prompt's forward, which places offloaded experts on the device
+        if state != self._model_state:  # the model changed since the capture: the graph would run the old one
+            self._graph, self._warm, self._model_state = None, 0, state
+        self._between_steps()
         for made in range(1, max_new_tokens):
-            if stop and made % self.check_every == 0 and bool(self._done.all()):
-                break
+            if made % self.check_every == 0:
+                self._between_steps()
+                if stop and bool(self._done.all()):
+                    break
             self._run_step()
+        self._between_steps()
         made = int(self._at.item())
         tokens = self._tokens[:, :made]
         if stop:  # generate stops at the step every sequence has ended

@@ -69,7 +69,7 @@ from .moe_routing import moe_route
 from .moe_sort import padded_rows, sort_by_expert
 
 
-__all__ = ["moe_experts", "moe_route", "moe_experts_ref", "ACTIVATIONS", "LAYOUTS"]
+__all__ = ["moe_experts", "moe_experts_tiered", "moe_route", "moe_experts_ref", "ACTIVATIONS", "LAYOUTS"]
 
 LAYOUTS = ("concatenated", "interleaved_transposed")
 # act(gate, up): "silu" is Llama/Qwen's silu(gate) * up; "gpt_oss" is GPT-OSS's clamped
@@ -1393,6 +1393,43 @@ def _inference_fake(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down
 MOE_INFERENCE = library_op("moe_experts_inference", _inference, _inference_fake, opaque=True)
 
 
+def _tiered_inference(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    gate_up_bias: Optional[torch.Tensor],
+    down_bias: Optional[torch.Tensor],
+    far_gate_up_proj: torch.Tensor,
+    far_down_proj: torch.Tensor,
+    far_gate_up_bias: Optional[torch.Tensor],
+    far_down_bias: Optional[torch.Tensor],
+    layout: str,
+    activation: str,
+    clamp: float,
+) -> torch.Tensor:
+    """Up to 16 tokens over experts in two stores: the decode kernels read each expert where it lies."""
+    interleaved = layout != "concatenated"
+    far = (
+        _gate_up_view(far_gate_up_proj, layout),
+        _down_view(far_down_proj, layout),
+        _contiguous_last(far_gate_up_bias),
+        _contiguous_last(far_down_bias),
+    )
+    gate_up, down = _gate_up_view(gate_up_proj, layout), _down_view(down_proj, layout)
+    gate_up_bias, down_bias = _contiguous_last(gate_up_bias), _contiguous_last(down_bias)
+    return moe_decode(x, ids, weights, gate_up, down, gate_up_bias, down_bias, interleaved, activation, clamp, far)
+
+
+def _tiered_fake(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, far_gate_up_proj, far_down_proj,
+                 far_gate_up_bias, far_down_bias, layout, activation, clamp):  # fmt: skip
+    return x.new_empty(x.shape)
+
+
+MOE_TIERED_INFERENCE = library_op("moe_experts_tiered_inference", _tiered_inference, _tiered_fake, opaque=True)
+
+
 # GPT-OSS's activation without a clamp: the kernels clamp to +-inf, which leaves every value as it is.
 _NO_CLAMP = float("inf")
 
@@ -1480,3 +1517,57 @@ def moe_experts(
         activation,
         _NO_CLAMP if clamp is None else float(clamp),
     )
+
+
+def moe_experts_tiered(
+    x: torch.Tensor,
+    top_k_ids: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    near: dict,
+    far: dict,
+    *,
+    layout: str = "concatenated",
+    activation: str = "silu",
+    clamp: float | None = None,
+) -> torch.Tensor:
+    """:func:`moe_experts` without gradients, over experts whose weights lie in two stores.
+
+    ``near`` and ``far`` each map ``gate_up_proj``, ``down_proj`` (and optionally ``gate_up_bias``,
+    ``down_bias``) to tensors laid out as :func:`moe_experts` takes them; ids in [0, E_near) name ``near``'s
+    experts, ids in [E_near, E_near + E_far) ``far``'s; others contribute nothing. Offloaded experts in a CUDA
+    graph use it: the GPU slots near, every expert in host memory mapped into the GPU's address space far, so
+    a step reads a missing expert in place, with no host decision. Up to 16 tokens, each expert is read once
+    from its store by the decode kernels, and the result is bit for bit that of one store holding both; more
+    tokens run :func:`moe_experts` once per store and add the two in float32.
+    """
+    names = ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias")
+    stores = {}
+    for side, store in (("near", near), ("far", far)):
+        if not isinstance(store, dict) or not set(names[:2]) <= set(store) <= set(names):
+            raise ValueError(
+                f"moe_experts_tiered: argument {side!r} must be a dict of gate_up_proj, down_proj and optionally "
+                f"gate_up_bias, down_bias; got {sorted(store) if isinstance(store, dict) else type(store).__name__}"
+            )
+        stores[side] = [store.get(n) for n in names]
+        _check(x, top_k_ids, top_k_weights, *stores[side], layout, activation, clamp)
+    near_, far_ = stores["near"], stores["far"]
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, top_k_weights, *near_, *far_)):
+        raise ValueError("moe_experts_tiered: inference only; call it under torch.no_grad() (a gradient was required)")
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu":  # the interpreter's bf16 dots: see moe_experts
+        f = lambda t: None if t is None else t.float()  # noqa: E731
+        near_f, far_f = dict(zip(names, map(f, near_))), dict(zip(names, map(f, far_)))
+        kw = dict(layout=layout, activation=activation, clamp=clamp)
+        return moe_experts_tiered(x.float(), top_k_ids, top_k_weights, near_f, far_f, **kw).to(x.dtype)
+    clamp_ = _NO_CLAMP if clamp is None else float(clamp)
+    x, top_k_weights, ids = x.contiguous(), top_k_weights.contiguous(), top_k_ids.contiguous()
+    if 0 < x.shape[0] <= DECODE_TOKENS:
+        op = MOE_TIERED_INFERENCE if use_library_op() else _tiered_inference
+        return op(x, ids, top_k_weights, *near_, *far_, layout, activation, clamp_)
+    e_near, e_far = near_[0].shape[0], far_[0].shape[0]
+    kw = dict(layout=layout, activation=activation, clamp=clamp)
+    ids = ids.long()
+    near_ids = torch.where((ids >= 0) & (ids < e_near), ids, e_near)
+    far_ids = torch.where((ids >= e_near) & (ids < e_near + e_far), ids - e_near, e_far)
+    y = moe_experts(x, near_ids, top_k_weights, near_[0], near_[1], gate_up_bias=near_[2], down_bias=near_[3], **kw)
+    z = moe_experts(x, far_ids, top_k_weights, far_[0], far_[1], gate_up_bias=far_[2], down_bias=far_[3], **kw)
+    return (y.float() + z.float()).to(x.dtype)

@@ -49,10 +49,12 @@ def _prefetch_l2(ptrs):
 def _moe_decode_kernel(
     # Pointers to matrices
     A,  # (T, K) tokens (GATED), or (T * k, K) each pair's row
-    IDS,  # (T * k,) each pair's expert
+    IDS,  # (T * k,) each pair's expert: [0, E) in W, [E, E + E2) in W2
     W,  # (E, K, N) by strides, or (GATED) (E, K, 2N): each expert's gate and up columns
     BIAS,  # (E, N) or (E, 2N) by strides, read when HAS_BIAS
-    ROWS,  # (T * k, N) out: the rows of each pair whose expert is in [0, E)
+    W2,  # (E2, ...) the experts [E, E + E2): W's layout but for the expert stride (offload: host memory)
+    BIAS2,  # (E2, ...) their biases, BIAS's layout but for the expert stride
+    ROWS,  # (T * k, N) out: the rows of each pair whose expert is in [0, E + E2)
     WEIGHTS,  # (T * k,) the routing weights (not GATED)
     OUT,  # (T, N) out (not GATED): each token's routing-weighted sum of its rows
     COUNTS,  # int32: per column block, the programs done (not GATED); GATED zeroes the first NUM_COUNTS
@@ -61,14 +63,17 @@ def _moe_decode_kernel(
     N,
     K,
     E,
+    E2,
     TOP_K,
     NUM_COUNTS,
     # Strides
     stride_a,
     stride_w_e,
+    stride_w2_e,
     stride_w_k,
     stride_w_n,
     stride_bias_e,
+    stride_bias2_e,
     stride_bias_n,
     stride_out,
     # Scalars
@@ -114,7 +119,7 @@ def _moe_decode_kernel(
     e = tl.load(IDS + p)
     earlier = tl.arange(0, BLOCK_P)
     before = tl.load(IDS + earlier, mask=earlier < p, other=-1)
-    works = ((e >= 0) & (e < E) & (tl.sum((before == e).to(tl.int32), axis=0) == 0)).to(tl.int32)
+    works = ((e >= 0) & (e < E + E2) & (tl.sum((before == e).to(tl.int32), axis=0) == 0)).to(tl.int32)
     k_end = K * works  # the other programs only count themselves done
     # the tokens that chose e, and in which of their k slots
     tokens = tl.arange(0, BLOCK_T)
@@ -129,8 +134,9 @@ def _moe_decode_kernel(
     # each token's first slot naming e (a token may name it in several): its row, the one the sum reads
     pairs = tokens * TOP_K + tl.min(tl.where(hit, js[None, :], BLOCK_J), axis=1)
     a_cols = A + (tokens if GATED else pairs).to(tl.int64)[None, :] * stride_a  # A^T: (K, tokens)
-    w_e = W + e.to(tl.int64) * stride_w_e
-    b_e = BIAS + e.to(tl.int64) * stride_bias_e
+    far = e >= E
+    w_e = tl.where(far, W2 + (e - E).to(tl.int64) * stride_w2_e, W + e.to(tl.int64) * stride_w_e)
+    b_e = tl.where(far, BIAS2 + (e - E).to(tl.int64) * stride_bias2_e, BIAS + e.to(tl.int64) * stride_bias_e)
     cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     if GATED and INTERLEAVED:
@@ -208,7 +214,7 @@ def _moe_decode_kernel(
             for j in range(0, TOP_K):
                 pair = tokens * TOP_K + j
                 e_j = tl.load(IDS + pair, mask=t_ok, other=-1)
-                ok = (e_j >= 0) & (e_j < E)
+                ok = (e_j >= 0) & (e_j < E + E2)
                 # the row of the token's first slot naming e_j (j itself unless a slot before it repeats)
                 row = tokens * TOP_K + tl.min(tl.where(token_ids == e_j[:, None], js[None, :], BLOCK_J), axis=1)
                 y = tl.load(
@@ -229,8 +235,14 @@ _DEFAULT = MoEDecode(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
 _PLANS = PlanCache()
 
 
-def _gemm(a, ids, w, bias, rows, weights, out, counts, num_counts, gated, interleaved, activation, clamp, cfg):
-    """One launch of ``_moe_decode_kernel``: its LaunchPlan, or None."""
+def _or(t, stand_in):
+    """A kernel argument: ``t``, or where it is missing, a tensor of the right kind the kernel never reads."""
+    return stand_in if t is None else t
+
+
+def _gemm(a, ids, w, bias, w2, bias2, rows, weights, out, counts, num_counts, gated, interleaved, activation, clamp,
+          cfg):  # fmt: skip
+    """One launch of ``_moe_decode_kernel``: its LaunchPlan, or None. ``w2``/``bias2``: the far experts, or None."""
     T, k = ids.shape
     n = w.shape[2] // 2 if gated else w.shape[2]
     has_bias = bias is not None
@@ -241,7 +253,9 @@ def _gemm(a, ids, w, bias, rows, weights, out, counts, num_counts, gated, interl
         A=a,
         IDS=ids,
         W=w,
-        BIAS=bias if has_bias else counts,
+        BIAS=_or(bias, counts),
+        W2=_or(w2, w),
+        BIAS2=_or(bias2, _or(bias, counts)),
         ROWS=rows,
         WEIGHTS=weights,
         OUT=out,
@@ -250,13 +264,16 @@ def _gemm(a, ids, w, bias, rows, weights, out, counts, num_counts, gated, interl
         N=n,
         K=w.shape[1],
         E=w.shape[0],
+        E2=0 if w2 is None else w2.shape[0],
         TOP_K=k,
         NUM_COUNTS=num_counts,
         stride_a=a.stride(0),
         stride_w_e=w.stride(0),
+        stride_w2_e=0 if w2 is None else w2.stride(0),
         stride_w_k=w.stride(1),
         stride_w_n=w.stride(2),
         stride_bias_e=bias_stride[0],
+        stride_bias2_e=bias2.stride(0) if has_bias and w2 is not None else 0,
         stride_bias_n=bias_stride[1],
         stride_out=out.stride(0),
         clamp=float(clamp),
@@ -276,15 +293,33 @@ def _gemm(a, ids, w, bias, rows, weights, out, counts, num_counts, gated, interl
     )
 
 
-def moe_decode(x, ids, weights, gate_up, down, gate_up_bias, down_bias, interleaved, activation, clamp):
+def _check_far(near: tuple, far: tuple) -> None:
+    """The far experts must be laid out as the near ones but for the expert stride (the kernel's one extra
+    stride): same shapes past the expert axis, same inner strides, biases on both sides or neither."""
+    for name, a, b in zip(("gate_up", "down", "gate_up_bias", "down_bias"), near, far):
+        if (a is None) != (b is None):
+            raise ValueError(f"moe_decode: far {name} is {'missing' if b is None else 'given'}, unlike the near one")
+        if a is not None and (a.shape[1:] != b.shape[1:] or a.stride()[1:] != b.stride()[1:] or a.dtype != b.dtype):
+            raise ValueError(
+                f"moe_decode: far {name} has shape {tuple(b.shape)}, strides {b.stride()} and dtype {b.dtype}; "
+                f"expected those of the near one, {tuple(a.shape)}, {a.stride()}, {a.dtype}, but for the first axis"
+            )
+
+
+def moe_decode(x, ids, weights, gate_up, down, gate_up_bias, down_bias, interleaved, activation, clamp, far=None):
     """``out`` (T, H): each token's routing-weighted sum of its experts' outputs, for T <= MAX_TOKENS.
 
     ``gate_up`` (E, H, 2I) and ``down`` (E, I, H) are strided views (K, then N), as :mod:`tritonspec.ops.moe`
-    passes them; ``ids`` and ``weights`` (T, k) contiguous.
+    passes them; ``ids`` and ``weights`` (T, k) contiguous. ``far``: ``(gate_up, down, gate_up_bias, down_bias)``
+    of E2 more experts, ids [E, E + E2), stored elsewhere (offloaded experts: host memory the GPU reads in
+    place); each is read by the same programs, so the result is bit for bit that of one (E + E2, ...) store.
     """
     T, H = x.shape
     if T > MAX_TOKENS:
         raise ValueError(f"moe_decode: at most {MAX_TOKENS} tokens, got {T}")
+    if far is not None:
+        _check_far((gate_up, down, gate_up_bias, down_bias), far)
+    far_up, far_down, far_up_bias, far_down_bias = far if far is not None else (None,) * 4
     k, I = ids.shape[1], gate_up.shape[2] // 2
     dev = x.device
     h = torch.empty((T * k, I), dtype=x.dtype, device=dev)
@@ -292,26 +327,31 @@ def moe_decode(x, ids, weights, gate_up, down, gate_up_bias, down_bias, interlea
     out = torch.empty_like(x)
     key = (x.shape, x.stride(), ids.shape, ids.dtype, weights.dtype, gate_up.shape, gate_up.stride(), down.stride())
     key += tuple(None if b is None else (b.shape, b.stride()) for b in (gate_up_bias, down_bias))
+    key += tuple(None if t is None else (t.shape, t.stride()) for t in (far_up, far_down, far_up_bias, far_down_bias))
     key += (interleaved, x.dtype, activation, clamp, dev)
     plans = _PLANS.get(key)
     if plans is not None:
         up, down_sum, num_counts = plans
         counts = torch.empty(num_counts, dtype=torch.int32, device=dev)
-        # a plan's tensors in argument order; a missing bias is passed as the counters
-        up_bias, down_bias_ = (counts if b is None else b for b in (gate_up_bias, down_bias))
-        if up(x, ids, gate_up, up_bias, h, weights, out, counts) and down_sum(
-            h, ids, down, down_bias_, rows, weights, out, counts
+        # a plan's tensors in argument order, the stand-ins for missing ones as _gemm passes them
+        up_bias, down_bias_ = _or(gate_up_bias, counts), _or(down_bias, counts)
+        far_up_args = (_or(far_up, gate_up), _or(far_up_bias, up_bias))
+        far_down_args = (_or(far_down, down), _or(far_down_bias, down_bias_))
+        if up(x, ids, gate_up, up_bias, *far_up_args, h, weights, out, counts) and down_sum(
+            h, ids, down, down_bias_, *far_down_args, rows, weights, out, counts
         ):
             return out
-    problem = dict(tokens=next_pow2(T), top_k=k, H=int(H), I=int(I), E=gate_up.shape[0], dtype=str(x.dtype))
+    experts = gate_up.shape[0] + (0 if far_up is None else far_up.shape[0])
+    problem = dict(tokens=next_pow2(T), top_k=k, H=int(H), I=int(I), E=experts, dtype=str(x.dtype))
     cfg_up = launch_config(MoEDecode, dev, lambda: _DEFAULT, gated=True, **problem)
     cfg_down = launch_config(MoEDecode, dev, lambda: _DEFAULT, gated=False, **problem)
     num_counts = cdiv(H, cfg_down.BLOCK_N)
     counts = torch.empty(num_counts, dtype=torch.int32, device=dev)
-    args = (gate_up, gate_up_bias, h, weights, out, counts, num_counts, True, interleaved, activation, clamp, cfg_up)
-    up = _gemm(x, ids, *args)
-    args = (down, down_bias, rows, weights, out, counts, num_counts, False, False, activation, clamp, cfg_down)
-    down_sum = _gemm(h, ids, *args)
+    tail = (weights, out, counts, num_counts)
+    up = _gemm(x, ids, gate_up, gate_up_bias, far_up, far_up_bias, h, *tail, True, interleaved, activation, clamp,
+               cfg_up)  # fmt: skip
+    down_sum = _gemm(h, ids, down, down_bias, far_down, far_down_bias, rows, *tail, False, False, activation, clamp,
+                     cfg_down)  # fmt: skip
     if up is not None and down_sum is not None:
         _PLANS[key] = (up, down_sum, num_counts)
     return out

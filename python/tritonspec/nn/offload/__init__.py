@@ -89,9 +89,10 @@ class OffloadHandle:
         self._live("stats()")
         total = Stats()
         for _, m in self.layers:
+            m.count_steps()  # what compiled or captured steps counted on the device
             total.add(m.stats)
         out = asdict(total)
-        served = total.hits + total.misses + total.cpu_experts
+        served = total.hits + total.misses + total.cpu_experts + total.mapped
         out["hit_rate"] = total.hits / served if served else 0.0
         out["prefetch_recall"] = total.predicted / total.needed_after_guess if total.needed_after_guess else 0.0
         out["bytes_read"] = sum(m.store.bytes_read for _, m in self.layers)
@@ -102,6 +103,7 @@ class OffloadHandle:
     def reset_stats(self) -> None:
         self._live("reset_stats()")
         for _, m in self.layers:
+            m.count_steps()
             m.stats = Stats()
             m.store.bytes_read = 0
 

@@ -14,6 +14,12 @@ Prefetch (Eliseev and Mazur's speculative loading): while layer l runs, layer l+
 layer l's input, and the experts it picks start copying into layer l+1's slots. Which layer follows which
 is learned from the order the modules run in, so the same code serves every model, through
 ``offload_experts`` or a YAML rule.
+
+Compiled or graph-captured steps (:class:`~tritonspec.nn.GraphDecoder`, ``torch.compile``) make no host decision:
+the GPU looks each routed expert up in a table (its slot, or its place in host memory mapped into the GPU's
+address space) and the decode kernels read it where it lies, a missing one in place over the host link. Between
+steps, :meth:`OffloadedExperts.between_steps` promotes the experts read in place most often into slots, copying
+on the side stream while the next steps run. No CPU compute there: reading in place needs no host at all.
 """
 
 from __future__ import annotations
@@ -58,6 +64,13 @@ _DEVICE_STATE = (
     "_staging_events",
     "_staging_next",
     "_costs",
+    "_tier",
+    "_uses",
+    "_far",
+    "_far_error",
+    "_shown",
+    "_pending",
+    "_heat",
 )
 
 
@@ -75,6 +88,9 @@ class Stats:
     predicted: int = 0  # of the experts a batch needed, how many the prefetch guessed
     needed_after_guess: int = 0  # experts needed by batches that had a guess
     cpu_s: float = 0.0  # host time in CPU expert compute
+    mapped: int = 0  # routed experts a graph-captured step read in place from host memory
+    bytes_mapped: int = 0  # what those reads moved over the host link
+    promoted: int = 0  # experts copied into slots between graph-captured steps (their bytes: bytes_to_device)
 
     def add(self, other: "Stats") -> None:
         for f in fields(self):
@@ -391,6 +407,25 @@ class OffloadedExperts(nn.Module):
             self._staging_events: list = [None] * _STAGING_ROWS
             self._staging_next = 0
         self._costs: Costs | None = None
+        # What graph-captured steps read (see _forward_in_graph): each expert's place in the two stores as the
+        # kernels number them (its slot, or S + e: read in place from host memory; entry E: none), what the host
+        # last wrote there, the steps' counts of each expert (then steps, tokens), and promotions in flight.
+        E = self.num_experts
+        self._tier = torch.tensor([S + e for e in range(E + 1)], dtype=torch.int32, device=device)
+        self._shown = [-1] * E
+        self._uses = torch.zeros(E + 2, dtype=torch.int32, device=device)
+        self._pending: list = []
+        self._heat = [0.0] * E
+        self._far, self._far_error = None, None
+        if isinstance(self.store, HostStore):
+            try:
+                self._far = _kernel_names(self.store.device_views(device))
+            except RuntimeError as e:
+                self._far_error = str(e)
+        else:
+            self._far_error = (
+                "storage='disk' keeps no expert where the GPU can read it in place; offload with storage='cpu'"
+            )
         self._device = device
 
     def costs(self) -> Costs:
@@ -493,16 +528,50 @@ class OffloadedExperts(nn.Module):
             slot = self.cache.victim(keep)
             if slot < 0:
                 break
-            self.cache.admit(e, slot)
+            self._unmap(self.cache.admit(e, slot))
             keep.add(slot)
             self._load(e, slot)
+            self._pending.append((e, slot, self._ready[slot][1] if self._cuda else None))
             self.stats.prefetched += 1
 
     # ------------------------------------------------------------------------------------------
     # forward
     # ------------------------------------------------------------------------------------------
-    @torch.compiler.disable  # host decisions per batch: a graph break, the model around it still compiles
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        # (is_compiling first: Dynamo cannot trace the capture query)
+        if torch.compiler.is_compiling() or (hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return self._forward_in_graph(hidden_states, top_k_index, top_k_weights)
+        return self._forward_eager(hidden_states, top_k_index, top_k_weights)
+
+    def _forward_in_graph(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """A step of a compiled or captured graph: no host decision. Every routed expert is read where it lies,
+        its slot or host memory (mapped into the GPU's address space, read in place over the link), through the
+        decode kernels' two stores; the step counts each expert it used, for :meth:`between_steps`."""
+        from ...ops.moe import moe_experts_tiered
+
+        if self._device != x.device or getattr(self, "_far", None) is None:
+            raise RuntimeError(self._graph_refusal(x.device))
+        E = self.num_experts
+        ids = torch.where((top_k_index >= 0) & (top_k_index < E), top_k_index, E).long()
+        seen = torch.zeros_like(self._uses).index_fill_(0, ids.flatten(), 1)
+        seen[E] = 1
+        seen[E + 1] = x.shape[0]
+        self._uses.add_(seen)
+        layout, activation, clamp = self.kind
+        near = _kernel_names(self._slot_views)
+        kw = dict(layout=layout, activation=activation, clamp=clamp)
+        return moe_experts_tiered(x, self._tier[ids], top_k_weights, near, self._far, **kw)
+
+    def _graph_refusal(self, device) -> str:
+        if getattr(self, "_far_error", None) is not None:
+            return f"{self.path}: a compiled or graph-captured step cannot serve these experts: {self._far_error}"
+        return (
+            f"{self.path}: offloaded experts run eagerly once on {device} (the prompt's forward) before a compiled "
+            "or graph-captured step: that first run places them on the device"
+        )
+
+    @torch.compiler.disable  # host decisions per batch
+    def _forward_eager(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         x = hidden_states
         if self.store is None:
             raise RuntimeError(
@@ -561,7 +630,110 @@ class OffloadedExperts(nn.Module):
             self.stats.cpu_s += spent
             self.stats.cpu_experts += len(on_cpu)
             out.index_add_(0, rows_dev, part.to(out.dtype).to(x.device, non_blocking=self._cuda))
+        self._publish()
         return out
+
+    # ------------------------------------------------------------------------------------------
+    # graph-captured steps
+    # ------------------------------------------------------------------------------------------
+    def _publish(self) -> None:
+        """Make the table graph steps read say what the cache says, ordered after every copy into the slots, so a
+        step never reads a slot that is being filled."""
+        if self.cache.slot_of == self._shown and not self._pending:
+            return
+        S, E = self.cache.num_slots, self.num_experts
+        self._wait_ready(range(S))
+        table = torch.tensor([s if s >= 0 else S + e for e, s in enumerate(self.cache.slot_of)] + [S + E],
+                             dtype=torch.int32)  # fmt: skip
+        self._tier.copy_(table.pin_memory() if self._cuda else table, non_blocking=self._cuda)
+        self._shown, self._pending = list(self.cache.slot_of), []
+
+    def _unmap(self, e: int) -> bool:
+        """Steps queued from now on read expert ``e`` in place (its slot is about to be overwritten); True if the
+        table had it in a slot. Steps queued before have run: the host synchronized since (the eager forward's
+        ids, between_steps' counts)."""
+        if e < 0 or self._shown[e] < 0:
+            return False
+        self._tier[e] = self.cache.num_slots + e
+        self._shown[e] = -1
+        return True
+
+    def graph_key(self) -> tuple:
+        """The addresses a captured step reads (slots, tables, host views): a captured graph is stale once they
+        change (a load_state_dict or a revert drops them)."""
+        if self._device is None:
+            return ()
+        tensors = (self._slots, self._tier, self._uses, *(self._far or {}).values())
+        return tuple(t.data_ptr() for t in tensors)
+
+    def count_steps(self) -> list[int]:
+        """Fold what the graph steps since the last call counted on the device into :attr:`stats` and the experts'
+        recent use; returns the experts they used. Synchronizes with the device."""
+        if self._device is None:
+            return []
+        E = self.num_experts
+        counts = self._uses.tolist()
+        self._uses.zero_()
+        self.stats.batches += counts[E]
+        self.stats.tokens += counts[E + 1]
+        used = [e for e in range(E) if counts[e]]
+        for e in used:
+            self._heat[e] += counts[e]
+            if self._shown[e] >= 0:
+                self.stats.hits += counts[e]
+            else:
+                self.stats.mapped += counts[e]
+                self.stats.bytes_mapped += counts[e] * self.layout.nbytes
+        return used
+
+    def between_steps(self) -> None:
+        """Host work between graph-captured steps (:class:`~tritonspec.nn.GraphDecoder` calls it every
+        ``check_every`` tokens and at the end): count what the steps read, map the experts whose promotion copies
+        have landed, and promote the experts read in place most often into slots. A promotion first unmaps its
+        victim (steps queued after read that one from host memory), then copies on the side stream while the
+        next steps run; the expert is mapped once its copy has landed (by this call or a later one). Promotions go
+        by recent use whatever the policy (the counts are halved after each call), an expert in place of a colder
+        one, at most an eighth of the slots per call; the frequency policy's pinned slots stay."""
+        if self._device is None:
+            return
+        if self._far is None:
+            raise RuntimeError(self._graph_refusal(self._device))
+        S = self.cache.num_slots
+        used = self.count_steps()
+        promote = sorted((e for e in used if self.cache.lookup(e) < 0), key=lambda e: (-self._heat[e], e))
+        busy = {slot for _, slot, _ in self._pending}
+        for e in promote[: max(1, S // 8)]:
+            slot = self._coldest(busy)
+            old = self.cache.expert_in[slot] if slot >= 0 else -1
+            if slot < 0 or (old >= 0 and self._heat[old] >= self._heat[e]):
+                break
+            self.cache.admit(e, slot)
+            if self._unmap(old):
+                self._mark_used([slot])  # the copy waits for the steps before
+            self._load(e, slot)
+            busy.add(slot)
+            self._pending.append((e, slot, self._ready[slot][1] if self._cuda else None))
+            self.stats.promoted += 1
+        self._heat = [h / 2 for h in self._heat]  # recent use counts most: LFU with aging
+        in_flight = []
+        for e, slot, event in self._pending:  # those whose copies have landed are read from their slots
+            if event is not None and not event.query():
+                in_flight.append((e, slot, event))
+                continue
+            self._tier[e] = slot
+            self._shown[e] = slot
+        self._pending = in_flight
+
+    def _coldest(self, busy: set[int]) -> int:
+        """The slot a promotion takes: a free one, else the unpinned one whose expert is coldest; -1 if none."""
+        cache = self.cache
+        open_ = [s for s in range(cache.num_slots) if s not in busy and s not in cache.pinned]
+
+        def heat(s: int) -> tuple:
+            e = cache.expert_in[s]
+            return (e >= 0, self._heat[e] if e >= 0 else 0.0)
+
+        return min(open_, key=heat, default=-1)
 
     def _choose_cpu(self, missing: list[int], ids: torch.Tensor) -> set[int]:
         if not missing or self.cpu_compute is False:
@@ -634,6 +806,11 @@ class OffloadedExperts(nn.Module):
             f"experts={self.num_experts}, slots={self.cache.num_slots}, storage={tier}, "
             f"policy={self.policy!r}, prefetch={self.prefetch}, cpu_compute={self.cpu_compute!r}"
         )
+
+
+def _kernel_names(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A layer's tensors under :func:`~tritonspec.ops.moe.moe_experts_tiered`'s names."""
+    return {n.replace("proj_bias", "bias"): t for n, t in parts.items()}
 
 
 def _numel(shape) -> int:

@@ -146,6 +146,34 @@ def _unpin(t: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
 
+class _DeviceMemory:
+    """``__cuda_array_interface__`` of ``nbytes`` bytes at a device address: how torch wraps memory it did not
+    allocate (the owner here is the host tensor; the mapped tensor must not outlive it)."""
+
+    def __init__(self, address: int, nbytes: int):
+        self.__cuda_array_interface__ = dict(shape=(nbytes,), typestr="|u1", data=(address, False), version=3)
+
+
+def _mapped(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The page-locked host tensor ``t`` as a CUDA tensor over the same memory (no copy)."""
+    import ctypes
+
+    address = ctypes.c_uint64(0)
+    try:  # CU_POINTER_ATTRIBUTE_DEVICE_POINTER: where the GPU sees the registered host memory
+        rc = ctypes.CDLL("libcuda.so.1").cuPointerGetAttribute(ctypes.byref(address), 3, ctypes.c_uint64(t.data_ptr()))
+    except OSError as e:
+        rc = str(e)
+    if rc != 0:
+        raise RuntimeError(
+            f"offloaded experts: host memory at {t.data_ptr():#x} is not mapped into the GPU's address space "
+            f"(cuPointerGetAttribute: {rc}); graph-captured steps read missing experts in place from page-locked "
+            "memory, which this host could not lock"
+        )
+    with torch.cuda.device(device):
+        raw = torch.as_tensor(_DeviceMemory(address.value, t.numel() * t.element_size()), device=device)
+    return raw.view(t.dtype).view(t.shape)
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bits as integers: equal bits compare equal (NaNs and -0.0 included), unlike the values."""
     return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
@@ -165,6 +193,14 @@ class HostStore:
     def release(self) -> None:
         for unpin in self._unpin:
             unpin()
+
+    def device_views(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """Each part as a tensor of ``device`` that aliases its host memory: on CUDA, the page-locked memory as
+        the GPU addresses it (unified addressing), so a kernel reads an expert in place over the host link, with
+        no copy and no host decision; on the CPU, the parts themselves."""
+        if device.type != "cuda":
+            return dict(self.parts)
+        return {n: _mapped(t, device) for n, t in self.parts.items()}
 
     def __deepcopy__(self, memo) -> "HostStore":
         new = HostStore({n: copy.deepcopy(t, memo) for n, t in self.parts.items()})
