@@ -1536,9 +1536,9 @@ def moe_experts_tiered(
     ``down_bias``) to tensors laid out as :func:`moe_experts` takes them; ids in [0, E_near) name ``near``'s
     experts, ids in [E_near, E_near + E_far) ``far``'s; others contribute nothing. Offloaded experts in a CUDA
     graph use it: the GPU slots near, every expert in host memory mapped into the GPU's address space far, so
-    a step reads a missing expert in place, with no host decision. Up to 16 tokens, each expert is read once
-    from its store by the decode kernels, and the result is bit for bit that of one store holding both; more
-    tokens run :func:`moe_experts` once per store and add the two in float32.
+    a step reads a missing expert in place, with no host decision. The decode kernels read each expert from its
+    store with plain loads (host memory included), 16 tokens a launch pair, and the result is bit for bit that of
+    one store holding both. Meant for decode: past 16 tokens each group of 16 reads its experts again.
     """
     names = ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias")
     stores = {}
@@ -1560,14 +1560,9 @@ def moe_experts_tiered(
         return moe_experts_tiered(x.float(), top_k_ids, top_k_weights, near_f, far_f, **kw).to(x.dtype)
     clamp_ = _NO_CLAMP if clamp is None else float(clamp)
     x, top_k_weights, ids = x.contiguous(), top_k_weights.contiguous(), top_k_ids.contiguous()
-    if 0 < x.shape[0] <= DECODE_TOKENS:
-        op = MOE_TIERED_INFERENCE if use_library_op() else _tiered_inference
-        return op(x, ids, top_k_weights, *near_, *far_, layout, activation, clamp_)
-    e_near, e_far = near_[0].shape[0], far_[0].shape[0]
-    kw = dict(layout=layout, activation=activation, clamp=clamp)
-    ids = ids.long()
-    near_ids = torch.where((ids >= 0) & (ids < e_near), ids, e_near)
-    far_ids = torch.where((ids >= e_near) & (ids < e_near + e_far), ids - e_near, e_far)
-    y = moe_experts(x, near_ids, top_k_weights, near_[0], near_[1], gate_up_bias=near_[2], down_bias=near_[3], **kw)
-    z = moe_experts(x, far_ids, top_k_weights, far_[0], far_[1], gate_up_bias=far_[2], down_bias=far_[3], **kw)
-    return (y.float() + z.float()).to(x.dtype)
+    if x.shape[0] == 0:
+        return x.new_zeros(x.shape)
+    op = MOE_TIERED_INFERENCE if use_library_op() else _tiered_inference
+    groups = [slice(t, t + DECODE_TOKENS) for t in range(0, x.shape[0], DECODE_TOKENS)]
+    chunks = [op(x[g], ids[g], top_k_weights[g], *near_, *far_, layout, activation, clamp_) for g in groups]
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)

@@ -637,16 +637,24 @@ class OffloadedExperts(nn.Module):
     # graph-captured steps
     # ------------------------------------------------------------------------------------------
     def _publish(self) -> None:
-        """Make the table graph steps read say what the cache says, ordered after every copy into the slots, so a
-        step never reads a slot that is being filled."""
+        """Make the table graph steps read say what the cache says, for every slot whose copy the compute stream
+        has waited for or which has landed: a step never reads a slot being filled, and no stream waits for a
+        prefetch nobody used (its expert stays read in place until a later call maps it)."""
         if self.cache.slot_of == self._shown and not self._pending:
             return
         S, E = self.cache.num_slots, self.num_experts
-        self._wait_ready(range(S))
-        table = torch.tensor([s if s >= 0 else S + e for e, s in enumerate(self.cache.slot_of)] + [S + E],
-                             dtype=torch.int32)  # fmt: skip
+        shown, pending = [-1] * E, []
+        for s, e in enumerate(self.cache.expert_in):
+            if e < 0:
+                continue
+            ready = self._ready[s]
+            if self._cuda and ready is not None and ready[0] > self._waited and not ready[1].query():
+                pending.append((e, s, ready[1]))
+            else:
+                shown[e] = s
+        table = torch.tensor([s if s >= 0 else S + e for e, s in enumerate(shown)] + [S + E], dtype=torch.int32)
         self._tier.copy_(table.pin_memory() if self._cuda else table, non_blocking=self._cuda)
-        self._shown, self._pending = list(self.cache.slot_of), []
+        self._shown, self._pending = shown, pending
 
     def _unmap(self, e: int) -> bool:
         """Steps queued from now on read expert ``e`` in place (its slot is about to be overwritten); True if the
@@ -717,6 +725,8 @@ class OffloadedExperts(nn.Module):
         self._heat = [h / 2 for h in self._heat]  # recent use counts most: LFU with aging
         in_flight = []
         for e, slot, event in self._pending:  # those whose copies have landed are read from their slots
+            if self.cache.slot_of[e] != slot:  # evicted again since: nothing to map
+                continue
             if event is not None and not event.query():
                 in_flight.append((e, slot, event))
                 continue
