@@ -454,3 +454,24 @@ def test_a_compiled_step_refuses_what_it_cannot_serve(tmp_path):
     with pytest.raises(RuntimeError, match="run eagerly once on cpu .* before a compiled or graph-captured step"):
         layer._forward_in_graph(torch.randn(1, 32), torch.tensor([[0, 1]]), torch.rand(1, 2))
     handle.revert()
+
+
+def test_a_decoder_captures_again_once_the_offloaded_layers_lost_their_device_state():
+    """load_state_dict drops the slots and tables a captured step reads: their addresses are part of what the
+    decoder checks, so it would capture again rather than replay a graph over freed memory."""
+    ids = token_ids(96, batch=1, seq=4)
+    model = _model("qwen3_moe")
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        want = model.generate(ids, do_sample=False, max_new_tokens=3, min_new_tokens=3)
+    handle = offload_experts(model, experts_per_layer=3, cpu_compute=False)
+    dec, got = _graph_decode(model, ids, 3, compile_backend=None)
+    keys = [m.graph_key() for _, m in handle.layers]
+    state = dec._model_state
+    model.load_state_dict(model.state_dict())
+    assert all(m.graph_key() == () for _, m in handle.layers)
+    with torch.no_grad():
+        again = dec.generate(ids, max_new_tokens=3, eos_token_id=[])
+    assert dec._model_state != state and all(keys)
+    assert torch.equal(got, want) and torch.equal(again, want)
+    handle.revert()

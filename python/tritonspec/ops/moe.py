@@ -1369,21 +1369,31 @@ def _inference(
     down_proj: torch.Tensor,
     gate_up_bias: Optional[torch.Tensor],
     down_bias: Optional[torch.Tensor],
+    far_gate_up_proj: Optional[torch.Tensor],
+    far_down_proj: Optional[torch.Tensor],
+    far_gate_up_bias: Optional[torch.Tensor],
+    far_down_bias: Optional[torch.Tensor],
     layout: str,
     activation: str,
     clamp: float,
 ) -> torch.Tensor:
-    """No gradient wanted: nothing saved for a backward, and decode-sized batches skip the sort."""
+    """No gradient wanted: nothing saved for a backward, and decode-sized batches skip the sort. ``far_*``: a
+    second store of experts (:func:`moe_experts_tiered`, at most 16 tokens), or None."""
     gate_up_bias, down_bias = _contiguous_last(gate_up_bias), _contiguous_last(down_bias)
-    if x.shape[0] <= DECODE_TOKENS:
+    far = None
+    if far_gate_up_proj is not None:
+        far = (_gate_up_view(far_gate_up_proj, layout), _down_view(far_down_proj, layout))
+        far += (_contiguous_last(far_gate_up_bias), _contiguous_last(far_down_bias))
+    if x.shape[0] <= DECODE_TOKENS or far is not None:
         gate_up, down = _gate_up_view(gate_up_proj, layout), _down_view(down_proj, layout)
         interleaved = layout != "concatenated"
-        return moe_decode(x, ids, weights, gate_up, down, gate_up_bias, down_bias, interleaved, activation, clamp)
+        return moe_decode(x, ids, weights, gate_up, down, gate_up_bias, down_bias, interleaved, activation, clamp, far)
     args = (x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, layout, activation, clamp)
     return moe_experts_forward(*args, save=False)[0]
 
 
-def _inference_fake(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, layout, activation, clamp):
+def _inference_fake(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, far_gate_up_proj,
+                    far_down_proj, far_gate_up_bias, far_down_bias, layout, activation, clamp):  # fmt: skip
     return x.new_empty(x.shape)
 
 
@@ -1391,43 +1401,6 @@ def _inference_fake(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down
 # decode step runs the sort-free decode kernels (and the backends' own GEMMs), and CUDA graphs capture them as
 # eager runs them. Forward only: autograd never reaches it.
 MOE_INFERENCE = library_op("moe_experts_inference", _inference, _inference_fake, opaque=True)
-
-
-def _tiered_inference(
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    gate_up_bias: Optional[torch.Tensor],
-    down_bias: Optional[torch.Tensor],
-    far_gate_up_proj: torch.Tensor,
-    far_down_proj: torch.Tensor,
-    far_gate_up_bias: Optional[torch.Tensor],
-    far_down_bias: Optional[torch.Tensor],
-    layout: str,
-    activation: str,
-    clamp: float,
-) -> torch.Tensor:
-    """Up to 16 tokens over experts in two stores: the decode kernels read each expert where it lies."""
-    interleaved = layout != "concatenated"
-    far = (
-        _gate_up_view(far_gate_up_proj, layout),
-        _down_view(far_down_proj, layout),
-        _contiguous_last(far_gate_up_bias),
-        _contiguous_last(far_down_bias),
-    )
-    gate_up, down = _gate_up_view(gate_up_proj, layout), _down_view(down_proj, layout)
-    gate_up_bias, down_bias = _contiguous_last(gate_up_bias), _contiguous_last(down_bias)
-    return moe_decode(x, ids, weights, gate_up, down, gate_up_bias, down_bias, interleaved, activation, clamp, far)
-
-
-def _tiered_fake(x, ids, weights, gate_up_proj, down_proj, gate_up_bias, down_bias, far_gate_up_proj, far_down_proj,
-                 far_gate_up_bias, far_down_bias, layout, activation, clamp):  # fmt: skip
-    return x.new_empty(x.shape)
-
-
-MOE_TIERED_INFERENCE = library_op("moe_experts_tiered_inference", _tiered_inference, _tiered_fake, opaque=True)
 
 
 # GPT-OSS's activation without a clamp: the kernels clamp to +-inf, which leaves every value as it is.
@@ -1501,6 +1474,10 @@ def moe_experts(
             down_proj,
             gate_up_bias,
             down_bias,
+            None,
+            None,
+            None,
+            None,
             layout,
             activation,
             _NO_CLAMP if clamp is None else float(clamp),
@@ -1562,7 +1539,7 @@ def moe_experts_tiered(
     x, top_k_weights, ids = x.contiguous(), top_k_weights.contiguous(), top_k_ids.contiguous()
     if x.shape[0] == 0:
         return x.new_zeros(x.shape)
-    op = MOE_TIERED_INFERENCE if use_library_op() else _tiered_inference
+    op = MOE_INFERENCE if use_library_op() else _inference
     groups = [slice(t, t + DECODE_TOKENS) for t in range(0, x.shape[0], DECODE_TOKENS)]
     chunks = [op(x[g], ids[g], top_k_weights[g], *near_, *far_, layout, activation, clamp_) for g in groups]
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
