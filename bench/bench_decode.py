@@ -1,6 +1,6 @@
 """Greedy decode of whole models at real shapes, random weights, bf16 on one GPU: transformers against ours.
 
-    python bench/bench_decode.py [--case qwen3-30b-a3b|llama-3-8b|all] [--batch 1,8] [--prompt 64,2048]
+    python bench/bench_decode.py [--case qwen3-30b-a3b|mixtral-8x7b|llama-3-8b|all] [--batch 1,8] [--prompt 64,2048]
                                  [--new 256] [--variants hf-eager,hf-graphs,ts-eager,ts-graphs,...] [--out FILE.md]
                                  [--gpu-budget 16GiB] [--link 54e9] [--routing model|zipf] [--zipf-s 1.0]
 
@@ -22,8 +22,8 @@ Each row's model is the same: ours is kernelized (and offloaded) for its rows an
 untouched).
 
 Weights: normal(0, 0.02), norms 1, the LM head 10x wider (greedy choices then have a margin above bf16 rounding,
-so the tokens of different implementations can be compared: the last column); each router's rows are rescaled
-to norm 4 (logits of std ~4 after the norm layer).
+so the tokens of different implementations can be compared: the last column, against the first variant's); each
+router's rows are rescaled to norm 4 (logits of std ~4 after the norm layer).
 Routing (``--routing``): ``model`` is the random router's own, which at real shapes is nearly degenerate (the
 residual streams of a random model's tokens barely differ: H100, Qwen3-30B-A3B, 99 % of a 2048-token prefill's
 picks fall on each layer's top quarter of experts), so an offloaded model finds almost every expert resident.
@@ -32,7 +32,11 @@ without replacement from Zipf(``--zipf-s``) over an expert order shuffled per la
 plus Gumbel noise hashed from the token's hidden state, so the draw is deterministic, traceable and the same in
 every variant; s = 0 is uniform). A forward hook on each router replaces its ids (its weights: its own softmax
 at those ids, renormalized where ``norm_topk_prob``), so eager, kernelized, compiled, captured and offloaded
-variants all route alike. The header gives the share of a prefill's picks on each layer's top quarter.
+variants all route alike, as long as they compute the same bits: the noise hashes the hidden state's last bits,
+so a variant that rounds differently anywhere (the offload's prefill sums its waves of experts in fp32) routes
+its next layers otherwise, and its tokens part from the others' (H100, Mixtral-8x7B cut to 8 layers: every
+token; each layer's experts alone are as close to float64 as the GPU's). The header gives the share of a
+prefill's picks on each layer's top quarter.
 Timing, per (batch, prompt), after a warm-up generate of both lengths below (compiles, CUDA-graph recordings):
 time to first token = ``generate(max_new_tokens=1)``; decode tok/s = batch * (new - 1) / (t(new) - t(1)).
 Bytes per step: every weight a step reads (the LM head; for MoE layers only the experts the batch routes to,
@@ -70,7 +74,8 @@ DEV = torch.device("cpu" if SMOKE else "cuda")
 DT = torch.float32 if SMOKE else torch.bfloat16
 GiB = 2**30
 
-CASES = ("qwen3-30b-a3b", "llama-3-8b")  # of harness.MODEL_SHAPES
+CASES = ("qwen3-30b-a3b", "llama-3-8b")  # of harness.MODEL_SHAPES: --case all
+WHOLE_TOO_BIG = ("mixtral-8x7b",)  # built on the GPU before offloading: by name, with --layers (8: 23 GB of experts)
 VARIANTS = ("hf-eager", "hf-graphs", "ts-eager", "ts-graphs", "hf-decoder", "ts-decoder", "ts-offload")
 SMOKE_SLOTS = 2  # ts-offload's slots per layer in --smoke (of 8 experts, top-2), in place of --gpu-budget
 SKEW_TOKENS = 256 if SMOKE else 2048  # the prefill whose routing the header describes
@@ -168,7 +173,8 @@ def step_bytes(model, batch, context, handle=None):
     for e in sizes:
         n, k = cfg.num_experts, cfg.num_experts_per_tok
         routed += e / n * n * (1 - (1 - k / n) ** batch)
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * DT.itemsize * context * batch
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * DT.itemsize * context * batch
     return dense + routed + kv
 
 
@@ -325,7 +331,7 @@ def table(rows, args, skews):
         f"bf16, greedy, {args.new} new tokens; {bounds}; {routing}",
         "",
         "| model | variant | batch | prompt | tok/s | x hf-graphs | of HBM bound | of link bound | hit % | "
-        "link GB/tok | TTFT ms | GB/step | peak GiB | tokens = hf-eager |",
+        "link GB/tok | TTFT ms | GB/step | peak GiB | tokens = first row's |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = {(c, r["batch"], r["prompt"]): r["tok_s"] for c, r in rows if r["name"] == "hf-graphs"}
@@ -342,7 +348,7 @@ def table(rows, args, skews):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--case", default="all", help=f"one of {', '.join(CASES)}, or all")
+    ap.add_argument("--case", default="all", choices=(*CASES, *WHOLE_TOO_BIG, "all"))
     ap.add_argument("--layers", type=int, help="decoder layers (default: the model's)")
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--prompt", default="64,2048")
@@ -379,6 +385,8 @@ def main(argv=None):
         except ValueError as e:
             ap.error(f"--gpu-budget: {e}")
     cases = list(CASES) if args.case == "all" else [args.case]
+    if args.case in WHOLE_TOO_BIG and args.layers is None and not SMOKE:
+        ap.error(f"--case {args.case}: the whole model does not fit one GPU, where it is built; pass --layers")
     rows, skews = [], {}
     for case in cases:
         case_rows, skews[case] = run_case(case, args)
