@@ -475,3 +475,45 @@ def test_a_decoder_captures_again_once_the_offloaded_layers_lost_their_device_st
     assert dec._model_state != state and all(keys)
     assert torch.equal(got, want) and torch.equal(again, want)
     handle.revert()
+
+
+def _huge_page_eligible(address: int) -> bool | None:
+    """Whether the kernel would back the mapping holding ``address`` with huge pages (smaps' THPeligible)."""
+    try:
+        with open("/proc/self/smaps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        span = line.split(" ", 1)[0].split("-")
+        if len(span) == 2 and all(c in "0123456789abcdef" for c in "".join(span)):
+            inside = int(span[0], 16) <= address < int(span[1], 16)
+        elif inside and line.startswith("THPeligible:"):
+            return line.split()[1] == "1"
+    return None
+
+
+def test_host_memory_the_tier_allocates_lies_on_huge_pages_where_the_host_gives_them():
+    """The GPU reads missing experts in place over its mapping of host memory, a quarter slower over 4 KB pages
+    (H100: 38-41 against 50-51 GB/s): memory the host tier allocates is advised for 2 MB pages."""
+    mmap = pytest.importorskip("mmap")
+    from tritonspec.nn.offload.storage import host_empty
+
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("no madvise(MADV_HUGEPAGE) on this platform")
+    control = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        control.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        pytest.skip("transparent huge pages are off on this host")
+    probe = torch.frombuffer(control, dtype=torch.uint8)
+    if not _huge_page_eligible(probe.data_ptr()):
+        pytest.skip("this host's kernel gives advised memory no huge pages")
+    source = torch.randn(4, 3, 1 << 18)
+    t = host_empty(source.shape, source.dtype)
+    assert t.shape == source.shape and t.dtype == source.dtype and t.is_contiguous()
+    assert _huge_page_eligible(t.data_ptr())
+    t.copy_(source)
+    assert torch.equal(t, source)
+    del probe
