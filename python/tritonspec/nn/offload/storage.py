@@ -134,9 +134,7 @@ def host_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     ``bench/bench_offload.py``'s in-place row). The memory is an anonymous mapping advised before its first
     touch (huge pages are chosen when a page first faults); the tensor keeps the mapping alive and unmapping
     follows the last tensor over it."""
-    numel = 1
-    for n in shape:
-        numel *= int(n)
+    numel = _prod(shape)
     nbytes = numel * dtype.itemsize
     if nbytes == 0 or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
