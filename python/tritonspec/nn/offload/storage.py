@@ -5,8 +5,8 @@ contiguous host tensor, page-locked in place whenever a CUDA device exists (page
 slower over PCIe): a host tensor the model already holds whole is used as it is, with no copy, one on a GPU is
 moved, and only one on the meta device (a model built empty) is read from the checkpoint. Host memory the tier
 allocates itself lies on 2 MB pages where Linux allows it (:func:`host_empty`); a tensor kept as it is keeps
-its pages (``MADV_COLLAPSE`` would move them at about 0.4 GB/s). So reverting hands the same tensors back, and
-``state_dict()`` writes them without a copy. One expert moves to its GPU slot in one copy per tensor.
+its pages (``MADV_COLLAPSE`` moved them at about 0.4 GB/s on a CPU box). So reverting hands the same tensors
+back, and ``state_dict()`` writes them without a copy. One expert moves to its GPU slot in one copy per tensor.
 
 The disk tier reads a ``save_pretrained`` checkpoint (:class:`~.checkpoint.Checkpoint`; transformers writes
 fused experts back as per-expert ``gate_proj``/``up_proj``/``down_proj`` or Mixtral's ``w1``/``w3``/``w2``,
@@ -130,8 +130,8 @@ def host_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     the ``madvise`` or ``always`` mode), else on ordinary pages: why the host tier allocates this way.
 
     A graph-captured step reads missing experts in place from page-locked memory, through the GPU's own mapping
-    of it: over 4 KB pages the decode kernels read at 38-41 GB/s, over 2 MB pages at 50-51 (H100, 54 GB/s link;
-    ``bench/bench_offload.py``'s in-place row). The memory is an anonymous mapping advised before its first
+    of it: over 4 KB pages the decode kernels read at 38-41 GB/s, over 2 MB pages at 50-51 (H100, 54 GB/s link,
+    all of a token's experts read in place). The memory is an anonymous mapping advised before its first
     touch (huge pages are chosen when a page first faults); the tensor keeps the mapping alive and unmapping
     follows the last tensor over it."""
     numel = _prod(shape)
