@@ -10,6 +10,7 @@ between steps, so what it summed before must be rescaled. The same
 tests run on a GPU (TRITONSPEC_TEST_DEVICE=cuda) in float16 and bfloat16.
 """
 
+import dataclasses
 import importlib
 import inspect
 import math
@@ -359,7 +360,8 @@ def test_launch_plans_relaunch_with_each_calls_tensors(config, device, gen, use_
 
 
 def test_split_heuristic():
-    """Enough programs for two per SM, no split under min_split_keys, one split for short caches, no empty one."""
+    """Up to two programs per SM and never past them, no split under min_split_keys, one split for short caches,
+    no empty one."""
     cfg = decode_module._default(128, 4)
     assert (cfg.BLOCK_M, cfg.BLOCK_N, cfg.min_split_keys, cfg.programs_per_unit) == (16, 64, 64, 2)
     for batch, heads_kv, seq_k in [(1, 8, 32768), (8, 8, 32768), (1, 8, 4096), (1, 4, 1000), (1, 8, 512)]:
@@ -368,11 +370,35 @@ def test_split_heuristic():
         assert (n - 1) * per < blocks <= n * per  # every split has keys
         assert n == 1 or per * cfg.BLOCK_N >= cfg.min_split_keys
         # about two programs per SM, or as many as min_split_keys (one block) allows; whole blocks per split round
-        assert n * batch * heads_kv >= 0.75 * min(2 * 132, batch * heads_kv * blocks)
+        assert 0.75 * min(2 * 132, batch * heads_kv * blocks) <= n * batch * heads_kv <= 2 * 132
     assert decode_module.splits(8, 32768, 132, cfg) == (32, 16)  # Llama-3's 8 kv heads at 32k: 256 programs
-    assert decode_module.splits(64, 32768, 132, cfg) == (5, 103)
+    assert decode_module.splits(64, 32768, 132, cfg) == (4, 128)  # 5 splits would start a second wave
     assert decode_module.splits(8, 300, 132, cfg) == (5, 1)  # a short cache: a block per split
-    assert decode_module.splits(256, 32768, 132, cfg) == (2, 256)
+    assert decode_module.splits(256, 32768, 132, cfg) == (1, 512)  # more programs than a wave already
+    one = dataclasses.replace(cfg, programs_per_unit=1)
+    assert decode_module.splits(8, 32768, 132, one) == (16, 32)
+
+
+@pytest.mark.parametrize("arch, pdl", [(90, True), (80, False)])
+def test_programmatic_dependent_launch_on_sm90_only(arch, pdl, monkeypatch):
+    """The nvidia table asks for PDL where it was measured (sm90), for both kernels; the kernels' waits and
+    Triton's launch option come together, or neither."""
+    from tritonspec import devices
+    from tritonspec.launch import for_arch
+    from tritonspec.ops._library import recording
+    from tritonspec.specialization.resolve import use_backend
+
+    q = torch.empty(1, 32, 1, 128, device="meta", dtype=torch.bfloat16)
+    k = v = torch.empty(1, 8, 4096, 128, device="meta", dtype=torch.bfloat16)
+    monkeypatch.setattr(devices, "META_COMPUTE_UNITS", 132)  # an H100's SMs: several splits
+    with use_backend("nvidia"), for_arch(arch), torch.no_grad(), recording() as launches:
+        attention_decode(q, k, v)
+    assert [launch.kernel.fn.__name__ for launch in launches] == ["_decode_partial_kernel", "_decode_combine_kernel"]
+    assert [(lc.kwargs["PDL"], lc.kwargs.get("launch_pdl", False)) for lc in launches] == [(pdl, pdl)] * 2
+    # traced for torch.compile: Inductor takes no launch option but warps and stages, so neither goes
+    with use_backend("nvidia"), for_arch(arch), torch.no_grad(), recording() as launches:
+        decode_module._forward(q, k, v, None, None, None, 0.125, traced=True)
+    assert [(lc.kwargs["PDL"], "launch_pdl" in lc.kwargs) for lc in launches] == [(False, False)] * 2
 
 
 def _bad(*shape, dtype=torch.float32):
@@ -520,15 +546,17 @@ def compile_as_inductor_types_it():
     import triton
     from tritonspec import devices
     from tritonspec.kernel_check import _bind
+    from tritonspec.launch import for_arch
     from tritonspec.ops._library import recording
+    from tritonspec.specialization.resolve import use_backend
 
     def check():
         q = torch.empty(1, 32, 1, 128, device="meta", dtype=torch.bfloat16)
         k = v = torch.empty(1, 8, 4096, 128, device="meta", dtype=torch.bfloat16)
         mask = torch.empty(1, 1, 1, 4096, device="meta", dtype=torch.bool)
         units, devices.META_COMPUTE_UNITS = devices.META_COMPUTE_UNITS, 132  # an H100's SMs: several splits
-        try:
-            with torch.no_grad(), recording() as launches:
+        try:  # the nvidia table's sm90 configs: programmatic dependent launch's waits compile too
+            with use_backend("nvidia"), for_arch(90), torch.no_grad(), recording() as launches:
                 attention_decode(q, k, v, mask=mask)
         finally:
             devices.META_COMPUTE_UNITS = units
@@ -538,6 +566,7 @@ def compile_as_inductor_types_it():
             "_decode_partial_kernel",
             "_decode_combine_kernel",
         }
+        assert all(launch.kwargs["PDL"] for launch in launches)
         for launch in launches:
             c = _bind(compiler, launch)
             signature = {name: "fp64" if kind == "fp32" else kind for name, kind in c.signature.items()}

@@ -100,6 +100,19 @@ class LaunchConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DependentLaunch(LaunchConfig):
+    """A decode-step kernel that may run with programmatic dependent launch (sm90+): at a few microseconds a
+    launch, starting while the kernel before it ends is a measurable share of its time."""
+
+    PDL: bool = False  # the kernel's constexpr: it waits on the previous grid before touching what that wrote
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.PDL:  # the launch option goes with the constexpr, never one without the other
+            self.options["launch_pdl"] = True
+
+
+@dataclass(frozen=True, kw_only=True)
 class RowTile(LaunchConfig):
     """A (BLOCK_M rows, BLOCK_N columns) tile: RMSNorm and SwiGLU."""
 
@@ -176,7 +189,7 @@ class AttentionPreprocess(LaunchConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
-class AttentionDecode(LaunchConfig):
+class AttentionDecode(DependentLaunch):
     """Flash-decoding's partial kernel: a kv head's (q heads x queries) rows as a BLOCK_M tile (several tiles
     when more), BLOCK_N keys a step; the keys split so the grid holds ``programs_per_unit`` programs per SM,
     each split at least ``min_split_keys`` keys (both host-side only)."""
@@ -189,7 +202,7 @@ class AttentionDecode(LaunchConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
-class AttentionDecodeCombine(LaunchConfig):
+class AttentionDecodeCombine(DependentLaunch):
     """Flash-decoding's combine: one output row per program, BLOCK_S splits' partials a step."""
 
     kernel: ClassVar[str] = "attention_decode_combine"
@@ -241,18 +254,12 @@ class MoEWeightGrad(MoEGemm):
 
 
 @dataclass(frozen=True, kw_only=True)
-class MoEDecode(LaunchConfig):
+class MoEDecode(DependentLaunch):
     """Decode-sized experts' GEMMs (at most 16 tokens, no sort): BLOCK_N columns of one expert, BLOCK_K deep."""
 
     kernel: ClassVar[str] = "moe_decode"
     BLOCK_N: int
     BLOCK_K: int
-    PDL: bool = False  # programmatic dependent launch (sm90+): each launch starts while the previous one ends
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.PDL:  # the launch option goes with the constexpr: the kernel waits on the previous grid
-            self.options["launch_pdl"] = True
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -281,7 +281,15 @@ def launch(kernel, grid, *args, traced: bool = False, plan: bool = False, **kwar
 
     Pass the kernel's arguments by name, grouped as its parameters are (pointers, sizes, strides,
     meta-parameters), so each value reads against its parameter.
+
+    A traced launch goes without programmatic dependent launch: torch.library's Triton tracing (torch 2.11 to
+    2.13) takes ``num_warps`` and ``num_stages`` as launch options but hands any other, ``launch_pdl`` too, to
+    the kernel as an argument, which Inductor then fails on. The kernel's ``PDL`` constexpr (its waits) goes
+    off with the option.
     """
+    if traced and kwargs.get("launch_pdl"):
+        kwargs = {**kwargs, "PDL": False}
+        del kwargs["launch_pdl"]
     if _recorded is not None:
         _recorded.append(Launch(kernel, tuple(grid) if not callable(grid) else grid, args, kwargs))
         return None

@@ -26,6 +26,12 @@ rows' lowest start and highest end (within its split); with a boolean ``mask`` i
 to find the first and last key some row of the tile sees, then walks only those blocks, the mask applied
 (holes inside cost their reads), so a 32k-slot static cache holding 300 tokens reads 300 tokens of K/V plus
 the mask. Every path's key loop is branch-free, so Triton pipelines its K/V loads.
+
+On sm90 the backend's table launches both kernels with programmatic dependent launch (``PDL``): the partial
+kernel starts while the kernel before it ends, prefetching its split's first K/V block into L2 before it waits
+for that kernel's writes, and lets the combine start once its key loop is done, so the combine's launch
+overlaps the partials' stores instead of following them (eager launches, and graphs captured from them; a
+launch traced for torch.compile goes without, as :func:`._library.launch` says).
 """
 
 from __future__ import annotations
@@ -35,11 +41,13 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..devices import compute_units
 from ..kernel_table import AttentionDecode, AttentionDecodeCombine
 from ..launch import launch_config
 from ._checks import check_same_device
+from ._dependent_launch import prefetch_l2
 from ._library import PlanCache, _schema_of, cdiv, launch, library_op, next_pow2, use_library_op
 from .attention import LOG2E, _head_dim_pad, check_inputs
 
@@ -149,6 +157,7 @@ def _decode_partial_kernel(
     HAS_BOUNDS: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     DIRECT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One kv head's rows (its q heads x queries, row = query * GROUP + head in group) over one split's keys."""
     pid = tl.program_id(0)
@@ -163,6 +172,17 @@ def _decode_partial_kernel(
     h = hk * GROUP + rows % GROUP
     dims = tl.arange(0, DP)
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes Python floats as fp64: the softmax stays fp32
+    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    offs_n = tl.arange(0, BLOCK_N)
+    if PDL:
+        # Launched while the kernel before ends: the split's first K/V block into L2 (the cache's older keys;
+        # the newest may be that kernel's write, which L2 then holds), then wait for its writes.
+        keys = tl.minimum(split * (BLOCKS_PER_SPLIT * BLOCK_N) + offs_n, SEQ_K - 1).to(tl.int64)[:, None]
+        lines = tl.minimum(tl.arange(0, (DP + 63) // 64) * 64, D - 1)[None, :]  # 128-byte lines, 16-bit K/V
+        prefetch_l2(k_base + keys * stride_ks + lines)
+        prefetch_l2(v_base + keys * stride_vs + lines)
+        gdc_wait()
     q_ptrs = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64)[:, None] * stride_qh + qi[:, None] * stride_qs
     q = tl.load(q_ptrs + dims[None, :], mask=row_ok[:, None] & (dims[None, :] < D), other=0.0)
 
@@ -183,10 +203,7 @@ def _decode_partial_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DP], tl.float32)
-    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
     m_base = MASK + b.to(tl.int64) * stride_mb + qi.to(tl.int64)[:, None] * stride_mq
-    offs_n = tl.arange(0, BLOCK_N)
     if HAS_MASK:  # narrow [lo, hi) to the keys some row of the tile sees (mask loads only: they pipeline)
         first = hi
         last = lo
@@ -216,6 +233,8 @@ def _decode_partial_kernel(
             acc, l_i, m_i, q, k_base, v_base, cols, col_ok, valid, dims, stride_ks, stride_vs, qk_scale,
             D, DP, HAS_BOUNDS or HAS_MASK,
         )  # fmt: skip
+    if PDL:  # the combine may start: this program's loads are done
+        gdc_launch_dependents()
 
     if DIRECT:
         if HAS_SINKS:
@@ -258,6 +277,7 @@ def _decode_combine_kernel(
     DP: tl.constexpr,
     BLOCK_S: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One (batch, query, q head) row: sum_s 2^(lse_s - M) o_s / (sum_s 2^(lse_s - M) + 2^(sink - M)), in one
     pass over the splits (a running max rescales what was summed), so BLOCK_S >= N_SPLITS loads each partial
@@ -270,9 +290,11 @@ def _decode_combine_kernel(
     dims = tl.arange(0, DP)
     base = row * N_SPLITS
     m = tl.full([1], float("-inf"), tl.float32)
-    if HAS_SINKS:
+    if HAS_SINKS:  # a parameter, not the partial kernel's: read before the wait
         sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
         m = tl.maximum(m, sink)
+    if PDL:  # launched while the partial kernel ends: its partials are complete after the wait
+        gdc_wait()
     acc = tl.zeros([DP], tl.float32)
     total = tl.zeros([1], tl.float32)
     for s0 in range(0, N_SPLITS, BLOCK_S):
@@ -322,11 +344,12 @@ def _pow2_bucket(n: int) -> int:
 def splits(programs: int, seq_k: int, units: int, cfg: AttentionDecode) -> tuple[int, int]:
     """(n_splits, key blocks per split) for ``programs`` (batch x kv heads x row blocks) over ``seq_k`` keys.
 
-    As many splits as bring the grid to ``programs_per_unit`` programs per SM (flash-decoding fills the GPU
-    when batch x heads cannot), each at least ``min_split_keys`` keys, and no empty split."""
+    As many splits as bring the grid to ``programs_per_unit`` programs per SM but not past them (flash-decoding
+    fills the GPU when batch x heads cannot; a part of a second wave of programs would wait on the first), each
+    at least ``min_split_keys`` keys, and no empty split."""
     n_blocks = max(1, cdiv(seq_k, cfg.BLOCK_N))
     most = max(1, n_blocks // max(1, cdiv(cfg.min_split_keys, cfg.BLOCK_N)))
-    wanted = cdiv(cfg.programs_per_unit * units, max(1, programs))
+    wanted = max(1, cfg.programs_per_unit * units // max(1, programs))
     per = cdiv(n_blocks, max(1, min(wanted, most)))
     return cdiv(n_blocks, per), per
 
@@ -457,6 +480,7 @@ def _forward(q, k, v, mask, key_bounds, sinks, scale: float, *, traced: bool) ->
         HAS_BOUNDS=key_bounds is not None,
         HAS_SINKS=sinks is not None,
         DIRECT=n_splits == 1,
+        PDL=cfg.PDL,
         **cfg.options,
         traced=traced,
         plan=not traced,
@@ -488,6 +512,7 @@ def _forward(q, k, v, mask, key_bounds, sinks, scale: float, *, traced: bool) ->
             DP=DP,
             BLOCK_S=cfg_c.BLOCK_S,
             HAS_SINKS=sinks is not None,
+            PDL=cfg_c.PDL,
             **cfg_c.options,
             traced=traced,
             plan=not traced,

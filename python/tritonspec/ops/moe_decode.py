@@ -32,17 +32,12 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..kernel_table import MoEDecode
 from ..launch import launch_config
+from ._dependent_launch import prefetch_l2
 from ._library import PlanCache, cdiv, launch, next_pow2
 
 __all__ = ["MAX_TOKENS", "moe_decode"]
 
 MAX_TOKENS = 16  # the token tile: one MMA's narrow side
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """PTX ``prefetch.global.L2``: each address's line into L2, nothing waited on (sm90 under PDL only)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -108,9 +103,9 @@ def _moe_decode_kernel(
             lines = tl.minimum(tl.arange(0, (2 * BLOCK_K + 63) // 64) * 64, K - 1)  # 128-byte lines, 16-bit weights
             w_rows = tl.minimum(c * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
             tile = W + e_hint.to(tl.int64) * stride_w_e + w_rows[:, None] * stride_w_n + lines[None, :]
-            _prefetch_l2(tile)
+            prefetch_l2(tile)
             if GATED:
-                _prefetch_l2(tile + N * stride_w_n)
+                prefetch_l2(tile + N * stride_w_n)
         gdc_wait()
     if GATED:
         if (p == 0) & (c == 0):  # the down launch's counters, zero before it starts

@@ -171,12 +171,18 @@ def _hopper_moe(kernel: str, **problem):
     return None
 
 
-def _moe_decode(kernel: str, **problem):
-    """sm90, where it was measured: programmatic dependent launch, so each decode GEMM starts while the kernel
-    before it ends and prefetches its first weight tiles meanwhile (H100, 48-layer graph: Qwen3 T=1 33.1 ->
-    31.7 us, ``bench/NOTES.md`` MoE rows 17-18)."""
+def _decode_step(kernel: str, **problem):
+    """sm90, where it was measured: programmatic dependent launch, so each decode-step kernel starts while the
+    kernel before it ends and prefetches its first weight (or K/V) tiles meanwhile (H100, 48-layer graph: Qwen3
+    T=1 experts 33.1 -> 31.7 us; decode attention at batch 1, 512 keys: 6.2 -> 4.9 us). Decode attention's
+    partials also take one program per SM with three K/V stages: fewer, longer splits with more loads in
+    flight (H100, 28 shapes of ``bench_attention.py --decode``: every batch-1 shape at or above cuDNN)."""
     cap = _capability(problem)
-    return {"PDL": True} if cap is not None and cap // 10 == 9 else None
+    if cap is None or cap // 10 != 9:
+        return None
+    if kernel == "attention_decode":
+        return {"PDL": True, "programs_per_unit": 1, "num_stages": 3}
+    return {"PDL": True}
 
 
 def _moe(kernel: str, **problem):
@@ -192,6 +198,6 @@ kernel_config = ConfigTable(
         **dict.fromkeys(("rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope"), _pre_ampere_rows),
         **dict.fromkeys(TABLES, _attention),
         **dict.fromkeys(("moe_up", "moe_rows", "moe_weight_grad"), _moe),
-        "moe_decode": _moe_decode,
+        **dict.fromkeys(("moe_decode", "attention_decode", "attention_decode_combine"), _decode_step),
     }
 )
